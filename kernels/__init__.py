@@ -1,0 +1,23 @@
+"""Attention backends over the paged KV pool (installed as `sgjax.kernels`).
+
+Every backend has the signature
+    attend(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale) -> (out, pool)
+with q [T, Hq, D], k/v [T, Hkv, D] of the new tokens; it writes k/v into the pool and attends each
+row to its request's cached and new tokens, causally.
+"""
+
+from sgjax.kernels.kv_pool import allocate_pool, pool_shape
+from sgjax.kernels.metadata import AttentionMetadata
+from sgjax.kernels.ref import ref_attention
+
+BACKENDS = {"ref": ref_attention}
+
+
+def get_backend(name: str):
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}") from None
+
+
+__all__ = ["AttentionMetadata", "BACKENDS", "allocate_pool", "get_backend", "pool_shape", "ref_attention"]

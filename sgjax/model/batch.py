@@ -1,0 +1,65 @@
+"""The input of one jitted step: a padded ragged batch of new tokens over the paged KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from sgjax.kernels.metadata import AttentionMetadata
+
+Array = Any
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepBatch:
+    input_ids: Array  # i32[T]
+    positions: Array  # i32[T] (RoPE positions)
+    attn: AttentionMetadata
+    logits_idx: Array  # i32[B]: the rows whose logits are wanted (e.g. each request's last row)
+
+
+def build_batch(token_chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
+                num_tokens: int, num_reqs: int, pages_per_req: int, logits_rows: list[int] | None = None,
+                num_logits: int | None = None) -> StepBatch:
+    """Pack requests' new tokens into one padded numpy batch (host side).
+
+    token_chunks[r] are request r's new tokens; they take positions kv_lens[r] - len .. kv_lens[r] - 1
+    and their slots come from page_tables[r]. Defaults ask for the last row of every request.
+    """
+    n = len(token_chunks)
+    total = sum(len(c) for c in token_chunks)
+    if n > num_reqs or total > num_tokens:
+        raise ValueError(f"batch of {n} requests / {total} tokens exceeds the bucket ({num_reqs}, {num_tokens})")
+    input_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slots = np.zeros(num_tokens, np.int32)
+    cu = np.zeros(num_reqs + 1, np.int32)
+    lens = np.zeros(num_reqs, np.int32)
+    table = np.zeros((num_reqs, pages_per_req), np.int32)
+    t = 0
+    for r, (chunk, kv_len, pages) in enumerate(zip(token_chunks, kv_lens, page_tables)):
+        q = len(chunk)
+        if len(pages) * page_size < kv_len:
+            raise ValueError(f"request {r}: {len(pages)} pages cannot hold {kv_len} tokens")
+        pos = np.arange(kv_len - q, kv_len)
+        pages_arr = np.asarray(pages, np.int32)
+        input_ids[t:t + q] = chunk
+        positions[t:t + q] = pos
+        slots[t:t + q] = pages_arr[pos // page_size] * page_size + pos % page_size
+        table[r, :len(pages)] = pages_arr
+        lens[r] = kv_len
+        t += q
+        cu[r + 1] = t
+    cu[n + 1:] = t
+    if logits_rows is None:
+        logits_rows = [int(cu[r + 1]) - 1 for r in range(n)]
+    num_logits = num_logits or num_reqs
+    idx = np.zeros(num_logits, np.int32)
+    idx[:len(logits_rows)] = logits_rows
+    return StepBatch(input_ids=input_ids, positions=positions,
+                     attn=AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=lens, page_table=table),
+                     logits_idx=idx)

@@ -1,0 +1,179 @@
+"""Model configuration, read from an HF config.json or from GGUF metadata.
+
+Frozen and hashable: the config is a static argument of the jitted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes an architecture or feature this runtime does not implement."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    dtype: str = "float32"  # parameter and activation dtype: float32 | bfloat16
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.rope_scaling.kind not in ("default", "linear", "llama3"):
+            raise UnsupportedModelError(f"rope scaling {self.rope_scaling.kind!r} is not supported")
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        d, f, L = self.hidden_size, self.intermediate_size, self.num_layers
+        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + L * per_layer + d + head
+
+
+_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
+
+
+def config_from_hf(d: dict, dtype: str = "float32") -> ModelConfig:
+    archs = d.get("architectures") or []
+    arch = next((_ARCHS[a] for a in archs if a in _ARCHS), None)
+    if arch is None:
+        model_type = d.get("model_type")
+        arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}.get(model_type)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"architecture {archs or d.get('model_type')!r} is not supported (supported: {sorted(_ARCHS)})")
+    if d.get("sliding_window") and d.get("use_sliding_window", arch != "qwen2"):
+        raise UnsupportedModelError("sliding-window attention is not supported")
+    num_heads = d["num_attention_heads"]
+    head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_layers=d["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=d.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(d),
+        rope_scaling=_rope_scaling_from_hf(d.get("rope_scaling") or d.get("rope_parameters")),
+        max_position_embeddings=d.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+        dtype=dtype,
+    )
+
+
+def _rope_theta(d: dict) -> float:
+    params = d.get("rope_parameters") or {}
+    return float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling_from_hf(rs: dict | None) -> RopeScaling:
+    if not rs:
+        return RopeScaling()
+    kind = rs.get("rope_type") or rs.get("type") or "default"
+    if kind == "default":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(rs["factor"]))
+    if kind == "llama3":
+        return RopeScaling(kind="llama3", factor=float(rs["factor"]),
+                           low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                           high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                           original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def config_from_hf_dir(path: str, dtype: str = "float32") -> ModelConfig:
+    with open(os.path.join(path, "config.json")) as f:
+        return config_from_hf(json.load(f), dtype)
+
+
+def config_from_gguf(meta: dict, tensor_names: set[str], dtype: str = "float32") -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+
+    def g(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    num_heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    head_dim = int(g("attention.key_length") or g("rope.dimension_count") or hidden // num_heads)
+    scaling_type = g("rope.scaling.type")
+    scaling = RopeScaling()
+    if scaling_type == "linear":
+        scaling = RopeScaling(kind="linear", factor=float(g("rope.scaling.factor")))
+    elif scaling_type not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    if "rope_freqs.weight" in tensor_names:
+        raise UnsupportedModelError("GGUF rope_freqs tensors (llama3 scaling baked into the file) are not supported")
+    vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(g("attention.head_count_kv") or num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(g("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias=arch == "qwen2",
+        dtype=dtype,
+    )
+
+
+def llama3_8b_config(dtype: str = "bfloat16") -> ModelConfig:
+    """Llama-3-8B's shapes, for performance runs with dummy weights."""
+    return ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, max_position_embeddings=8192, dtype=dtype)

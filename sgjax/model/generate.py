@@ -1,0 +1,83 @@
+"""A small greedy generator over the paged pool: the quickstart's path until the engine lands.
+
+It allocates pages sequentially (no radix cache, no scheduler): prefill every prompt in one ragged
+batch, then decode all requests together, one token each per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sgjax.kernels import allocate_pool, get_backend
+from sgjax.model.batch import build_batch
+from sgjax.model.config import ModelConfig
+from sgjax.model.llama import make_step
+from sgjax.model.weights import Weights
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= n (and >= minimum): the shape buckets of the jitted step."""
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[list[int]]
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+
+
+class GreedyGenerator:
+    def __init__(self, cfg: ModelConfig, weights: Weights, *, page_size: int = 16, max_context: int = 2048,
+                 max_batch: int = 16, attention: str = "ref"):
+        self.cfg, self.weights, self.page_size = cfg, weights, page_size
+        self.pages_per_req = -(-max_context // page_size)
+        self.max_batch = max_batch
+        self.num_pages = 1 + max_batch * self.pages_per_req  # + the null page
+        self.step = make_step(cfg, get_backend(attention))
+        self.pool = allocate_pool(cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                                  dtype=jnp.dtype(cfg.dtype))
+
+    def _run(self, chunks, kv_lens, tables):
+        num_reqs = bucket(len(chunks), 4)
+        batch = build_batch(chunks, kv_lens, tables, self.page_size, bucket(sum(map(len, chunks))), num_reqs,
+                            self.pages_per_req)
+        logits, self.pool = self.step(self.weights, self.pool, jax.tree.map(jnp.asarray, batch))
+        return np.asarray(jnp.argmax(logits[:len(chunks)], axis=-1))
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> GenerateResult:
+        if len(prompts) > self.max_batch:
+            raise ValueError(f"{len(prompts)} prompts exceed max_batch={self.max_batch}")
+        limit = self.pages_per_req * self.page_size
+        for p in prompts:
+            if not p:
+                raise ValueError("empty prompt")
+            if len(p) + max_new_tokens > limit:
+                raise ValueError(f"prompt of {len(p)} tokens + {max_new_tokens} new tokens exceeds the context {limit}")
+        tables = [list(range(1 + i * self.pages_per_req, 1 + (i + 1) * self.pages_per_req))
+                  for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        nxt = self._run([list(p) for p in prompts], [len(p) for p in prompts], tables)
+        prefill = time.perf_counter() - t0
+        outs = [[int(t)] for t in nxt]
+        done = [int(t) in stop_ids or max_new_tokens <= 1 for t in nxt]
+        steps = 0
+        t0 = time.perf_counter()
+        while not all(done):
+            live = [i for i, d in enumerate(done) if not d]
+            nxt = self._run([[outs[i][-1]] for i in live], [len(prompts[i]) + len(outs[i]) for i in live],
+                            [tables[i] for i in live])
+            steps += 1
+            for i, t in zip(live, nxt):
+                outs[i].append(int(t))
+                done[i] = int(t) in stop_ids or len(outs[i]) >= max_new_tokens
+        return GenerateResult(outs, prefill, time.perf_counter() - t0, steps)

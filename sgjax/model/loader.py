@@ -1,0 +1,167 @@
+"""Weight loaders: GGUF (dequantized), HF safetensors directory, orbax checkpoint, dummy weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+
+import jax
+import numpy as np
+
+from sgjax.model import gguf_meta, weights as W
+from sgjax.model.config import ModelConfig, config_from_gguf, config_from_hf_dir
+from sgjax.model.paths import ModelNotFoundError, resolve_model_path
+
+ORBAX_CONFIG = "sgjax_config.json"
+
+
+class WeightFileError(ValueError):
+    """A weight file that exists but cannot be read (truncated, corrupt, wrong format)."""
+
+
+def load_model(model_path: str | None = None, dtype: str = "float32") -> tuple[ModelConfig, W.Weights]:
+    """Config and weights from a GGUF file, an HF directory or an orbax checkpoint; None = SmolLM2."""
+    path = resolve_model_path(model_path) if model_path is None or not _is_orbax(model_path) else model_path
+    if _is_orbax(path):
+        return load_orbax(path, dtype)
+    if path.endswith(".gguf"):
+        return load_gguf(path, dtype)
+    return load_hf_dir(path, dtype)
+
+
+def _is_orbax(path: str | None) -> bool:
+    return path is not None and os.path.isfile(os.path.join(path, ORBAX_CONFIG))
+
+
+# --- GGUF -----------------------------------------------------------------------------------------
+
+_GGUF_LAYER = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
+               "attn_output": "wo", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
+_GGUF_BIAS = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv"}
+_GGUF_TOP = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves the two rotary halves of each head's q/k rows; undo it so
+    # the rows are in HF's rotate_half order again (only for the llama architecture).
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, W.Weights]:
+    from gguf import dequantize
+
+    reader = gguf_meta.open_gguf(path)
+    meta = gguf_meta.read_metadata(path)
+    names = {t.name for t in reader.tensors}
+    cfg = config_from_gguf(meta, names, dtype)
+    per_layer: dict[str, list] = {}
+    flat: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        try:
+            w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        except Exception as e:
+            raise WeightFileError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            layer, kind, suffix = int(parts[1]), parts[2], parts[3]
+            if kind in ("attn_q", "attn_k") and cfg.architecture == "llama":
+                w = _unpermute(w, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
+            if suffix == "bias":
+                ours = _GGUF_BIAS.get(kind)
+            else:
+                ours = _GGUF_LAYER.get(kind)
+                if w.ndim == 2:
+                    w = w.T
+            if ours is None:
+                raise WeightFileError(f"{path}: unexpected tensor {t.name!r}")
+            per_layer.setdefault(ours, [None] * cfg.num_layers)[layer] = w
+        elif parts[0] in _GGUF_TOP:
+            ours = _GGUF_TOP[parts[0]]
+            flat[ours] = w.T if ours == "lm_head" else w
+    for ours, items in per_layer.items():
+        if any(x is None for x in items):
+            raise WeightFileError(f"{path}: tensor {ours} is missing for some layers")
+        flat[ours] = np.stack(items)
+    return cfg, _assemble(cfg, flat, path)
+
+
+def _assemble(cfg, flat, path):
+    try:
+        return W.assemble(cfg, flat)
+    except ValueError as e:
+        raise WeightFileError(f"{path}: {e}") from e
+
+
+# --- HF safetensors directory ------------------------------------------------------------------------
+
+def load_hf_dir(path: str, dtype: str = "float32") -> tuple[ModelConfig, W.Weights]:
+    from safetensors import safe_open
+
+    cfg = config_from_hf_dir(path, dtype)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"{path} has no *.safetensors files")
+    handles, where = [], {}
+    try:
+        for f in files:
+            h = safe_open(f, framework="numpy")
+            handles.append(h)
+            for name in h.keys():
+                where[name] = h
+    except Exception as e:
+        raise WeightFileError(f"cannot read safetensors in {path}: {type(e).__name__}: {e}") from e
+
+    def get(name):
+        try:
+            return np.asarray(where[name].get_tensor(name), dtype=np.float32)
+        except Exception as e:
+            raise WeightFileError(f"{path}: cannot read tensor {name!r}: {e}") from e
+
+    try:
+        return cfg, W.from_hf_state_dict(cfg, get, set(where))
+    except WeightFileError:
+        raise
+    except ValueError as e:
+        raise WeightFileError(f"{path}: {e}") from e
+
+
+# --- orbax ------------------------------------------------------------------------------------------
+
+def save_orbax(path: str, cfg: ModelConfig, weights: W.Weights) -> None:
+    """Save the params pytree with orbax, plus our config as JSON beside it."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.join(path, "params"), weights, force=True)
+    with open(os.path.join(path, ORBAX_CONFIG), "w") as f:
+        json.dump(_config_to_json(cfg), f, indent=1)
+
+
+def load_orbax(path: str, dtype: str | None = None) -> tuple[ModelConfig, W.Weights]:
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    with open(os.path.join(path, ORBAX_CONFIG)) as f:
+        cfg = _config_from_json(json.load(f))
+    if dtype is not None and dtype != cfg.dtype:
+        cfg = cfg.replace(dtype=dtype)
+    abstract = jax.eval_shape(lambda: W.dummy_weights(cfg))
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(os.path.join(path, "params"), abstract)
+    return cfg, restored
+
+
+def _config_to_json(cfg: ModelConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _config_from_json(d: dict) -> ModelConfig:
+    from sgjax.model.config import RopeScaling
+
+    d = dict(d)
+    d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    return ModelConfig(**d)
