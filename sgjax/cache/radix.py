@@ -1,0 +1,132 @@
+"""RadixAttention's cache: a radix tree from token-id sequences to KV pages (paper section 3).
+
+Edges hold whole pages: with page_size S an edge's key is a multiple of S tokens and its value one page index per
+S tokens. A request's partial tail page is never shared (its KV is incomplete); the engine keeps it private.
+Children are keyed by the bytes of their first page, so a lookup per edge is one dict probe plus one memcmp of
+the whole edge; numpy is only used to find where a mismatching edge diverges.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import numpy as np
+
+from sgjax.cache.allocator import EMPTY_PAGES, PageAllocator
+from sgjax.cache.base import TOKEN_BYTES, CacheInvariantError, MatchResult, Node, NodeStore, as_tokens, check_insert_args
+
+
+def _common_prefix_bytes(a: bytes, b: bytes, n: int) -> int:
+    """Number of leading int32 tokens (out of the first n) that a and b share."""
+    x = np.frombuffer(a, dtype=np.int32, count=n)
+    y = np.frombuffer(b, dtype=np.int32, count=n)
+    neq = x != y
+    return int(neq.argmax()) if neq.any() else n
+
+
+class RadixCache(NodeStore):
+    """Longest-prefix matching over pages, with edge splitting, namespaces, reference counts and LRU eviction.
+
+    Ownership: every page given to `insert` belongs to the cache afterwards. New pages join the tree; pages for
+    tokens that were already cached are freed at once (the cached copy wins), except those that *are* the cached
+    pages (the caller got them from match_prefix). So after `insert` the caller owns nothing it passed in, and
+    should re-match to point its page table at the cached pages if the request keeps running.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int = 1):
+        super().__init__(allocator, page_size)
+
+    def _slot(self, node: Node) -> bytes:
+        return node.key[: self._page_bytes]
+
+    def _split(self, child: Node, at: int) -> Node:
+        """Cut `child`'s edge after `at` tokens; returns the new upper node. `child` object stays the lower
+        part so that lock handles to it remain valid; the upper part inherits its references."""
+        cut = at * TOKEN_BYTES
+        upper = Node(child.key[:cut], child.value[: at // self.page_size], child.parent, child.last_access)
+        upper.lock_ref = child.lock_ref
+        child.parent.children[self._slot(upper)] = upper
+        child.key = child.key[cut:]
+        child.value = child.value[at // self.page_size :]
+        child.parent = upper
+        upper.children[self._slot(child)] = child
+        self._num_nodes += 1
+        return upper
+
+    def _walk(self, root: Node, qb: bytes, n: int, now: int, pages: list):
+        """Follow `qb` (n tokens, page-aligned) down from `root`, splitting the last edge at the divergence.
+
+        Touches every node on the matched path with `now` and appends their pages to `pages`.
+        Returns (last matched node, matched tokens).
+        """
+        S, PB = self.page_size, self._page_bytes
+        node, pos = root, 0
+        while pos < n:
+            child = node.children.get(qb[pos * TOKEN_BYTES : pos * TOKEN_BYTES + PB])
+            if child is None:
+                break
+            klen = len(child.key) // TOKEN_BYTES
+            m = min(klen, n - pos)
+            seg = qb[pos * TOKEN_BYTES : (pos + m) * TOKEN_BYTES]
+            if m == klen and seg == child.key:
+                matched = klen
+            else:
+                matched = _common_prefix_bytes(seg, child.key, m) // S * S
+                if matched < klen:
+                    child = self._split(child, matched)
+            child.last_access = now
+            pages.append(child.value)
+            node = child
+            pos += matched
+            if matched < klen:
+                break
+        return node, pos
+
+    def match_prefix(self, tokens, extra_key: Hashable = None) -> MatchResult:
+        """Longest cached prefix of `tokens` in namespace `extra_key`, in whole pages.
+
+        Splits the edge where the match ends so that `last_node` covers exactly the matched pages; lock it while
+        a request uses them.
+        """
+        t = as_tokens(tokens)
+        root = self._roots.get(extra_key)
+        n = len(t) // self.page_size * self.page_size
+        if root is None or n == 0 or not root.children:
+            return MatchResult(EMPTY_PAGES, self.root if root is None else root, 0)
+        pages: list[np.ndarray] = []
+        node, pos = self._walk(root, t.tobytes(), n, self._tick(), pages)
+        self._push_if_evictable(node)  # its timestamp moved: the old heap entry is stale now
+        if not pages:
+            return MatchResult(EMPTY_PAGES, node, 0)
+        return MatchResult(pages[0] if len(pages) == 1 else np.concatenate(pages), node, pos)
+
+    def insert(self, tokens, pages, extra_key: Hashable = None) -> int:
+        """Cache `tokens` (whole pages) with their KV `pages`. Returns how many tokens were already cached.
+
+        The cache takes ownership of all of `pages`; see the class docstring for what happens to duplicates.
+        """
+        t, p = check_insert_args(tokens, pages, self.page_size)
+        n = len(t)
+        if n == 0:
+            return 0
+        if (p == 0).any():
+            raise ValueError("insert() got the null page")
+        qb = t.tobytes()
+        root = self._root(extra_key)
+        now = self._tick()
+        cached: list[np.ndarray] = []
+        node, pos = self._walk(root, qb, n, now, cached)
+        if pos:
+            self._free_duplicates(p[: pos // self.page_size], np.concatenate(cached))
+        if pos < n:
+            self._add_leaf(node, qb[pos * TOKEN_BYTES :], p[pos // self.page_size :], now)
+        else:
+            self._push_if_evictable(node)
+        return pos
+
+    def _check_node(self, node: Node) -> None:
+        ntok = len(node.key) // TOKEN_BYTES
+        if len(node.key) % TOKEN_BYTES or ntok % self.page_size or ntok == 0:
+            raise CacheInvariantError(f"edge of {ntok} tokens is not whole pages of {self.page_size}")
+        if len(node.value) != ntok // self.page_size:
+            raise CacheInvariantError("edge length and page count disagree")
