@@ -142,6 +142,11 @@ class TableCache(NodeStore):
             self._lengths.pop(bisect.bisect_left(self._lengths, n))
         return super()._delete_leaf(node)
 
+    def check_invariants(self, in_flight: int = 0) -> None:
+        super().check_invariants(in_flight)
+        if len(self._table) != self._num_nodes or sum(self._length_count.values()) != self._num_nodes:
+            raise CacheInvariantError("hash table or length index out of step with the entries")
+
     def _check_node(self, node: Node) -> None:
         ntok = len(node.key) // TOKEN_BYTES
         parent_ntok = len(node.parent.key) // TOKEN_BYTES

@@ -48,7 +48,8 @@ def dfs_weight_order(last_nodes: Sequence) -> list[int]:
             order.extend(at_node.get(node, ()))
             continue
         stack.append((node, True))
-        for child in sorted(kids.get(node, ()), key=lambda c: weight[c]):  # heaviest popped first
+        # Pushed lightest first so the heaviest pops first; ties pop in arrival order.
+        for child in sorted(reversed(kids.get(node, ())), key=lambda c: weight[c]):
             stack.append((child, False))
     return order
 
