@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from sgjax.fsm.automaton import GrammarError
 
-# JSON string content: any char except `"`, `\` and controls, or an escape.
-STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+# JSON string content: any char except `"`, `\` and controls, or an escape. \u escapes exclude
+# surrogates: a lone one is not valid JSON and a pair would count as two characters for min/maxLength.
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 FORMATS = {
