@@ -1,11 +1,11 @@
 """Compressed FSM: jump strings are exactly the forced bytes; jump-forward equals plain decoding."""
 
-import numpy as np
 from fsm_helpers import EOS, REGEXES, SETTINGS, TOY, fake_logits
 from hypothesis import given
 
 from sgjax.fsm import compile_grammar
 from sgjax.fsm.compressed import forced_bytes
+from sgjax.fsm.reference import greedy_decode
 
 
 @SETTINGS
@@ -40,30 +40,13 @@ def test_last_token_held_back_when_it_could_merge():
     assert g.is_allowed(jump.state, TOY.tokens.index(b'"}'))
 
 
-def _greedy(g, use_jump: bool, max_steps: int = 80):
-    state, out, steps = 0, [], 0
-    while state != g.done and steps < max_steps:
-        if use_jump and (j := g.jump(state)) is not None:
-            out += j.tokens
-            state = j.state
-            steps += 1  # one extend
-            continue
-        logits = fake_logits(out, TOY.size)
-        allowed = np.zeros(TOY.size, bool)
-        allowed[g.allowed_tokens(state)] = True
-        tok = int(np.argmax(np.where(allowed, logits, -np.inf)))
-        out.append(tok)
-        state = g.next_state(state, tok)
-        steps += 1
-    return out, steps
-
-
 @SETTINGS
 @given(REGEXES)
 def test_greedy_same_with_and_without_jump_forward(pattern):
     g = compile_grammar(pattern, TOY)
-    plain, plain_steps = _greedy(g, False)
-    jumped, jump_steps = _greedy(g, True)
+    model = lambda tokens: fake_logits(tokens, TOY.size)  # noqa: E731
+    plain, plain_steps = greedy_decode(g, model, use_jump=False, max_forwards=80)
+    jumped, jump_steps = greedy_decode(g, model, use_jump=True, max_forwards=80)
     n = min(len(plain), len(jumped))
     assert plain[:n] == jumped[:n]
     if plain and plain[-1] == EOS:

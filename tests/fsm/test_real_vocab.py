@@ -9,6 +9,7 @@ import numpy as np
 from fsm_helpers import decode, fake_logits
 
 from sgjax.fsm import GrammarCache
+from sgjax.fsm.reference import greedy_decode
 
 PAPER = r'\{"summary": "[\w\d\s]+\.", "grade": "[ABCD][+-]?"\}'
 SCHEMA = {"type": "object", "properties": {
@@ -51,30 +52,16 @@ def test_canonical_tokens_of_a_valid_instance_are_accepted(smollm2_vocab):
     assert jump.text == b'{"id":' and g.walk(jump.tokens) == jump.state
 
 
-def _greedy(g, vocab, use_jump):
-    state, out, forwards = 0, [], 0
-    eos = next(iter(vocab.eos_ids))
-    # Favour closing tokens so that the random "model" finishes its strings and arrays.
+def _model(vocab):
     closing = np.array([bool(t) and any(c in t for c in b'"]}.') for t in vocab.tokens]) * 6.0
-    while state != g.done and forwards < 300:
-        forwards += 1
-        if use_jump and (j := g.jump(state)) is not None:
-            out += j.tokens
-            state = j.state
-            continue
-        logits = fake_logits(out, vocab.size) + closing
-        logits[eos] += 4.0
-        allowed = g.allowed_tokens(state)
-        tok = int(allowed[np.argmax(logits[allowed])])
-        out.append(tok)
-        state = g.next_state(state, tok)
-    return out, forwards
+    closing[min(vocab.eos_ids)] += 4.0  # favour finishing, so the fake model's outputs end
+    return lambda tokens: fake_logits(tokens, vocab.size) + closing
 
 
 def test_greedy_jump_forward_is_identical_and_saves_steps(smollm2_vocab):
     for grammar in (CACHE.get_json_schema(SCHEMA, smollm2_vocab), CACHE.get_regex(PAPER, smollm2_vocab)):
-        plain, plain_steps = _greedy(grammar, smollm2_vocab, False)
-        jumped, jump_steps = _greedy(grammar, smollm2_vocab, True)
+        plain, plain_steps = greedy_decode(grammar, _model(smollm2_vocab), use_jump=False)
+        jumped, jump_steps = greedy_decode(grammar, _model(smollm2_vocab), use_jump=True)
         assert grammar.walk(plain) == grammar.done  # finished with EOS
         assert plain == jumped and plain_steps > jump_steps
         if grammar.regex != PAPER:
