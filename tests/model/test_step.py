@@ -1,0 +1,46 @@
+"""The jitted step: one compile per shape bucket, the pool donated, and bad inputs named clearly."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgjax.kernels import allocate_pool, ref_attention
+from sgjax.model.batch import build_batch
+from sgjax.model.config import ModelConfig
+from sgjax.model.llama import forward
+from sgjax.model.weights import dummy_weights
+
+CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def test_twenty_ragged_steps_in_one_bucket_compile_once():
+    @chex.assert_max_traces(n=1)
+    def traced(weights, pool, batch):
+        return forward(weights, pool, batch, cfg=CFG, attention=ref_attention)
+
+    step = jax.jit(traced, donate_argnames=("pool",))
+    weights = dummy_weights(CFG)
+    pool = allocate_pool(CFG.num_layers, 33, 4, CFG.num_kv_heads, CFG.head_dim)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(1, 5))
+        lens = [int(x) for x in rng.integers(1, 6, size=n)]
+        ctx = [int(x) for x in rng.integers(0, 8, size=n)]
+        pages = rng.permutation(np.arange(1, 33))[:n * 4].reshape(n, 4)
+        batch = build_batch([list(rng.integers(0, 128, size=q)) for q in lens], [c + q for c, q in zip(ctx, lens)],
+                            [list(p) for p in pages], 4, 32, 4, 4)
+        old = pool
+        logits, pool = step(weights, pool, jax.tree.map(jnp.asarray, batch))
+        assert old.is_deleted()  # donated: updated in place, never copied
+        assert np.isfinite(np.asarray(logits)).all()
+    assert step._cache_size() == 1
+
+
+def test_bucket_overflow_is_a_clear_error():
+    with pytest.raises(ValueError, match="exceeds the bucket"):
+        build_batch([[1] * 20, [2] * 20], [20, 20], [[1] * 8, [2] * 8], 4, 32, 4, 8)
+    with pytest.raises(ValueError, match="pages cannot hold"):
+        build_batch([[1] * 9], [9], [[1, 2]], 4, 16, 4, 4)
