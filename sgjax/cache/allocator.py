@@ -54,12 +54,14 @@ class PageAllocator:
         n = len(pages)
         if n == 0:
             return
-        if ((pages <= NULL_PAGE) | (pages >= self.num_pages)).any():
+        if pages.min() <= NULL_PAGE or pages.max() >= self.num_pages:
             raise ValueError(f"freeing an invalid page (null or out of range): {pages.tolist()}")
         if self._is_free[pages].any():
             raise ValueError(f"double free of pages {pages[self._is_free[pages]].tolist()}")
-        if n > 1 and len(np.unique(pages)) != n:
-            raise ValueError("the same page appears twice in one free() call")
+        if n > 1:
+            s = np.sort(pages)  # far cheaper than np.unique on the eviction path
+            if (s[1:] == s[:-1]).any():
+                raise ValueError("the same page appears twice in one free() call")
         self._is_free[pages] = True
         self._stack[self._top : self._top + n] = pages
         self._top += n
@@ -69,7 +71,7 @@ class PageAllocator:
         pages = np.asarray(pages, dtype=np.int32).ravel()
         if len(pages) == 0:
             return True
-        if ((pages <= NULL_PAGE) | (pages >= self.num_pages)).any():
+        if pages.min() <= NULL_PAGE or pages.max() >= self.num_pages:
             return False
         return not self._is_free[pages].any()
 

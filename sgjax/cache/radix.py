@@ -109,8 +109,6 @@ class RadixCache(NodeStore):
         n = len(t)
         if n == 0:
             return 0
-        if (p == 0).any():
-            raise ValueError("insert() got the null page")
         qb = t.tobytes()
         root = self._root(extra_key)
         now = self._tick()

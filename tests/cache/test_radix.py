@@ -127,6 +127,8 @@ def test_insert_rejects_pages_it_already_owns():
     _, pages = _put(c, [1, 2])
     with pytest.raises(ValueError, match="already owned"):
         c.insert([1, 3, 4], np.array([pages[0], pages[1], a.alloc(1)[0]]))
+    with pytest.raises(ValueError):
+        c.insert([9, 9], np.array([0, a.alloc(1)[0]]))  # the null page is never cached
 
 
 def test_table_cache_hits_only_on_whole_stored_sequences():
