@@ -17,7 +17,7 @@ from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import build_batch
 from sgjax.model.config import ModelConfig
 from sgjax.model.llama import make_step
-from sgjax.model.weights import Weights
+from sgjax.model.weights import Weights, for_platform
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -39,7 +39,8 @@ class GenerateResult:
 class GreedyGenerator:
     def __init__(self, cfg: ModelConfig, weights: Weights, *, page_size: int = 16, max_context: int = 2048,
                  max_batch: int = 16, attention: str = "ref"):
-        self.cfg, self.weights, self.page_size = cfg, weights, page_size
+        self.cfg, self.page_size = cfg, page_size
+        self.weights = for_platform(weights, jax.devices()[0].platform)
         self.pages_per_req = -(-max_context // page_size)
         self.max_batch = max_batch
         self.num_pages = 1 + max_batch * self.pages_per_req  # + the null page

@@ -50,32 +50,41 @@ def apply_rope(x, positions, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def _block(x, pool, w, index, batch: StepBatch, cfg: ModelConfig, attention, inv_freq):
+    """One transformer block on the ragged rows; writes its K/V into layer `index` of the pool."""
+    num_rows = x.shape[0]
+    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+    q, k, v = h @ w.wq, h @ w.wk, h @ w.wv
+    if w.bq is not None:
+        q, k, v = q + w.bq, k + w.bk, v + w.bv
+    q = apply_rope(q.reshape(num_rows, cfg.num_heads, cfg.head_dim), batch.positions, inv_freq)
+    k = apply_rope(k.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim), batch.positions, inv_freq)
+    v = v.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
+    attn, pool = attention(q, k, v, pool, index, batch.attn, sm_scale=cfg.head_dim ** -0.5)
+    x = x + attn.reshape(num_rows, cfg.q_size).astype(x.dtype) @ w.wo
+    h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+    return x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down, pool
+
+
 def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, attention):
-    """Returns (logits f32[B, V] for the rows in batch.logits_idx, the updated pool)."""
-    dtype = jnp.dtype(cfg.dtype)
+    """Returns (logits f32[B, V] for the rows in batch.logits_idx, the updated pool).
+
+    Stacked layers (a LayerWeights with a leading layer axis) are scanned: compile time does not grow
+    with depth. A tuple of per-layer LayerWeights is unrolled: on the GPU, scanning slices (copies) each
+    layer's weights before its matmuls, which tripled weight traffic at decode (docs/architecture.md).
+    """
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-    num_rows = batch.input_ids.shape[0]
-    x = weights.embed[batch.input_ids].astype(dtype)
-    sm_scale = cfg.head_dim ** -0.5
+    x = weights.embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
+    block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, inv_freq=inv_freq)
+    if isinstance(weights.layers, (tuple, list)):
+        for i, w in enumerate(weights.layers):
+            x, pool = block(x, pool, w, jnp.int32(i))
+    else:
+        def body(carry, inputs):
+            return block(*carry, *inputs), None
 
-    def layer(carry, inputs):
-        x, pool = carry
-        w, index = inputs
-        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        q, k, v = h @ w.wq, h @ w.wk, h @ w.wv
-        if w.bq is not None:
-            q, k, v = q + w.bq, k + w.bk, v + w.bv
-        q = apply_rope(q.reshape(num_rows, cfg.num_heads, cfg.head_dim), batch.positions, inv_freq)
-        k = apply_rope(k.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim), batch.positions, inv_freq)
-        v = v.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
-        attn, pool = attention(q, k, v, pool, index, batch.attn, sm_scale=sm_scale)
-        x = x + attn.reshape(num_rows, cfg.q_size).astype(dtype) @ w.wo
-        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
-        return (x, pool), None
-
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, pool), _ = jax.lax.scan(layer, (x, pool), (weights.layers, layer_ids))
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, pool), _ = jax.lax.scan(body, (x, pool), (weights.layers, layer_ids))
     x = rms_norm(x[batch.logits_idx], weights.final_norm, cfg.rms_norm_eps)
     if weights.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
         logits = jnp.einsum("bd,vd->bv", x, weights.embed, preferred_element_type=jnp.float32)

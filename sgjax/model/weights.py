@@ -42,7 +42,7 @@ class LayerWeights:
 @dataclass
 class Weights:
     embed: Array  # [V, D]
-    layers: LayerWeights
+    layers: LayerWeights | tuple[LayerWeights, ...]  # stacked (scanned) or per layer (unrolled)
     final_norm: Array  # [D]
     lm_head: Array | None = None  # [D, V]; None when tied to embed
 
@@ -68,12 +68,33 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
 
 def logical_axes(weights: Weights) -> Weights:
     """A Weights-shaped pytree of logical axis-name tuples (None where the leaf is None)."""
-    def axes_of(obj):
-        return {f.name: LOGICAL_AXES[f.name] if getattr(obj, f.name) is not None else None
+    def axes_of(obj, drop_layer_axis=False):
+        return {f.name: LOGICAL_AXES[f.name][drop_layer_axis:] if getattr(obj, f.name) is not None else None
                 for f in dataclasses.fields(obj) if f.name != "layers"}
 
-    layers = LayerWeights(**axes_of(weights.layers))
+    if isinstance(weights.layers, (tuple, list)):
+        layers = tuple(LayerWeights(**axes_of(w, True)) for w in weights.layers)
+    else:
+        layers = LayerWeights(**axes_of(weights.layers))
     return Weights(layers=layers, **axes_of(weights))
+
+
+def unstack_layers(weights: Weights) -> Weights:
+    """Per-layer weights for an unrolled forward (the GPU layout: see llama.forward)."""
+    if isinstance(weights.layers, (tuple, list)):
+        return weights
+    n = weights.layers.wq.shape[0]
+    layers = tuple(jax.tree.map(lambda a, i=i: a[i], weights.layers) for i in range(n))
+    return dataclasses.replace(weights, layers=layers)
+
+
+def layer_loop_for(platform: str) -> str:
+    """'unrolled' on accelerators (weight traffic), 'scan' on CPU (compile time in tests and CI)."""
+    return "scan" if platform == "cpu" else "unrolled"
+
+
+def for_platform(weights: Weights, platform: str) -> Weights:
+    return unstack_layers(weights) if layer_loop_for(platform) == "unrolled" else weights
 
 
 def shardings(weights: Weights, mesh: jax.sharding.Mesh, rules: Mapping[str, str | None]) -> Weights:

@@ -3,6 +3,8 @@
 These cases are the contract every attention backend (Pallas GPU/TPU) is tested against.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,11 +71,12 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "gqa8"])
-def test_ref_matches_per_request_attention(case, heads):
-    rng = np.random.default_rng(hash(case) % 1000)
+@pytest.mark.parametrize("strategy", ["gather", "segment"])
+def test_ref_matches_per_request_attention(case, heads, strategy):
+    rng = np.random.default_rng(sorted(CASES).index(case))
     args, expected, total = make_case(rng, num_heads=heads[0], num_kv_heads=heads[1], **CASES[case])
     q, k, v, pool, layer, meta = args
-    attend = jax.jit(ref_attention, static_argnames=("sm_scale",))
+    attend = jax.jit(functools.partial(ref_attention, strategy=strategy), static_argnames=("sm_scale",))
     out, new_pool = attend(q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5)
     np.testing.assert_allclose(np.asarray(out)[:total], expected[:total], atol=2e-5, rtol=1e-5)
     assert np.isfinite(np.asarray(out)).all()  # padded rows give zeros, not NaN
@@ -83,3 +86,15 @@ def test_ref_matches_per_request_attention(case, heads):
     np.testing.assert_array_equal(flat[slots, 0::2], np.asarray(k)[:total])
     np.testing.assert_array_equal(flat[slots, 1::2], np.asarray(v)[:total])
     np.testing.assert_array_equal(np.asarray(new_pool)[0], np.asarray(pool)[0])
+
+
+@pytest.mark.parametrize("case", ["mixed", "padded"])
+@pytest.mark.parametrize("strategy", ["gather", "segment"])
+def test_ref_in_row_blocks(case, strategy, monkeypatch):
+    """Long batches are split into blocks of query rows (lax.map); the split must not change results."""
+    monkeypatch.setattr("sgjax.kernels.ref._BLOCK_ELEMENTS", 1)  # blocks of one row
+    args, expected, total = make_case(np.random.default_rng(7), num_heads=8, num_kv_heads=2, **CASES[case])
+    q, k, v, pool, layer, meta = args
+    attend = jax.jit(functools.partial(ref_attention, strategy=strategy), static_argnames=("sm_scale",))
+    out, _ = attend(q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5)
+    np.testing.assert_allclose(np.asarray(out)[:total], expected[:total], atol=2e-5, rtol=1e-5)

@@ -9,6 +9,7 @@ from sgjax.kernels import allocate_pool, ref_attention
 from sgjax.model.batch import build_batch
 from sgjax.model.llama import make_step
 from sgjax.model.loader import load_hf_dir
+from sgjax.model.weights import unstack_layers
 from tests.model.hf_tiny import VARIANTS, hf_logits, write_tiny
 
 PAGE = 4
@@ -102,3 +103,18 @@ def test_bfloat16_close_to_fp32_reference(tiny):
         ref = hf_logits(hf, s)[-1]
         assert np.isfinite(out[r]).all()
         assert np.abs(out[r] - ref).max() / np.abs(ref).max() < 0.05
+
+
+def test_unrolled_layers_match_hf(tiny):
+    """The accelerator layout (a tuple of per-layer weights, unrolled) computes the same logits."""
+    hf, cfg, weights = tiny
+    unrolled = unstack_layers(weights)
+    assert isinstance(unrolled.layers, tuple) and len(unrolled.layers) == cfg.num_layers
+    seqs = _seqs(cfg, (6, 11), seed=5)
+    runner = Runner(cfg, unrolled)
+    runner.run([s[:4] for s in seqs], [4, 4])
+    out = runner.run([s[4:] for s in seqs], [len(s) for s in seqs], all_rows=True)
+    t = 0
+    for s in seqs:
+        np.testing.assert_allclose(out[t:t + len(s) - 4], hf_logits(hf, s)[4:], atol=1e-4, rtol=0)
+        t += len(s) - 4

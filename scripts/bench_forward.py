@@ -1,0 +1,201 @@
+"""Forward-step time of the Llama-family model on the GPU, against the roofline and HF transformers.
+
+    python scripts/bench_forward.py --out out/          # H200: dummy Llama-3-8B, bf16
+    python scripts/bench_forward.py --small --out out/  # CPU smoke run on a tiny config
+
+Runs two child processes in turn (so neither framework holds GPU memory the other needs): `sgjax`
+(our jitted step over the paged pool, per attention backend) and `hf` (transformers, same config and
+dtype, dummy weights, DynamicCache). The copy bandwidth and the bf16 matmul rate are measured in the
+sgjax child, and every row is reported against them. Writes JSON lines to OUT/bench_forward.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+WORKLOADS = [  # (name, batch, context, new tokens per request)
+    ("decode", 1, 1024, 1),
+    ("decode", 32, 1024, 1),
+    ("decode", 128, 1024, 1),
+    ("prefill", 1, 4096, 4096),
+]
+SMALL_WORKLOADS = [("decode", 1, 64, 1), ("decode", 8, 64, 1), ("prefill", 1, 128, 128)]
+
+
+def model_config(small: bool):
+    from sgjax.model.config import ModelConfig, llama3_8b_config
+
+    if small:
+        return ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                           num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16, dtype="bfloat16")
+    return llama3_8b_config("bfloat16")
+
+
+def cost(cfg, batch: int, context: int, new: int) -> tuple[float, float]:
+    """(bytes, flops) a step must move and compute at least."""
+    itemsize = 2 if cfg.dtype == "bfloat16" else 4
+    rows = batch * new
+    embed = cfg.vocab_size * cfg.hidden_size
+    dense = cfg.num_params() - embed - (0 if cfg.tie_word_embeddings else embed)  # per-token matmul weights
+    head = embed
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    bytes_moved = (dense + head) * itemsize + batch * context * kv_per_token
+    # Causal attention: row i of a request attends to (context - new + i + 1) keys; QK and PV are 2 flops each.
+    keys = batch * (new * (context - new) + new * (new + 1) / 2)
+    flops = 2 * dense * rows + 2 * head * batch + 4 * keys * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return bytes_moved, flops
+
+
+def run_sgjax(args):
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from roofline import copy_bandwidth, matmul_rate, roofline, time_fn
+    from sgjax.kernels import allocate_pool, get_backend
+    from sgjax.model.batch import build_batch
+    from sgjax.model.generate import bucket
+    from sgjax.model.llama import make_step
+    from sgjax.model.weights import dummy_weights, for_platform
+
+    small = args.small
+    bw = copy_bandwidth(1 << 26 if small else 4 << 30)
+    rate = matmul_rate(512 if small else 8192)
+    rows = [{"kind": "ceiling", "copy_gb_per_s": bw / 1e9, "bf16_tflop_per_s": rate / 1e12,
+             "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}]
+    cfg = model_config(small)
+    weights = for_platform(dummy_weights(cfg), jax.devices()[0].platform)
+    page = 16
+    workloads = SMALL_WORKLOADS if small else WORKLOADS
+    max_pages = max(b * -(-c // page) for _, b, c, _ in workloads) + 1
+    for backend in args.attention:
+        step = make_step(cfg, get_backend(backend))
+        pool = allocate_pool(cfg.num_layers, max_pages, page, cfg.num_kv_heads, cfg.head_dim, dtype=jnp.bfloat16)
+        pool = jax.jit(lambda p: jax.random.normal(jax.random.PRNGKey(3), p.shape, p.dtype),
+                       donate_argnums=0)(pool)  # random, never zeros: zeros can run faster than real data
+        for name, batch, context, new in workloads:
+            pages_per_req = -(-context // page)
+            tables = [list(range(1 + i * pages_per_req, 1 + (i + 1) * pages_per_req)) for i in range(batch)]
+            chunks = [[int(t) for t in jax.random.randint(jax.random.PRNGKey(i), (new,), 0, cfg.vocab_size)]
+                      for i in range(batch)]
+            host = build_batch(chunks, [context] * batch, tables, page, bucket(batch * new),
+                               bucket(batch, 1), pages_per_req)
+            dev = jax.tree.map(jnp.asarray, host)
+            state = {"pool": pool}
+
+            def call():
+                logits, state["pool"] = step(weights, state["pool"], dev)
+                return logits
+
+            seconds = time_fn(call, warmup=2, iters=5 if name == "prefill" else 20)
+            pool = state["pool"]
+            nbytes, flops = cost(cfg, batch, context, new)
+            rows.append({"kind": "step", "impl": f"sgjax-{backend}", "workload": name, "batch": batch,
+                         "context": context, "tokens": batch * new, **roofline(seconds, nbytes, flops, bw, rate)})
+            print(json.dumps(rows[-1]), flush=True)
+        del pool
+    return rows
+
+
+def run_hf(args):
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = model_config(args.small)
+    hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                     num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
+                     max_position_embeddings=8192, rms_norm_eps=cfg.rms_norm_eps)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(hc).to(torch.bfloat16).eval()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    workloads = SMALL_WORKLOADS if args.small else WORKLOADS
+    with torch.no_grad():
+        for name, batch, context, new in workloads:
+            ids = torch.randint(0, cfg.vocab_size, (batch, context), device=device)
+            times = []
+            if name == "prefill":
+                for i in range(7):
+                    sync(); t = time.perf_counter()
+                    model(ids, use_cache=False, logits_to_keep=1)
+                    sync(); times.append(time.perf_counter() - t)
+            else:
+                out = model(ids[:, :-1], use_cache=True, logits_to_keep=1)
+                cache = out.past_key_values
+                for i in range(22):
+                    sync(); t = time.perf_counter()
+                    model(ids[:, -1:], past_key_values=cache, use_cache=True)
+                    sync(); times.append(time.perf_counter() - t)
+                    cache.crop(-1)  # drop the token just appended: the context stays fixed across repetitions
+                del cache, out
+            seconds = sorted(times[2:])[len(times[2:]) // 2]
+            rows.append({"kind": "step", "impl": "hf-transformers", "workload": name, "batch": batch,
+                         "context": context, "tokens": batch * new, "seconds": seconds})
+            print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache() if device == "cuda" else None
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny config (CPU smoke run)")
+    parser.add_argument("--out", default="out")
+    parser.add_argument("--attention", nargs="+", default=["ref"], help="attention backends to time")
+    parser.add_argument("--part", choices=["sgjax", "hf"], help=argparse.SUPPRESS)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    if args.part:
+        rows = run_sgjax(args) if args.part == "sgjax" else run_hf(args)
+        with open(os.path.join(args.out, f"part_{args.part}.json"), "w") as f:
+            json.dump(rows, f)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    base = [sys.executable, __file__, "--out", args.out, "--attention", *args.attention] + (["--small"] * args.small)
+    subprocess.run(base + ["--part", "sgjax"], check=True)
+    rows = json.load(open(os.path.join(args.out, "part_sgjax.json")))
+    if not args.skip_hf:
+        subprocess.run(base + ["--part", "hf"], check=True)
+        rows += json.load(open(os.path.join(args.out, "part_hf.json")))
+    report(rows, args)
+
+
+def report(rows, args):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from roofline import roofline
+
+    ceiling = rows[0]
+    bw, rate = ceiling["copy_gb_per_s"] * 1e9, ceiling["bf16_tflop_per_s"] * 1e12
+    cfg = model_config(args.small)
+    steps = [r for r in rows if r["kind"] == "step"]
+    for r in steps:
+        if "seconds" in r:
+            r.update(roofline(r.pop("seconds"), *cost(cfg, r["batch"], r["context"], r["tokens"] // r["batch"]),
+                              bw, rate))
+    hf = {(r["workload"], r["batch"], r["context"]): r["ms"] for r in steps if r["impl"] == "hf-transformers"}
+    print(f"\n{ceiling['device']}, jax {ceiling['jax']}: copy {ceiling['copy_gb_per_s']:.0f} GB/s, "
+          f"bf16 matmul {ceiling['bf16_tflop_per_s']:.0f} TFLOP/s; model {cfg.num_params() / 1e9:.2f}B params bf16")
+    print(f"{'impl':18} {'workload':8} {'batch':>5} {'ctx':>5} {'ms':>9} {'GB/s':>7} {'bw%':>5} {'TFLOP/s':>8} "
+          f"{'mm%':>5} {'roof%':>6} {'vs HF':>6}")
+    with open(os.path.join(args.out, "bench_forward.jsonl"), "a") as f:
+        for r in steps:
+            key = (r["workload"], r["batch"], r["context"])
+            r["speedup_vs_hf"] = hf[key] / r["ms"] if key in hf else None
+            r["config"] = "dummy-llama3-8b-bf16" if not args.small else "tiny-bf16"
+            f.write(json.dumps({**r, "ceiling": ceiling}) + "\n")
+            vs = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] else "-"
+            print(f"{r['impl']:18} {r['workload']:8} {r['batch']:5d} {r['context']:5d} {r['ms']:9.2f} "
+                  f"{r['gb_per_s']:7.0f} {100 * r['bw_ratio']:5.1f} {r['tflop_per_s']:8.1f} "
+                  f"{100 * r['flop_ratio']:5.1f} {100 * r['roofline_ratio']:6.1f} {vs:>6}")
+
+
+if __name__ == "__main__":
+    main()
