@@ -42,7 +42,7 @@ def main():
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     ids = [tok.encode(p) for p in prompts]
     gen = GreedyGenerator(cfg, weights, page_size=16, max_context=512, max_batch=len(ids))
-    gen.generate(ids, 2, stop_ids=tok.eos_token_ids)  # compile the prefill and decode buckets
+    gen.generate(ids, args.max_new_tokens, stop_ids=tok.eos_token_ids)  # compile every bucket it meets; time the rerun
     result = gen.generate(ids, args.max_new_tokens, stop_ids=tok.eos_token_ids)
 
     for q, out in zip(QUESTIONS, result.output_ids):

@@ -50,8 +50,11 @@ class GreedyGenerator:
 
     def _run(self, chunks, kv_lens, tables):
         num_reqs = bucket(len(chunks), 4)
-        batch = build_batch(chunks, kv_lens, tables, self.page_size, bucket(sum(map(len, chunks))), num_reqs,
-                            self.pages_per_req)
+        # The page-table width is bucketed too: attention work follows the longest live context, not the
+        # generator's maximum (the ref backend reads every page-table entry).
+        width = min(bucket(-(-max(kv_lens) // self.page_size), 4), self.pages_per_req)
+        batch = build_batch(chunks, kv_lens, [t[:width] for t in tables], self.page_size,
+                            bucket(sum(map(len, chunks))), num_reqs, width)
         logits, self.pool = self.step(self.weights, self.pool, jax.tree.map(jnp.asarray, batch))
         return np.asarray(jnp.argmax(logits[:len(chunks)], axis=-1))
 
