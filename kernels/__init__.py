@@ -8,9 +8,10 @@ row to its request's cached and new tokens, causally.
 
 from sgjax.kernels.kv_pool import allocate_pool, pool_shape
 from sgjax.kernels.metadata import AttentionMetadata
+from sgjax.kernels.pallas import default_backend, pallas_attention
 from sgjax.kernels.ref import ref_attention
 
-BACKENDS = {"ref": ref_attention}
+BACKENDS = {"ref": ref_attention, "pallas": pallas_attention}
 
 
 def get_backend(name: str):
@@ -20,4 +21,5 @@ def get_backend(name: str):
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}") from None
 
 
-__all__ = ["AttentionMetadata", "BACKENDS", "allocate_pool", "get_backend", "pool_shape", "ref_attention"]
+__all__ = ["AttentionMetadata", "BACKENDS", "allocate_pool", "default_backend", "get_backend", "pallas_attention",
+           "pool_shape", "ref_attention"]

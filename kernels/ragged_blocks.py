@@ -1,0 +1,55 @@
+"""Query blocks of a ragged batch: which rows each kernel program owns (installed as sgjax.kernels.ragged_blocks).
+
+A GPU kernel over a ragged batch runs one program per block of `block_q` query rows, and a block
+never spans two requests (so it has one page table and one causal offset). Request r needs
+ceil(q_len / block_q) blocks, so a batch of T rows and R requests needs at most
+ceil(T / block_q) + R + 1 blocks: that static count is the grid, and programs past the real
+number of blocks find no rows and store nothing. The padded rows past cu_q_lens[-1] form one extra
+pseudo-request with kv_len 0, so the kernel writes zeros there instead of leaving the output
+uninitialised (the contract asks for finite padded rows).
+
+Computed with a few XLA ops on i32[R] vectors, so the kernel needs no binary search and no scalar
+prefetch (Pallas-Triton has none).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from sgjax.kernels.metadata import AttentionMetadata
+
+# Columns of the block table.
+ROW_START, ROW_END, POS_OFFSET, REQUEST = range(4)
+NUM_FIELDS = 4
+
+
+def num_blocks(num_rows: int, num_reqs: int, block_q: int) -> int:
+    """Static upper bound on the blocks any batch of this shape needs (R requests + the padding)."""
+    return -(-num_rows // block_q) + num_reqs + 1
+
+
+def block_table(meta: AttentionMetadata, num_rows: int, block_q: int):
+    """i32[num_blocks, 4]: for each block its first row, its request's end row, the offset that turns
+    a row index into its absolute position (pos = row + offset), and its request (for the page table).
+
+    Unused blocks get row_start == row_end == 0, i.e. no rows and no keys.
+    """
+    num_reqs = meta.kv_lens.shape[0]
+    cu = meta.cu_q_lens.astype(jnp.int32)
+    starts = cu  # R real requests, then the padding pseudo-request starting at cu[-1]
+    lens = jnp.concatenate([cu[1:] - cu[:-1], jnp.int32(num_rows) - cu[-1:]])
+    kv_lens = jnp.concatenate([meta.kv_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    blocks = (lens + block_q - 1) // block_q
+    ends = jnp.cumsum(blocks)
+    b = jnp.arange(num_blocks(num_rows, num_reqs, block_q), dtype=jnp.int32)
+    req = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)
+    used = req <= num_reqs
+    req = jnp.minimum(req, num_reqs)
+    first_block = ends[req] - blocks[req]
+    row_start = starts[req] + (b - first_block) * block_q
+    row_end = starts[req] + lens[req]
+    # New tokens sit at positions [kv_len - q_len, kv_len); the padding has kv_len 0, so every one of
+    # its positions is negative and no key is attended.
+    pos_offset = kv_lens[req] - lens[req] - starts[req]
+    table = jnp.stack([row_start, row_end, pos_offset, jnp.minimum(req, num_reqs - 1)], axis=1)
+    return jnp.where(used[:, None], table, 0).astype(jnp.int32)

@@ -1,0 +1,260 @@
+"""Benchmark ragged paged attention on a GPU: `pallas` vs `ref` under XLA vs jax's deprecated paged_attention.
+
+Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, page 16, bf16). For each case:
+the median time of one backend call (KV write + attention, as the model pays it; jax's op does no
+write), achieved HBM GB/s over the copy bandwidth measured in this run, and TFLOP/s over the bf16
+matmul rate measured in this run. Inputs are random; each timed call cycles through enough page
+tables over disjoint pages that its KV data exceeds 3x the L2 cache.
+
+    PYTHONPATH=... python3 scripts/bench_attention.py --out results.json [--sweep] [--cases decode-32x4k,prefill-4k]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sgjax.kernels import AttentionMetadata, pallas_attention, ref_attention
+
+HQ, HKV, D, PAGE, LAYERS, DTYPE = 32, 8, 128, 16, 2, jnp.bfloat16
+L2_BYTES = 60 << 20
+
+
+def _median_time(fn, state, reps):
+    """fn(state) -> state; median wall seconds of `reps` calls after a warm-up, synchronised."""
+    state = jax.block_until_ready(fn(state))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        state = jax.block_until_ready(fn(state))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)), state
+
+
+def warm_up(seconds=2.0):
+    """Bring the clocks up (they idle at a few hundred MHz) before measuring the ceilings."""
+    a = jax.random.normal(jax.random.key(3), (8192, 8192), DTYPE)
+    f = jax.jit(lambda x: x @ x)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        jax.block_until_ready(f(a))
+
+
+def copy_bandwidth():
+    x = jax.random.normal(jax.random.key(0), (1 << 31,), DTYPE)  # 4 GiB
+    f = jax.jit(lambda a: a + jnp.asarray(1, DTYPE))
+    t, _ = _median_time(lambda s: f(x), None, 20)
+    return 2 * x.nbytes / t
+
+
+def matmul_rate():
+    n = 8192
+    a = jax.random.normal(jax.random.key(1), (n, n), DTYPE)
+    b = jax.random.normal(jax.random.key(2), (n, n), DTYPE)
+    f = jax.jit(lambda x, y: x @ y)
+    t, _ = _median_time(lambda s: f(a, b), None, 20)
+    return 2 * n ** 3 / t
+
+
+def build_case(q_lens, kv_lens, seed=0):
+    """Random pool, n_rot metadata/q/k/v sets over disjoint pages, bytes and flops of one call."""
+    rng = np.random.default_rng(seed)
+    reqs, per_req = len(q_lens), max(-(-k // PAGE) for k in kv_lens)
+    kv_bytes = sum(kv_lens) * HKV * D * 2 * 2
+    n_rot = int(min(16, max(2, math.ceil(3 * L2_BYTES / kv_bytes))))
+    num_pages = 1 + n_rot * reqs * per_req
+    pool = jax.random.normal(jax.random.key(seed), (LAYERS, num_pages, PAGE, 2 * HKV, D), DTYPE)
+    t = sum(q_lens)
+    sets = []
+    perm = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
+    for i in range(n_rot):
+        table = perm[i * reqs * per_req:(i + 1) * reqs * per_req].reshape(reqs, per_req)
+        slots = np.concatenate([
+            table[r, pos // PAGE] * PAGE + pos % PAGE
+            for r, (ql, kl) in enumerate(zip(q_lens, kv_lens)) for pos in [np.arange(kl - ql, kl)]])
+        meta = AttentionMetadata(slot_mapping=jnp.asarray(slots, jnp.int32),
+                                 cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+                                 kv_lens=jnp.asarray(kv_lens, jnp.int32), page_table=jnp.asarray(table))
+        key = jax.random.key(100 + i)
+        q, k, v = (jax.random.normal(jax.random.fold_in(key, j), (t, h, D), DTYPE) for j, h in
+                   enumerate((HQ, HKV, HKV)))
+        sets.append((q, k, v, meta))
+    causal_keys = sum(kl - ql + (j + 1) for ql, kl in zip(q_lens, kv_lens) for j in range(ql))
+    flops = 4 * HQ * D * causal_keys
+    io_bytes = kv_bytes + 2 * t * HQ * D * 2  # KV read once, q read, out written
+    return pool, sets, io_bytes, flops
+
+
+def time_backend(attend, pool, sets, reps):
+    """Median seconds of one `attend` call; the pool is donated and threaded through, as in the model."""
+    sm_scale = D ** -0.5
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def run(pool, sets):
+        outs = []
+        for q, k, v, meta in sets:
+            out, pool = attend(q, k, v, pool, jnp.int32(1), meta, sm_scale=sm_scale)
+            outs.append(out)
+        return pool, outs
+
+    t, (pool, outs) = _median_time(lambda s: run(s[0], sets), (pool, None), reps)
+    return t / len(sets), pool, outs[0]
+
+
+def time_jax_paged(pool, sets, reps):
+    """jax.experimental.pallas.ops.gpu.paged_attention (decode only, its own [Hkv, N, S, D] K and V)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    k_pages = jnp.transpose(pool[1, :, :, 0::2], (2, 0, 1, 3))
+    v_pages = jnp.transpose(pool[1, :, :, 1::2], (2, 0, 1, 3))
+    per_req = sets[0][3].page_table.shape[1]
+    op = functools.partial(paged_attention, k_splits=min(16, per_req), pages_per_compute_block=8,
+                           interpret=jax.default_backend() == "cpu")
+    # The op has no softmax scale: give it pre-scaled queries (scaled here, outside the timing).
+    sets = [((q * D ** -0.5).astype(q.dtype), m) for q, _, _, m in sets]
+    run = jax.jit(lambda kp, vp, sets: [op(q, kp, vp, m.page_table, m.kv_lens) for q, m in sets])
+    t, outs = _median_time(lambda s: run(k_pages, v_pages, sets), None, reps)
+    return t / len(sets), outs[0]
+
+
+def glue_only(q, k, v, pool, layer, meta, *, sm_scale):
+    """What the pallas backend does around its kernel: KV write and the block table (no attention)."""
+    from sgjax.kernels import ragged_blocks as rb
+    from sgjax.kernels.kv_pool import write_kv
+
+    pool = write_kv(pool, layer, k, v, meta.slot_mapping)
+    blocks = rb.block_table(meta, q.shape[0], 4)
+    return q + blocks[0, 0].astype(q.dtype), pool
+
+
+def time_dense_baselines(sets, reps):
+    """Prefill ceilings on contiguous K/V: cuDNN flash attention and jax's Pallas-Triton mha (dense, MHA)."""
+    q, k, v, _ = sets[0]
+    out = {}
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                                                 implementation="cudnn"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu.attention import mha
+    group = q.shape[1] // k.shape[1]
+    pallas_mha = jax.jit(lambda q, k, v: mha(q[None], jnp.repeat(k, group, 1)[None], jnp.repeat(v, group, 1)[None],
+                                             None, sm_scale=D ** -0.5, causal=True))
+    for label, f in (("dense_cudnn", cudnn), ("dense_pallas_mha", pallas_mha)):
+        try:
+            t, _ = _median_time(lambda s: f(q, k, v), None, reps)
+            out[label] = t
+        except Exception as e:
+            print(label, "ERROR", type(e).__name__, str(e)[:200], flush=True)
+    return out
+
+
+def rel_err(out, ref, rows):
+    out, ref = np.asarray(out[:rows], np.float32), np.asarray(ref[:rows], np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def tpu_interpret_check():
+    """jax's TPU ragged paged attention through our wrapper in TPU interpret mode (CPU), against `ref`."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from sgjax.kernels.pallas_tpu import pallas_tpu_attention
+    from tests.kernels.test_ref_attention import CASES as REF_CASES, make_case
+
+    for name in ("mixed", "padded", "prefix-hit-long"):
+        args, expected, total = make_case(np.random.default_rng(0), num_heads=8, num_kv_heads=2, head_dim=128,
+                                          **REF_CASES[name])
+        with pltpu.force_tpu_interpret_mode():
+            out, _ = pallas_tpu_attention(*args, sm_scale=128 ** -0.5, num_kv_pages_per_block=2,
+                                          num_queries_per_block=8)
+        err = float(np.abs(np.asarray(out)[:total] - expected[:total]).max())
+        print(f"tpu-interpret {name}: max abs err {err:.2e}, finite {bool(np.isfinite(np.asarray(out)).all())}")
+
+
+CASES = {f"decode-{b}x{c // 1024}k": ([1] * b, [c] * b) for b in (1, 32, 128) for c in (1024, 4096, 16384)}
+CASES["prefill-4k"] = ([4096], [4096])
+CASES["mixed"] = ([1] * 64 + [1024, 1024], [4096] * 64 + [3072, 3072])  # 64 decodes + 2 extends on 2k prefixes
+SWEEP = {  # pallas configs tried with --sweep (defaults come from kernels.pallas_gpu.default_config)
+    "decode": [dict(num_splits=ns, block_k=bk, num_stages=st, prefetch_pages=pf) for ns in (1, 2, 4, 8)
+               for bk, st, pf in ((64, 1, False), (128, 2, True))],
+    "prefill": [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st, prefetch_pages=pf)
+                for bq, bk, w, st, pf in ((16, 32, 4, 3, True), (16, 64, 4, 3, False), (32, 64, 8, 3, False),
+                                          (32, 128, 8, 2, False))],
+}
+
+_SHORT = dict(num_splits="ns", block_k="bk", block_q="bq", num_stages="st", num_warps="w", prefetch_pages="pf")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_attention.json")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--sweep", default="", help="comma-separated cases to sweep pallas configs on")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--tpu-interpret", action="store_true", help="only run jax's TPU kernel in interpret mode")
+    args = ap.parse_args()
+    if args.tpu_interpret:
+        return tpu_interpret_check()
+    warm_up()
+    bw, mm = copy_bandwidth(), matmul_rate()
+    print(f"device {jax.devices()[0].device_kind}; copy {bw / 1e9:.0f} GB/s; bf16 matmul {mm / 1e12:.0f} TFLOP/s",
+          flush=True)
+    rows = []
+    results = dict(copy_bytes_per_s=bw, matmul_flops_per_s=mm, cases=rows, jax=jax.__version__)
+    for name in args.cases.split(","):
+        q_lens, kv_lens = CASES[name]
+        pool, sets, io_bytes, flops = build_case(q_lens, kv_lens)
+        total = sum(q_lens)
+        backends = [("pallas", pallas_attention), ("ref", ref_attention)]
+        if name in args.sweep.split(","):
+            kind = "prefill" if name.startswith("prefill") else "decode"
+            backends += [("pallas " + " ".join(f"{_SHORT[k]}{int(v)}" for k, v in cfg.items()),
+                          functools.partial(pallas_attention, **cfg)) for cfg in SWEEP[kind]]
+        outs = {}
+        for label, attend in backends:
+            try:
+                reps = args.reps if label != "ref" else max(3, args.reps // 5)
+                t, pool, out = time_backend(attend, pool, sets, reps)
+            except Exception as e:  # a config the Triton lowering rejects is reported, not fatal
+                rows.append(dict(case=name, backend=label, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                print(name, label, "ERROR", rows[-1]["error"][:200], flush=True)
+                continue
+            outs[label] = out
+            rows.append(dict(case=name, backend=label, seconds=t, gbps=io_bytes / t / 1e9,
+                             bw_frac=io_bytes / t / bw, tflops=flops / t / 1e12, mm_frac=flops / t / mm))
+        if name == "decode-1x16k":
+            t, pool, _ = time_backend(glue_only, pool, sets, args.reps)
+            rows.append(dict(case=name, backend="glue_only", seconds=t, gbps=0.0, bw_frac=0.0, tflops=0.0,
+                             mm_frac=0.0))
+        if name.startswith("prefill"):
+            for label, t in time_dense_baselines(sets, args.reps).items():
+                rows.append(dict(case=name, backend=label, seconds=t, gbps=io_bytes / t / 1e9, bw_frac=io_bytes / t / bw,
+                                 tflops=flops / t / 1e12, mm_frac=flops / t / mm))
+        if name.startswith("decode"):
+            t, out = time_jax_paged(pool, sets, args.reps)
+            outs["jax_paged"] = out
+            rows.append(dict(case=name, backend="jax_paged", seconds=t, gbps=io_bytes / t / 1e9,
+                             bw_frac=io_bytes / t / bw, tflops=flops / t / 1e12, mm_frac=flops / t / mm))
+        for r in rows:
+            if r["case"] == name and r["backend"] in outs and r["backend"] != "ref":
+                r["rel_err_vs_ref"] = rel_err(outs[r["backend"]], outs["ref"], total)
+        for r in rows:
+            if r["case"] == name and "seconds" in r:
+                print(f"{name:14s} {r['backend'][:34]:34s} {r['seconds'] * 1e6:9.1f} us {r['gbps']:7.0f} GB/s "
+                      f"({100 * r['bw_frac']:5.1f}%) {r['tflops']:6.1f} TF/s ({100 * r['mm_frac']:5.1f}%) "
+                      f"err {r.get('rel_err_vs_ref', 0):.1e}", flush=True)
+        del pool, sets
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
