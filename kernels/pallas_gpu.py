@@ -142,7 +142,7 @@ def default_config(num_rows: int, num_reqs: int, group: int, num_kv_heads: int, 
     want = (4 * num_cores) // (est_blocks * num_kv_heads)
     num_splits = min(_pow2_floor(want), _pow2_floor(context // (4 * block_k)))
     return dict(block_q=block_q, block_k=block_k, num_splits=num_splits, num_warps=4,
-                num_stages=2 if decode else 3, prefetch_pages=False)
+                num_stages=2 if decode else 3, prefetch_pages=not decode)
 
 
 def _num_cores() -> int:
