@@ -78,6 +78,8 @@ def _kernel(blk_ref, layer_ref, pt_ref, q_ref, kv_ref, *out_refs, block_q, group
     hi = jnp.minimum(lo + per_split, n_tiles)
     n_full = jnp.clip((row_start + pos_offset + 1) // block_k, lo, hi)
 
+    # Pallas-Triton runs fp32 dots at DEFAULT precision as TF32 (~1e-3 error); fp32 is the exact mode.
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     k_col = (2 * h) * head_dim + d  # K of head h at combined index 2h, V at 2h + 1
     v_col = k_col + head_dim
     j = jnp.arange(block_k, dtype=jnp.int32)
@@ -96,7 +98,8 @@ def _kernel(blk_ref, layer_ref, pt_ref, q_ref, kv_ref, *out_refs, block_q, group
         slot = (layer_base + page) * page_size + key % page_size
         k = kv_ref[slot[:, None], k_col[None, :]]
         v = kv_ref[slot[:, None], v_col[None, :]]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32) * scale
         if masked:
             valid = key[None, :] <= pos[:, None]
             s = jnp.where(valid, s, _MASK)
@@ -105,7 +108,7 @@ def _kernel(blk_ref, layer_ref, pt_ref, q_ref, kv_ref, *out_refs, block_q, group
         if masked:
             p = jnp.where(valid, p, 0.0)  # a row with no valid key in this tile adds nothing
         alpha = jnp.exp2(m_i - m_new)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l_i * alpha + jnp.sum(p, axis=1), next_page
 
@@ -131,7 +134,7 @@ def default_config(num_rows: int, num_reqs: int, group: int, num_kv_heads: int, 
 
     Decode-shaped buckets (no more rows than requests) use M = 16 rows, the smallest tensor-core dot,
     since each block holds one token, and long key tiles; longer ones use M = 64. Splits are added
-    until about four programs per core exist, but never below 4 key tiles per split. The numbers
+    until about two programs per core exist, but never below 4 key tiles per split. The numbers
     come from the H200 sweeps in docs/kernels.md.
     """
     decode = num_rows <= num_reqs
@@ -139,7 +142,7 @@ def default_config(num_rows: int, num_reqs: int, group: int, num_kv_heads: int, 
     block_k = 128 if decode else 32
     block_q = max(1, block_m // group)
     est_blocks = max(min(num_rows, num_reqs), -(-num_rows // block_q))
-    want = (4 * num_cores) // (est_blocks * num_kv_heads)
+    want = (2 * num_cores) // (est_blocks * num_kv_heads)
     num_splits = min(_pow2_floor(want), _pow2_floor(context // (4 * block_k)))
     return dict(block_q=block_q, block_k=block_k, num_splits=num_splits, num_warps=4,
                 num_stages=2 if decode else 3, prefetch_pages=not decode)
