@@ -24,7 +24,8 @@ def row_request(cu_q_lens, num_rows: int):
     """For each of the T rows: its request index (clipped) and whether it is a real (unpadded) row."""
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     num_reqs = cu_q_lens.shape[0] - 1
-    req = jnp.searchsorted(cu_q_lens, rows, side="right").astype(jnp.int32) - 1
+    # compare_all: the default searchsorted is a sequential loop, a launch and sync per step on GPUs.
+    req = jnp.searchsorted(cu_q_lens, rows, side="right", method="compare_all").astype(jnp.int32) - 1
     valid = rows < cu_q_lens[-1]
     return jnp.clip(req, 0, num_reqs - 1), valid
 
