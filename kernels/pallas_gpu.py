@@ -157,7 +157,8 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
                          interpret: bool = False, **config):
     """The `pallas` backend on GPU (and in interpret mode on CPU). Returns ([T, Hq, D], pool).
 
-    `config` overrides default_config's block_q, block_k, num_splits, num_warps, num_stages.
+    `config` overrides default_config's block_q, block_k, num_splits, num_warps, num_stages,
+    prefetch_pages.
     """
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
     num_rows, num_heads, head_dim = q.shape
