@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgjax.kernels import allocate_pool, get_backend
+from sgjax.kernels import allocate_pool, default_backend, get_backend
 from sgjax.model.batch import build_batch
 from sgjax.model.config import ModelConfig
 from sgjax.model.llama import make_step
@@ -38,13 +38,13 @@ class GenerateResult:
 
 class GreedyGenerator:
     def __init__(self, cfg: ModelConfig, weights: Weights, *, page_size: int = 16, max_context: int = 2048,
-                 max_batch: int = 16, attention: str = "ref"):
+                 max_batch: int = 16, attention: str | None = None):
         self.cfg, self.page_size = cfg, page_size
         self.weights = for_platform(weights, jax.devices()[0].platform)
         self.pages_per_req = -(-max_context // page_size)
         self.max_batch = max_batch
         self.num_pages = 1 + max_batch * self.pages_per_req  # + the null page
-        self.step = make_step(cfg, get_backend(attention))
+        self.step = make_step(cfg, get_backend(attention or default_backend(jax.devices()[0].platform)))
         self.pool = allocate_pool(cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                                   dtype=jnp.dtype(cfg.dtype))
 
