@@ -23,9 +23,9 @@ class WeightFileError(ValueError):
 
 def load_model(model_path: str | None = None, dtype: str = "float32") -> tuple[ModelConfig, W.Weights]:
     """Config and weights from a GGUF file, an HF directory or an orbax checkpoint; None = SmolLM2."""
-    path = resolve_model_path(model_path) if model_path is None or not _is_orbax(model_path) else model_path
-    if _is_orbax(path):
-        return load_orbax(path, dtype)
+    if _is_orbax(model_path):
+        return load_orbax(model_path, dtype)
+    path = resolve_model_path(model_path)
     if path.endswith(".gguf"):
         return load_gguf(path, dtype)
     return load_hf_dir(path, dtype)

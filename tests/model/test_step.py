@@ -1,4 +1,8 @@
-"""The jitted step: one compile per shape bucket, the pool donated, and bad inputs named clearly."""
+"""The jitted step: one compile per shape bucket, the pool donated, sharding, and bad inputs named clearly."""
+
+import os
+import subprocess
+import sys
 
 import chex
 import jax
@@ -44,3 +48,13 @@ def test_bucket_overflow_is_a_clear_error():
         build_batch([[1] * 20, [2] * 20], [20, 20], [[1] * 8, [2] * 8], 4, 32, 4, 8)
     with pytest.raises(ValueError, match="pages cannot hold"):
         build_batch([[1] * 9], [9], [[1, 2]], 4, 16, 4, 4)
+
+
+def test_tensor_parallel_sharding_by_logical_axes():
+    """Weights and pool sharded over 2 CPU devices by the logical-axis rules give the same logits."""
+    script = os.path.join(os.path.dirname(__file__), "tp_check.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tensor-parallel forward OK" in done.stdout
