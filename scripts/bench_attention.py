@@ -229,7 +229,9 @@ CASES["prefill-4k"] = ([4096], [4096])
 CASES["mixed"] = ([1] * 64 + [1024, 1024], [4096] * 64 + [3072, 3072])  # 64 decodes + 2 extends on 2k prefixes
 SWEEP = {  # pallas configs tried with --sweep (defaults come from kernels.pallas_gpu.default_config)
     "decode": [dict(num_splits=ns, block_k=bk, num_stages=st, prefetch_pages=pf) for ns in (1, 2)
-               for bk, st, pf in ((128, 2, False), (128, 3, False), (64, 2, True))],
+               for bk, st, pf in ((128, 2, False), (128, 3, False), (64, 2, True))]
+              + [dict(num_splits=ns, block_k=bk, num_warps=w, num_stages=st) for ns in (1, 2)
+                 for bk, w, st in ((128, 8, 2), (256, 8, 2), (256, 4, 2), (128, 4, 4), (64, 2, 4))],
     "prefill": [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st, prefetch_pages=pf)
                 for bq, bk, w, st, pf in ((16, 32, 4, 3, True), (16, 64, 4, 3, False), (32, 64, 8, 3, False),
                                           (32, 128, 8, 2, False))],
