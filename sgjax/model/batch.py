@@ -63,3 +63,39 @@ def build_batch(token_chunks: list[list[int]], kv_lens: list[int], page_tables: 
     return StepBatch(input_ids=input_ids, positions=positions,
                      attn=AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=lens, page_table=table),
                      logits_idx=idx)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The static shape of a StepBatch bucket: what a packed buffer needs to be split again."""
+
+    num_tokens: int
+    num_reqs: int
+    pages_per_req: int
+    num_logits: int
+
+    @classmethod
+    def of(cls, batch: StepBatch) -> "BatchShape":
+        return cls(num_tokens=batch.input_ids.shape[0], num_reqs=batch.attn.kv_lens.shape[0],
+                   pages_per_req=batch.attn.page_table.shape[1], num_logits=batch.logits_idx.shape[0])
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        t, r = self.num_tokens, self.num_reqs
+        return (t, t, t, r + 1, r, r * self.pages_per_req, self.num_logits)
+
+
+def pack(batch: StepBatch) -> np.ndarray:
+    """All of a host batch's int32 metadata in one buffer, so a step costs one host->device transfer."""
+    a = batch.attn
+    parts = (batch.input_ids, batch.positions, a.slot_mapping, a.cu_q_lens, a.kv_lens, a.page_table, batch.logits_idx)
+    return np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in parts])
+
+
+def unpack(buffer, shape: BatchShape) -> StepBatch:
+    """The inverse of pack, inside the jitted step (static slices of the one transferred buffer)."""
+    offsets = np.cumsum((0,) + shape.sizes)
+    ids, pos, slots, cu, lens, table, logits = (buffer[offsets[i]:offsets[i + 1]] for i in range(7))
+    table = table.reshape(shape.num_reqs, shape.pages_per_req)
+    return StepBatch(input_ids=ids, positions=pos, logits_idx=logits,
+                     attn=AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=lens, page_table=table))

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgjax.kernels import allocate_pool, default_backend, get_backend
-from sgjax.model.batch import build_batch
+from sgjax.model.batch import BatchShape, build_batch, pack
 from sgjax.model.config import ModelConfig
-from sgjax.model.llama import make_step
+from sgjax.model.llama import make_packed_step
 from sgjax.model.weights import Weights, for_platform
 
 
@@ -44,7 +44,7 @@ class GreedyGenerator:
         self.pages_per_req = -(-max_context // page_size)
         self.max_batch = max_batch
         self.num_pages = 1 + max_batch * self.pages_per_req  # + the null page
-        self.step = make_step(cfg, get_backend(attention or default_backend(jax.devices()[0].platform)))
+        self.step = make_packed_step(cfg, get_backend(attention or default_backend(jax.devices()[0].platform)))
         self.pool = allocate_pool(cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                                   dtype=jnp.dtype(cfg.dtype))
 
@@ -55,7 +55,7 @@ class GreedyGenerator:
         width = min(bucket(-(-max(kv_lens) // self.page_size), 4), self.pages_per_req)
         batch = build_batch(chunks, kv_lens, [t[:width] for t in tables], self.page_size,
                             bucket(sum(map(len, chunks))), num_reqs, width)
-        logits, self.pool = self.step(self.weights, self.pool, jax.tree.map(jnp.asarray, batch))
+        logits, self.pool = self.step(self.weights, self.pool, jnp.asarray(pack(batch)), BatchShape.of(batch))
         return np.asarray(jnp.argmax(logits[:len(chunks)], axis=-1))
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> GenerateResult:

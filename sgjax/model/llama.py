@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgjax.model.batch import StepBatch
+from sgjax.model.batch import BatchShape, StepBatch, unpack
 from sgjax.model.config import ModelConfig, RopeScaling
 from sgjax.model.weights import Weights
 
@@ -96,3 +96,14 @@ def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, atten
 def make_step(cfg: ModelConfig, attention):
     """The jitted step: (weights, pool, batch) -> (logits, pool), with the pool donated."""
     return jax.jit(functools.partial(forward, cfg=cfg, attention=attention), donate_argnames=("pool",))
+
+
+def make_packed_step(cfg: ModelConfig, attention):
+    """The jitted step over a packed batch: (weights, pool, buffer, shape) -> (logits, pool).
+
+    `buffer` is `batch.pack(host_batch)` (one int32 transfer per step) and `shape` its static BatchShape.
+    """
+    def step(weights, pool, buffer, shape: BatchShape):
+        return forward(weights, pool, unpack(buffer, shape), cfg=cfg, attention=attention)
+
+    return jax.jit(step, donate_argnames=("pool",), static_argnames=("shape",))

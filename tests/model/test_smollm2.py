@@ -1,8 +1,10 @@
 """The real SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32) against HF transformers on the same file."""
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 
+from sgjax.model.batch import BatchShape, build_batch, pack
 from sgjax.model.generate import GreedyGenerator
 
 PROMPTS = [
@@ -18,13 +20,9 @@ def test_logits_match_hf(smollm2, hf_smollm2):
     cfg, weights, tok = smollm2
     ids = tok.encode(PROMPTS[2])
     gen = GreedyGenerator(cfg, weights, page_size=16, max_context=64, max_batch=4)
-    from sgjax.model.batch import build_batch
-    import jax
-    import jax.numpy as jnp
-
     batch = build_batch([ids], [len(ids)], [list(range(1, 5))], 16, 32, 4, gen.pages_per_req,
                         logits_rows=list(range(len(ids))), num_logits=32)
-    logits, gen.pool = gen.step(weights, gen.pool, jax.tree.map(jnp.asarray, batch))
+    logits, gen.pool = gen.step(weights, gen.pool, jnp.asarray(pack(batch)), BatchShape.of(batch))
     with torch.no_grad():
         ref = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(np.asarray(logits)[:len(ids)], ref, atol=2e-3, rtol=0)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from sgjax.kernels import allocate_pool, ref_attention
-from sgjax.model.batch import build_batch
+from sgjax.model.batch import BatchShape, build_batch, pack, unpack
 from sgjax.model.config import ModelConfig
-from sgjax.model.llama import forward
+from sgjax.model.llama import forward, make_packed_step, make_step
 from sgjax.model.weights import dummy_weights
 
 CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -58,3 +58,20 @@ def test_tensor_parallel_sharding_by_logical_axes():
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tensor-parallel forward OK" in done.stdout
+
+
+def test_packed_batch_is_one_transfer_with_the_same_result():
+    rng = np.random.default_rng(1)
+    batch = build_batch([list(rng.integers(0, 128, size=n)) for n in (3, 1, 6)], [5, 9, 6],
+                        [[1, 2], [3, 4, 5], [6, 7]], 4, 16, 4, 4)
+    shape = BatchShape.of(batch)
+    buffer = pack(batch)
+    assert buffer.dtype == np.int32 and buffer.ndim == 1
+    jax.tree.map(np.testing.assert_array_equal, unpack(buffer, shape), batch)
+    weights = dummy_weights(CFG)
+    new_pool = lambda: allocate_pool(CFG.num_layers, 9, 4, CFG.num_kv_heads, CFG.head_dim)  # noqa: E731
+    expected, expected_pool = make_step(CFG, ref_attention)(weights, new_pool(), jax.tree.map(jnp.asarray, batch))
+    step = make_packed_step(CFG, ref_attention)
+    logits, pool = step(weights, new_pool(), jnp.asarray(buffer), shape)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected))
+    np.testing.assert_array_equal(np.asarray(pool), np.asarray(expected_pool))
