@@ -1,0 +1,254 @@
+"""The on-device sampler: float32 logits [L, V] -> one token (and logprobs) per logits row.
+
+It runs inside the engine's jitted step, right after the model forward. Every row carries its own
+sampling parameters (rows belong to different requests), and everything that varies per request is
+an array, never a static argument, so one compiled program serves every mix of parameters; only the
+shapes (L rows, a penalty window of W history entries, K top logprobs) are static.
+
+Why it is built this way:
+
+* Order (SGLang / vLLM / HF transformers): penalties -> constrained-decoding mask -> temperature ->
+  top-k -> top-p -> min-p -> choose. Repetition penalty (HF's RepetitionPenaltyLogitsProcessor:
+  divide positive logits by p, multiply negative ones by p) is applied first, over every token seen
+  in the window, prompt or generated; then the OpenAI frequency (`-= f * count`) and presence
+  (`-= p * (count > 0)`) penalties, which count generated tokens only (vLLM's order). Top-p runs on
+  the distribution renormalised after top-k, as chained HF warpers do. The mask comes before the
+  filters so that top-k / top-p choose among the allowed tokens only.
+* Gumbel-max sampling with a per-(seed, step) key: `argmax(logits + gumbel)` is an exact sample of
+  softmax(logits), and the noise of a row comes from `fold_in(fold_in(key(0), seed), step)`,
+  generated per row (vmap). A request's token therefore depends only on its seed, how many tokens
+  it has generated and its own logits: the same seed reproduces the same output whatever the batch
+  composition, the row position or the padded batch size. Greedy rows (temperature 0 or top_k 1)
+  take the argmax; when no row samples, a `lax.cond` skips generating the noise.
+* The top-k / top-p / min-p filters need a sort over V (up to 128k) per row. The host sets the
+  scalar `needs_filter` when any row uses them, and a `lax.cond` on it skips the sort otherwise (no
+  host sync: the flag travels with the parameters). The filters reduce to one logit threshold per
+  row (ties at the threshold are kept), so the sorted copy is only read, never scattered back.
+* Logprobs are those of the raw model distribution, log_softmax of the unmodified logits (as the
+  OpenAI API and SGLang report them): for a sampling row at the chosen token, for a prompt row
+  (`target >= 0`) at the target token, which is what prompt-logprob selection needs. The top-K
+  logprobs are over the same raw distribution.
+* The per-row parameters travel host -> device inside one int32 buffer (`pack_sampling` /
+  `unpack_sampling`), floats bit-cast so the round trip is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = Any
+
+# The per-row fields in buffer order: (name, host dtype, the "off" default).
+ROW_FIELDS = (
+    ("temperature", np.float32, 0.0),
+    ("top_k", np.int32, 0),
+    ("top_p", np.float32, 1.0),
+    ("min_p", np.float32, 0.0),
+    ("frequency_penalty", np.float32, 0.0),
+    ("presence_penalty", np.float32, 0.0),
+    ("repetition_penalty", np.float32, 1.0),
+    ("seed", np.int32, 0),
+    ("step", np.int32, 0),
+    ("target", np.int32, -1),
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingBatch:
+    """Sampling parameters, one entry per logits row (padded rows use `default_rows`' values)."""
+
+    temperature: Array  # f32[L]; 0 means greedy (argmax)
+    top_k: Array  # i32[L]; <= 0 means off; 1 means greedy
+    top_p: Array  # f32[L]; >= 1 means off
+    min_p: Array  # f32[L]; 0 means off
+    frequency_penalty: Array  # f32[L]; 0 off
+    presence_penalty: Array  # f32[L]; 0 off
+    repetition_penalty: Array  # f32[L]; 1 off
+    seed: Array  # i32[L]; the request's seed (any int32)
+    step: Array  # i32[L]; tokens the request generated before this one
+    target: Array  # i32[L]; -1: the row samples; >= 0: a prompt row, report the logprob of this token
+    history: Array  # i32[L, W]; token id (generated), id + V (prompt: repetition penalty only), -1 pad
+    needs_filter: Array  # i32[]; 1 when any row uses top_k / top_p / min_p (else the sort is skipped)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SampleOutput:
+    tokens: Array  # i32[L]: the chosen token (prompt rows: the argmax, to be ignored)
+    logprobs: Array  # f32[L]: raw log_softmax at the token (sampling rows) or at the target (prompt rows)
+    top_ids: Array  # i32[L, K]
+    top_logprobs: Array  # f32[L, K]: top-K of the raw log_softmax
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: default parameters and the packed int32 buffer.
+
+
+def default_rows(num_rows: int, width: int) -> dict[str, np.ndarray]:
+    """Host arrays with every parameter off: greedy, no penalties, target -1, empty history."""
+    rows = {name: np.full(num_rows, value, dtype) for name, dtype, value in ROW_FIELDS}
+    rows["history"] = np.full((num_rows, width), -1, np.int32)
+    rows["needs_filter"] = np.array(0, np.int32)
+    return rows
+
+
+def uses_filter(rows: dict[str, np.ndarray]) -> bool:
+    """Whether any sampling row needs top-k / top-p / min-p (greedy rows never do)."""
+    top_k = np.asarray(rows["top_k"])
+    samples = (np.asarray(rows["temperature"]) > 0) & (top_k != 1) & (np.asarray(rows["target"]) < 0)
+    filters = (top_k > 1) | (np.asarray(rows["top_p"]) < 1) | (np.asarray(rows["min_p"]) > 0)
+    return bool(np.any(samples & filters))
+
+
+def sampling_size(num_rows: int, width: int) -> int:
+    """Length of the packed buffer: the per-row fields, the history window, needs_filter."""
+    return len(ROW_FIELDS) * num_rows + num_rows * width + 1
+
+
+def pack_sampling(rows: dict[str, np.ndarray]) -> np.ndarray:
+    """All of a batch's sampling parameters in one int32 buffer (floats bit-cast, exact).
+
+    needs_filter is rows["needs_filter"] or'ed with `uses_filter(rows)`, so forgetting to set it
+    cannot silently drop a filter.
+    """
+    num_rows, width = np.shape(rows["history"])
+    parts = [np.asarray(rows[name], dtype).reshape(num_rows).view(np.int32) for name, dtype, _ in ROW_FIELDS]
+    parts.append(np.asarray(rows["history"], np.int32).reshape(-1))
+    needs_filter = bool(np.any(rows.get("needs_filter", 0))) or uses_filter(rows)
+    parts.append(np.array([needs_filter], np.int32))
+    return np.concatenate(parts)
+
+
+def unpack_sampling(buffer, num_rows: int, width: int) -> SamplingBatch:
+    """The inverse of pack_sampling, inside the jitted step (static slices of one buffer)."""
+    buffer = jnp.asarray(buffer)
+    fields = {}
+    for i, (name, dtype, _) in enumerate(ROW_FIELDS):
+        part = buffer[i * num_rows:(i + 1) * num_rows]
+        fields[name] = jax.lax.bitcast_convert_type(part, jnp.float32) if dtype == np.float32 else part
+    start = len(ROW_FIELDS) * num_rows
+    history = buffer[start:start + num_rows * width].reshape(num_rows, width)
+    return SamplingBatch(**fields, history=history, needs_filter=buffer[start + num_rows * width])
+
+
+# ----------------------------------------------------------------------------------------------
+# Device side.
+
+
+def _history_counts(history, vocab: int):
+    """(count i32[L, V] of generated occurrences, seen bool[L, V] anywhere in the window).
+
+    One scatter-add: a generated entry adds B + 1, a prompt entry B, with B = W + 1 > any count, so
+    total = generated + B * (generated + prompt): total % B is the generated count, total >= B
+    says the token was seen.
+    """
+    num_rows, width = history.shape
+    big = width + 1
+    valid = history >= 0
+    generated = valid & (history < vocab)
+    weight = jnp.where(generated, big + 1, jnp.where(valid, big, 0)).astype(jnp.int32)
+    ids = jnp.where(valid, history % vocab, 0)
+    rows = jnp.arange(num_rows)[:, None]
+    total = jnp.zeros((num_rows, vocab), jnp.int32).at[rows, ids].add(weight)
+    return total % big, total >= big
+
+
+def apply_penalties(logits, batch: SamplingBatch):
+    """Repetition (HF), then frequency and presence (OpenAI) penalties; a no-op when W == 0."""
+    if batch.history.shape[1] == 0:
+        return logits
+    count, seen = _history_counts(batch.history, logits.shape[-1])
+    rep = batch.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    count = count.astype(jnp.float32)
+    return (logits - batch.frequency_penalty[:, None] * count
+            - batch.presence_penalty[:, None] * (count > 0).astype(jnp.float32))
+
+
+def _at(values, index):
+    """values[r, index[r]] for every row r."""
+    return jnp.take_along_axis(values, index[:, None], axis=-1)
+
+
+def apply_filters(x, batch: SamplingBatch):
+    """Top-k, top-p, min-p on temperature-scaled logits x [L, V]: -inf outside the kept set.
+
+    Each filter keeps a prefix of the descending sort, so together they are one threshold per row;
+    the top token is always kept.
+    """
+    vocab = x.shape[-1]
+    desc = jnp.sort(x, axis=-1, descending=True)
+    top = desc[:, :1]
+    k = jnp.where(batch.top_k > 0, jnp.minimum(batch.top_k, vocab), vocab)
+    kth = _at(desc, k - 1)
+    desc = jnp.where(desc >= kth, desc, -jnp.inf)  # renormalise after top-k for top-p
+    probs = jax.nn.softmax(desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1)
+    mass_before = jnp.pad(mass_before[:, :-1], ((0, 0), (1, 0)))  # exclusive: monotone, starts at 0
+    top_p = batch.top_p[:, None]
+    in_top_p = (mass_before < top_p) | (top_p >= 1)
+    pth = _at(desc, jnp.maximum(jnp.sum(in_top_p, axis=-1), 1) - 1)
+    min_p_th = top + jnp.log(batch.min_p)[:, None]  # p >= min_p * p_max  <=>  x >= x_max + log(min_p)
+    threshold = jnp.minimum(jnp.maximum(jnp.maximum(kth, pth), min_p_th), top)
+    return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def _usable(mask):
+    """The mask, with all-False rows (an error the caller reports) opened up so nothing goes NaN."""
+    return mask | ~jnp.any(mask, axis=-1, keepdims=True)
+
+
+def process_logits(logits, batch: SamplingBatch, mask=None):
+    """Penalised, masked, temperature-scaled, filtered logits (-inf where a token cannot be chosen).
+
+    Greedy rows (temperature 0) are left unscaled; the filters run only when needs_filter is set.
+    """
+    x = apply_penalties(logits.astype(jnp.float32), batch)
+    if mask is not None:
+        x = jnp.where(_usable(mask), x, -jnp.inf)
+    x = x / jnp.where(batch.temperature > 0, batch.temperature, 1.0)[:, None]
+    return jax.lax.cond(batch.needs_filter > 0, lambda v: apply_filters(v, batch), lambda v: v, x)
+
+
+def _gumbel_argmax(x, seed, step):
+    """Gumbel-max: one exact sample of softmax(x) per row, from the row's (seed, step) key alone."""
+    vocab = x.shape[-1]
+
+    def noise(s, t):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), t)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+    return jnp.argmax(x + jax.vmap(noise)(seed, step), axis=-1).astype(jnp.int32)
+
+
+def _top_logprobs(logits, lse, k: int):
+    if k == 0:
+        return jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+    values, ids = jax.lax.top_k(logits, k)
+    return ids.astype(jnp.int32), values - lse[:, None]
+
+
+def sample(logits, batch: SamplingBatch, *, num_top_logprobs: int = 0, mask=None) -> SampleOutput:
+    """Choose one token per row; see the module docstring. mask: optional bool[L, V], True = allowed."""
+    logits = logits.astype(jnp.float32)
+    x = process_logits(logits, batch, mask)
+    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    draws = (batch.temperature > 0) & (batch.top_k != 1) & (batch.target < 0)
+    tokens = jax.lax.cond(jnp.any(draws),
+                          lambda: jnp.where(draws, _gumbel_argmax(x, batch.seed, batch.step), greedy),
+                          lambda: greedy)
+    raw_argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mask is not None:
+        tokens = jnp.where(jnp.any(mask, axis=-1), tokens, raw_argmax)
+    tokens = jnp.where(batch.target >= 0, raw_argmax, tokens)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.clip(jnp.where(batch.target >= 0, batch.target, tokens), 0, logits.shape[-1] - 1)
+    logprobs = _at(logits, chosen)[:, 0] - lse
+    top_ids, top_logprobs = _top_logprobs(logits, lse, num_top_logprobs)
+    return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
