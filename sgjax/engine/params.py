@@ -1,0 +1,180 @@
+"""SGLang-compatible sampling parameters, checked once at the door.
+
+A request's parameters arrive as a JSON dict (SGLang's `sampling_params`) and are turned into a frozen
+`SamplingParams` by `from_dict`, which rejects unknown keys and every value SGLang's `SamplingParams.verify`
+rejects, plus wrong types, NaN and infinities. Every error is a `SamplingParamsError` (a ValueError) whose message
+starts with the offending field's name, so the server can return it to the client as is and the scheduler never
+sees a value it would have to guard against. `None` for a field means its default (OpenAI-style clients send
+explicit nulls).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import numbers
+from dataclasses import dataclass, fields
+from typing import Any
+
+_GREEDY_EPS = 1e-6
+_ALIASES = {"sampling_seed": "seed"}
+_ALIAS_OF = {v: k for k, v in _ALIASES.items()}
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128  # 0: prefill only
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: all tokens
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    regex: str | None = None
+    json_schema: str | None = None  # a JSON string; a dict is serialized
+    n: int = 1
+    seed: int | None = None  # SGLang's sampling_seed
+
+    def __post_init__(self):
+        # Normalize the shapes callers commonly pass; anything else is left for validate() to report.
+        if self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        elif isinstance(self.stop_token_ids, (list, set, frozenset)):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in _FLOAT_FIELDS:  # ints become floats; other types are left for validate() to report
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
+        if isinstance(self.json_schema, (dict, list)):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+
+    @classmethod
+    def from_dict(cls, d: dict | SamplingParams | None) -> SamplingParams:
+        """Parameters from SGLang's `sampling_params` dict (None: all defaults), validated."""
+        if d is None:
+            d = {}
+        if isinstance(d, SamplingParams):
+            d.validate()
+            return d
+        if not isinstance(d, dict):
+            raise SamplingParamsError(f"sampling_params must be a dict, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            name = _ALIASES.get(key, key)
+            if name not in known:
+                raise SamplingParamsError(f"{key!r} is not a known sampling parameter")
+            if value is None:
+                continue
+            if name in kwargs:
+                raise SamplingParamsError(f"{name} is given twice (as {name} and as {_ALIAS_OF[name]})")
+            kwargs[name] = value
+        params = cls(**kwargs)
+        params.validate()
+        return params
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise SamplingParamsError naming the first invalid field; `vocab_size` also bounds stop_token_ids."""
+        for name in _FLOAT_FIELDS:
+            _check_float(name, getattr(self, name))
+        for name in ("max_new_tokens", "top_k", "min_new_tokens", "n"):
+            _check_int(name, getattr(self, name))
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+        if self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.min_p <= 1:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise SamplingParamsError(f"top_k must be -1 (all tokens) or >= 1, got {self.top_k!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise SamplingParamsError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if self.max_new_tokens < 0:
+            raise SamplingParamsError(f"max_new_tokens must be >= 0, got {self.max_new_tokens!r}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise SamplingParamsError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                                      f"got {self.min_new_tokens!r}")
+        if self.n < 1:
+            raise SamplingParamsError(f"n must be >= 1, got {self.n!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+
+        if not isinstance(self.stop, tuple):
+            raise SamplingParamsError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise SamplingParamsError(f"stop must hold non-empty strings, got {s!r}")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise SamplingParamsError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise SamplingParamsError(f"stop_token_ids must hold ints, got {t!r}")
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise SamplingParamsError(f"stop_token_ids must hold ids in {bound}, got {t!r}")
+
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise SamplingParamsError(f"regex must be a string, got {self.regex!r}")
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, str):
+                raise SamplingParamsError(f"json_schema must be a JSON string or an object, got {self.json_schema!r}")
+            try:
+                json.loads(self.json_schema)
+            except ValueError as e:
+                raise SamplingParamsError(f"json_schema is not valid JSON: {e}") from None
+        if self.regex is not None and self.json_schema is not None:
+            raise SamplingParamsError("regex and json_schema are mutually exclusive: give at most one")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    @property
+    def seed32(self) -> int | None:
+        """`seed` mapped deterministically into [0, 2**31) (identity there; a stable hash elsewhere)."""
+        if self.seed is None:
+            return None
+        seed = int(self.seed)
+        if 0 <= seed < 2**31:
+            return seed
+        raw = seed.to_bytes((seed.bit_length() + 8) // 8, "little", signed=True)
+        return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") % 2**31
+
+
+def _check_float(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SamplingParamsError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise SamplingParamsError(f"{name} must be finite, got {value!r}")
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SamplingParamsError(f"{name} must be an int, got {value!r}")
