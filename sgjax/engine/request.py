@@ -1,0 +1,88 @@
+"""A request's life in the runtime: what it asked for, where its KV lives, what it produced.
+
+State machine: waiting -> running (prefill chunks, then decode) -> finished; running -> waiting again when the
+scheduler retracts it to free memory (it keeps its output and resumes by prefilling prompt + output, usually from
+the cache). `fill_ids` are the tokens whose KV a running request must hold: the prompt plus every output token
+except the newest, whose KV is computed by the next decode step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from sgjax.cache.allocator import EMPTY_PAGES
+
+_arrivals = itertools.count()
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: Any  # SamplingParams
+    seed: int  # int32 seed of the sampler's per-request key
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position whose logprob is reported; -1: none (output only)
+    top_logprobs_num: int = 0
+    extra_key: Any = None  # radix namespace (image hash, adapter)
+    sink: Callable | None = None  # called by the engine with (req, new_text, finished)
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: dict | None = None
+
+    # KV state (owned by the scheduler)
+    pages: np.ndarray = field(default_factory=lambda: EMPTY_PAGES)  # page table: tree pages, then own pages
+    tree_pages: int = 0  # leading pages owned by the cache and protected by the lock on `last_node`
+    last_node: Any = None
+    kv_len: int = 0  # tokens of fill_ids whose KV is in `pages`
+    prefill_done: bool = False  # the prompt (plus any resumed output) has been prefilled at least once
+
+    # reporting
+    cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
+    input_logprobs: list = field(default_factory=list)  # (logprob | None, token_id), from logprob_start_len
+    input_top_logprobs: list = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    text: str = ""  # emitted (stop-safe) text
+    decoder: Any = None
+    stops: Any = None
+    retractions: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        if self.prefill_done and self.output_ids:
+            return self.input_ids + self.output_ids[:-1]
+        return self.input_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids) - (1 if self.prefill_done and self.output_ids else 0)
+
+    @property
+    def in_decode(self) -> bool:
+        return self.prefill_done and self.kv_len == self.fill_len
+
+    @property
+    def own_pages(self) -> np.ndarray:
+        return self.pages[self.tree_pages:]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.input_logprobs_complete
+
+    @property
+    def input_logprobs_complete(self) -> bool:
+        return len(self.input_logprobs) >= len(self.input_ids) - max(self.logprob_start_len, 0)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.params.max_new_tokens - len(self.output_ids), 0)

@@ -1,0 +1,350 @@
+"""The scheduler: paper Algorithm 1 over the radix cache, with chunked prefill, retraction and aborts.
+
+Each step it (1) plans the running requests' next tokens (one decode token each, or the next prefill chunk),
+retracting running requests while their pages cannot be found, then (2) matches every waiting request against the
+cache, orders them by policy and admits them while free + evictable pages cover their prompt plus a reserve for
+the tokens the running requests will still generate. Prefill, extend and decode rows go into one ragged batch.
+
+Page ownership: a running request's page table is `tree_pages` pages owned by the cache (protected by its lock on
+`last_node`) followed by its own pages. The scheduler gives pages back only through the cache (`insert`, which
+takes ownership) or `PageAllocator.free` (the tail page, aborts), so `free + evictable + protected + own == total`
+holds between steps (`check_invariants`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sgjax.cache import POLICIES, PageAllocator, make_cache, schedule_order
+from sgjax.engine.request import Req
+
+EMPTY = np.zeros(0, np.int32)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_pages: int  # pool pages including the null page
+    page_size: int = 16
+    policy: str = "lpm"
+    cache: str = "radix"  # radix | table | none (--disable-radix-cache)
+    chunked_prefill_size: int = 512  # prefill tokens per step (decode rows come on top)
+    max_running_requests: int = 64
+    # Admission reserve for tokens the running requests will still generate (SGLang's new_token_ratio): it starts
+    # high, decays while nothing is retracted, and jumps back after a retraction.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+    # A waiting request that shares this many uncached tokens with one admitted in the same round waits one
+    # round, so that it hits the prefix the other one is about to cache instead of computing it again.
+    in_batch_prefix_tokens: int = 32
+    max_match_queue: int = 128  # beyond this many waiting requests, match only the oldest (SGLang: FCFS fallback)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.cache not in ("radix", "table", "none"):
+            raise ValueError(f"cache must be radix, table or none, got {self.cache!r}")
+        for name in ("page_size", "chunked_prefill_size", "max_running_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class Work:
+    """One request's share of a step: `tokens` go in at positions start..start+len-1."""
+
+    req: Req
+    start: int
+    tokens: list[int]
+    sample: bool  # the chunk completes the fill: sample the next token from its last row
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (row in chunk, target prompt token)
+    prompt_results: list = field(default_factory=list)  # (logprob, top logprobs) per prompt row, set by the runner
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    retractions: int = 0
+    steps: int = 0
+    tree_seconds: float = 0.0  # match, lock, insert, evict, unlock: the RadixAttention bookkeeping
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.page_size = cfg.page_size
+        self.allocator = PageAllocator(cfg.num_pages)
+        self.cache = make_cache(cfg.cache, self.allocator, cfg.page_size)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.new_token_ratio = cfg.init_new_token_ratio
+        self.rng = np.random.default_rng(cfg.seed)
+        self.stats = Stats()
+
+    # -- queue ------------------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        """Drop a request at once: a waiting one leaves the queue, a running one frees its pages now."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    if queue is self.running:
+                        self._release(req, keep=False)
+                    return req
+        return None
+
+    def finish(self, req: Req) -> None:
+        """A running request is done: cache its KV (whole pages) and drop its lock."""
+        self.running.remove(req)
+        self._release(req, keep=True)
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def schedule(self) -> list[Work]:
+        """The next batch: running requests' decode tokens and prefill chunks, then newly admitted requests."""
+        plan = self._plan_running()
+        works = []
+        budget = self.cfg.chunked_prefill_size
+        for req, n in plan:
+            if not req.in_decode:
+                budget -= n
+            self._grow(req, req.kv_len + n)
+            works.append(self._work(req, n))
+        works += self._admit(budget)
+        if works:
+            self.stats.steps += 1
+        return works
+
+    def _plan_running(self) -> list[tuple[Req, int]]:
+        """Next token counts of the running requests, retracting some until their pages can be found."""
+        while True:
+            plan, budget, need = [], self.cfg.chunked_prefill_size, 0
+            for req in self.running:
+                if req.in_decode:
+                    n = 1
+                else:
+                    n = min(req.fill_len - req.kv_len, budget)
+                    budget -= n
+                    if n <= 0:
+                        continue
+                plan.append((req, n))
+                need += self._pages_for(req.kv_len + n) - len(req.pages)
+            if need <= self.allocator.num_free + self.cache.evictable_pages or not self.running:
+                return plan
+            self._retract_one()
+
+    def _retract_one(self) -> None:
+        """Retract the running request with the least output (the longest prompt among ties), as SGLang does."""
+        t0 = time.perf_counter()
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids), -r.arrival))
+        self.running.remove(victim)
+        self._release(victim, keep=True)
+        if not victim.input_logprobs_complete:
+            victim.input_logprobs.clear()
+            victim.input_top_logprobs.clear()
+        victim.prefill_done = False  # resume by prefilling prompt + all output so far
+        victim.retractions += 1
+        self.waiting.insert(0, victim)
+        self.stats.retractions += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
+        self.stats.tree_seconds += time.perf_counter() - t0
+
+    def _admit(self, budget: int) -> list[Work]:
+        cfg = self.cfg
+        room = cfg.max_running_requests - len(self.running)
+        if not self.waiting or room <= 0 or budget <= 0:
+            return []
+        t0 = time.perf_counter()
+        queue = self.waiting[:cfg.max_match_queue]
+        matches = [self._match(r) for r in queue]
+        policy = cfg.policy if len(self.waiting) <= cfg.max_match_queue else "fcfs"
+        order = schedule_order(policy, [m.num_tokens for m in matches], [m.last_node for m in matches], self.rng)
+        reserve = sum(self._future_pages(r) for r in self.running)
+        admitted: list[Req] = []
+        works: list[Work] = []
+        for i in order:
+            if len(admitted) >= room or budget <= 0:
+                break
+            req, m = queue[i], matches[i]
+            if m.last_node is not None and m.last_node.value is None:
+                m = self._match(req)  # an eviction for an earlier admission took its pages
+            if policy in ("lpm", "dfs-weight") and self._shares_with(req, m.num_tokens, admitted):
+                continue
+            self.cache.lock(m.last_node)
+            need = self._pages_for(req.fill_len) - len(m.pages) + self._future_pages(req)
+            if need > self.allocator.num_free + self.cache.evictable_pages - reserve:
+                self.cache.unlock(m.last_node)
+                break
+            req.pages, req.tree_pages, req.last_node, req.kv_len = m.pages.copy(), len(m.pages), m.last_node, m.num_tokens
+            if req.cached_tokens < 0:
+                req.cached_tokens = m.num_tokens
+                self.stats.cached_tokens += m.num_tokens
+                self.stats.prompt_tokens += len(req.input_ids)
+            n = min(req.fill_len - req.kv_len, budget)
+            budget -= n
+            self._grow(req, req.kv_len + n)
+            works.append(self._work(req, n))
+            admitted.append(req)
+            reserve += self._future_pages(req)
+        if admitted:
+            ids = {id(r) for r in admitted}
+            self.waiting = [r for r in self.waiting if id(r) not in ids]
+            self.running += admitted
+        self.stats.tree_seconds += time.perf_counter() - t0
+        return works
+
+    def _shares_with(self, req: Req, matched: int, admitted: list[Req]) -> bool:
+        """True when `req` shares enough uncached prompt with a request admitted this round to wait for it."""
+        threshold = self.cfg.in_batch_prefix_tokens
+        if not admitted or len(req.input_ids) - matched < threshold:
+            return False
+        mine = np.asarray(req.input_ids[:matched + threshold], np.int32)
+        for other in admitted:
+            theirs = np.asarray(other.input_ids[:len(mine)], np.int32)
+            if len(theirs) == len(mine) and np.array_equal(theirs, mine):
+                return True
+        return False
+
+    def _work(self, req: Req, n: int) -> Work:
+        start = req.kv_len
+        if req.in_decode:  # the newest output token is not part of the fill: its KV is computed now
+            return Work(req, start, [req.output_ids[-1]], sample=True)
+        fill = req.fill_ids
+        end = start + n
+        work = Work(req, start, fill[start:end], sample=end == req.fill_len and req.params.max_new_tokens > 0)
+        if req.wants_input_logprobs:
+            # The logprob of prompt token i comes from the row of position i - 1.
+            first = max(req.logprob_start_len, 1) - 1
+            last = len(req.input_ids) - 1  # the last prompt row predicts an output token, not a prompt token
+            work.prompt_rows = [(p - start, fill[p + 1]) for p in range(max(start, first), min(end, last))]
+        return work
+
+    # -- after the step ---------------------------------------------------------------------------------
+    def commit(self, works: list[Work], tokens, logprobs, top) -> list[Req]:
+        """Record a step's results. Returns the requests that received a new output token (or finished prefill
+        with max_new_tokens == 0). `tokens[i]`/`logprobs[i]`/`top[i]` are work i's sampled token, its logprob and
+        its top logprobs; prompt-row logprobs come in `work.prompt_results`."""
+        updated = []
+        t_tree = 0.0
+        for i, w in enumerate(works):
+            req = w.req
+            req.kv_len = w.start + len(w.tokens)
+            for (_, target), (lp, tops) in zip(w.prompt_rows, w.prompt_results):
+                if not req.input_logprobs and req.logprob_start_len == 0:
+                    req.input_logprobs.append((None, req.input_ids[0]))
+                    req.input_top_logprobs.append(None)
+                req.input_logprobs.append((lp, target))
+                req.input_top_logprobs.append(tops)
+            if req.kv_len < req.fill_len:
+                if self.cfg.cache != "none":
+                    t0 = time.perf_counter()
+                    self._cache_prefix(req)  # chunk boundary: later requests can match this chunk already
+                    t_tree += time.perf_counter() - t0
+                continue
+            first_fill = not req.prefill_done
+            if first_fill and self.cfg.cache != "none":
+                t0 = time.perf_counter()
+                self._cache_prefix(req)
+                t_tree += time.perf_counter() - t0
+            if req.return_logprob and req.logprob_start_len == 0 and not req.input_logprobs:
+                req.input_logprobs.append((None, req.input_ids[0]))  # a one-token prompt has no rows
+                req.input_top_logprobs.append(None)
+            if w.sample:
+                req.output_ids.append(int(tokens[i]))
+                if req.return_logprob:
+                    req.output_logprobs.append((float(logprobs[i]), int(tokens[i])))
+                    req.output_top_logprobs.append(top[i] if top is not None else None)
+            req.prefill_done = True
+            updated.append(req)
+        self.stats.tree_seconds += t_tree
+        self.new_token_ratio = max(self.cfg.min_new_token_ratio,
+                                   self.new_token_ratio - self.cfg.new_token_ratio_decay)
+        return updated
+
+    # -- pages ------------------------------------------------------------------------------------------
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _future_pages(self, req: Req) -> int:
+        return self._pages_for(int(req.remaining_new_tokens * self.new_token_ratio))
+
+    def _match(self, req: Req):
+        """The cached prefix a request may reuse: never all of its fill (one token must run for the logits), and
+        not past the first prompt row whose logprob it wants."""
+        fill = req.fill_ids
+        limit = len(fill) - 1
+        if req.wants_input_logprobs:
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        return self.cache.match_prefix(fill[:limit], req.extra_key)
+
+    def _grow(self, req: Req, num_tokens: int) -> None:
+        need = self._pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return
+        pages = self.allocator.alloc(need)
+        if pages is None:
+            t0 = time.perf_counter()
+            self.cache.evict(need - self.allocator.num_free)
+            self.stats.tree_seconds += time.perf_counter() - t0
+            pages = self.allocator.alloc(need)
+            if pages is None:
+                raise RuntimeError("scheduler bug: admitted work without pages for it")
+        req.pages = np.concatenate([req.pages, pages]) if len(req.pages) else pages
+
+    def _cache_prefix(self, req: Req) -> None:
+        """Hand the request's whole computed pages to the cache and point its page table at the cached copies."""
+        full = req.kv_len // self.page_size
+        if full <= req.tree_pages:
+            return
+        tokens = req.fill_ids[:full * self.page_size]
+        self.cache.insert(tokens, req.pages[:full], req.extra_key)
+        m = self.cache.match_prefix(tokens, req.extra_key)
+        if m.num_tokens != len(tokens):
+            raise RuntimeError(f"scheduler bug: inserted {len(tokens)} tokens but matched {m.num_tokens}")
+        self.cache.lock(m.last_node)
+        self.cache.unlock(req.last_node)
+        req.pages = np.concatenate([m.pages, req.pages[full:]])
+        req.tree_pages, req.last_node = full, m.last_node
+
+    def _release(self, req: Req, keep: bool) -> None:
+        """Give back a request's pages: whole computed pages to the cache when `keep`, everything else freed."""
+        t0 = time.perf_counter()
+        full = req.kv_len // self.page_size
+        if keep and self.cfg.cache != "none" and full > req.tree_pages:
+            self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full], req.extra_key)
+            self.allocator.free(req.pages[full:])
+        else:
+            self.allocator.free(req.own_pages)
+        self.cache.unlock(req.last_node)
+        req.pages, req.tree_pages, req.last_node, req.kv_len = EMPTY, 0, None, 0
+        self.stats.tree_seconds += time.perf_counter() - t0
+
+    # -- checks and reports -----------------------------------------------------------------------------
+    @property
+    def in_flight_pages(self) -> int:
+        return sum(len(r.own_pages) for r in self.running)
+
+    def check_invariants(self) -> None:
+        self.cache.check_invariants(in_flight=self.in_flight_pages)
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests run, as SGLang does."""
+        if self.has_work:
+            return False
+        self.cache.reset()
+        return True
+
+    @property
+    def hit_rate(self) -> float:
+        return self.stats.cached_tokens / self.stats.prompt_tokens if self.stats.prompt_tokens else 0.0
