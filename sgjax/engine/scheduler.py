@@ -182,8 +182,10 @@ class Scheduler:
             if policy in ("lpm", "dfs-weight") and self._shares_with(req, m.num_tokens, admitted):
                 continue
             self.cache.lock(m.last_node)
-            need = self._pages_for(req.fill_len) - len(m.pages) + self._future_pages(req)
-            if need > self.allocator.num_free + self.cache.evictable_pages - reserve:
+            need = self._pages_for(req.fill_len) - len(m.pages)
+            if self.running or admitted:  # a lone request only needs its prompt: it can always run to the end
+                need += self._future_pages(req) + reserve
+            if need > self.allocator.num_free + self.cache.evictable_pages:
                 self.cache.unlock(m.last_node)
                 break
             req.pages, req.tree_pages, req.last_node, req.kv_len = m.pages.copy(), len(m.pages), m.last_node, m.num_tokens

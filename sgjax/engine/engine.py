@@ -1,0 +1,476 @@
+"""`sgjax.Engine`: SGLang's offline engine API over the scheduler and runner.
+
+The engine owns one background thread that runs the loop: take new requests and aborts from an inbox, schedule a
+step, run it, commit the results, then do the host work per new token (stop checks, detokenization, streaming).
+Callers' threads only validate, tokenize and enqueue, so `generate` can be called from many threads, from asyncio
+(`async_generate`) and by the HTTP server at once. A failure inside a step fails the requests of that step with an
+error message and returns their pages; the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, fields
+
+import jax
+import numpy as np
+
+from sgjax.engine.detokenize import IncrementalDecoder, StopMatcher
+from sgjax.engine.params import SamplingParams
+from sgjax.engine.request import Req
+from sgjax.engine.runner import Runner, bucket
+from sgjax.engine.scheduler import Scheduler, SchedulerConfig
+from sgjax.kernels import default_backend
+from sgjax.model.loader import load_model
+from sgjax.model.config import ModelConfig
+from sgjax.model.tokenizer import Tokenizer, load_tokenizer
+from sgjax.model.weights import Weights
+
+log = logging.getLogger("sgjax.engine")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Engine settings, with SGLang's names (the paper's ablations are switches here)."""
+
+    model_path: str | None = None
+    dtype: str | None = None  # float32 | bfloat16; default: float32 on CPU, bfloat16 on accelerators
+    page_size: int = 16
+    max_total_tokens: int | None = None  # KV pool size; default: mem_fraction_static of free device memory
+    mem_fraction_static: float = 0.8
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512
+    schedule_policy: str = "lpm"
+    schedule_conservativeness: float = 1.0  # scales the admission reserve for future tokens; 0: admit greedily
+    disable_radix_cache: bool = False
+    cache: str = "radix"  # radix | table (the "no tree" ablation) | none
+    attention_backend: str | None = None  # ref | pallas; default by platform
+    context_length: int | None = None
+    max_top_logprobs_num: int = 20
+    precompile: bool | None = None  # compile the decode buckets at start; default: on accelerators only
+    random_seed: int = 0
+    skip_tokenizer_init: bool = False  # input_ids in, output_ids out, no text (dummy-weight benchmarks)
+
+    @classmethod
+    def from_kwargs(cls, model_path, kwargs: dict) -> "ServerArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(model_path=model_path, **kwargs)
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs):
+        """Load a model (None: the default SmolLM2) and start serving. kwargs: ServerArgs fields."""
+        args = ServerArgs.from_kwargs(model_path, kwargs)
+        cfg, weights = _load_model_cached(args.model_path, _dtype(args))
+        tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model_path)
+        self._start(args, cfg, weights, tokenizer)
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None, **kwargs):
+        """An engine over weights already in memory (dummy weights for benchmarks, tiny models in tests).
+        Without a tokenizer the engine takes input_ids and returns output_ids only (skip_tokenizer_init)."""
+        args = ServerArgs.from_kwargs(None, {**kwargs, "skip_tokenizer_init": tokenizer is None})
+        engine = cls.__new__(cls)
+        engine._start(args, cfg, weights, tokenizer)
+        return engine
+
+    def _start(self, args: ServerArgs, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None) -> None:
+        platform = jax.devices()[0].platform
+        self.args, self.model_config, self.tokenizer = args, cfg, tokenizer
+        self.context_length = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        num_pages = 1 + _pool_pages(args, cfg, platform)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_pages=num_pages, page_size=args.page_size, policy=args.schedule_policy,
+            cache="none" if args.disable_radix_cache else args.cache,
+            chunked_prefill_size=args.chunked_prefill_size, max_running_requests=args.max_running_requests,
+            init_new_token_ratio=0.7 * args.schedule_conservativeness,
+            min_new_token_ratio=0.1 * args.schedule_conservativeness, seed=args.random_seed))
+        self.max_total_tokens = (num_pages - 1) * args.page_size
+        self.runner = Runner(cfg, weights, num_pages=num_pages, page_size=args.page_size,
+                             max_context=self.context_length,
+                             attention=args.attention_backend or default_backend(platform),
+                             max_top_logprobs=args.max_top_logprobs_num)
+        self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
+        self._seeds = np.random.default_rng(args.random_seed)
+        self._inbox: queue.Queue = queue.Queue()
+        self._step_seconds = 0.0
+        self._closed = False
+        if args.precompile if args.precompile is not None else platform != "cpu":
+            self._precompile()
+        self._thread = threading.Thread(target=self._loop, name="sgjax-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API -------------------------------------------------------------------------------------
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                 logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
+        """One prompt -> one result dict (a list when n > 1); a list of prompts -> a list of results.
+        stream=True returns an iterator of result dicts whose `text` grows (one prompt, n == 1)."""
+        reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                           top_logprobs_num, rid)
+        if stream:
+            if len(reqs) != 1:
+                raise ValueError("stream=True takes one prompt with n == 1")
+            return self._stream(reqs[0])
+        waits = [self._submit(r) for r in reqs]
+        results = [w() for w in waits]
+        return results[0] if single and len(results) == 1 else results
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
+        reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                           top_logprobs_num, rid)
+        if stream:
+            if len(reqs) != 1:
+                raise ValueError("stream=True takes one prompt with n == 1")
+            return self._async_stream(reqs[0])
+        results = await asyncio.gather(*(self._async_one(r) for r in reqs))
+        return results[0] if single and len(results) == 1 else list(results)
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def flush_cache(self) -> bool:
+        return self._call(self.scheduler.flush_cache)
+
+    def get_server_info(self) -> dict:
+        return self._call(self._server_info)
+
+    def check_invariants(self) -> None:
+        """The cache's page accounting, checked on the engine thread between steps (tests, debugging)."""
+        self._call(self.scheduler.check_invariants)
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(("stop", None))
+            self._thread.join()
+            self.runner.pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def _make_requests(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                       top_logprobs_num, rid):
+        if self._closed:
+            raise EngineError("the engine is shut down")
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        single = isinstance(prompt, str) if prompt is not None else not (input_ids and isinstance(input_ids[0], list))
+        prompts = ([prompt] if single else list(prompt)) if prompt is not None else None
+        ids_list = ([input_ids] if single else list(input_ids)) if input_ids is not None else None
+        count = len(prompts if prompts is not None else ids_list)
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * count
+        if len(params_list) != count:
+            raise ValueError(f"{count} prompts but {len(params_list)} sampling_params")
+        rids = rid if isinstance(rid, list) else [rid] * count
+        reqs = []
+        for i in range(count):
+            params = SamplingParams.from_dict(params_list[i])
+            params.validate(self.model_config.vocab_size)
+            if params.stop and self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+            ids = self._tokens(prompts[i] if prompts is not None else None, ids_list[i] if ids_list else None)
+            params = self._fit_length(params, ids)
+            lp_start = self._check_logprob_args(return_logprob, logprob_start_len, top_logprobs_num, ids)
+            base = rids[i] or uuid.uuid4().hex
+            for j in range(params.n):
+                seed = (params.seed32 + j) % (2 ** 31) if params.seed is not None else int(self._seeds.integers(2 ** 31))
+                reqs.append(Req(rid=base if params.n == 1 else f"{base}-{j}", input_ids=list(ids), params=params,
+                                seed=seed, return_logprob=bool(return_logprob), logprob_start_len=lp_start,
+                                top_logprobs_num=int(top_logprobs_num or 0)))
+        return reqs, single
+
+    def _tokens(self, text, ids) -> list[int]:
+        if text is not None:
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): pass input_ids")
+            if not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            ids = self.tokenizer.encode(text)
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids has token ids outside [0, {vocab}): {bad[:5]}")
+        return ids
+
+    def _fit_length(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
+        """Reject prompts that cannot fit; shorten max_new_tokens to the context and the pool, as SGLang does."""
+        limit = min(self.context_length, self.max_total_tokens)
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this engine takes at most {limit - 1} "
+                             f"(context_length {self.context_length}, max_total_tokens {self.max_total_tokens})")
+        if len(ids) + params.max_new_tokens > limit:
+            return dataclasses.replace(params, max_new_tokens=limit - len(ids))
+        return params
+
+    def _check_logprob_args(self, return_logprob, start, top, ids) -> int:
+        if top is not None and (not isinstance(top, int) or top < 0 or top > self.args.max_top_logprobs_num):
+            raise ValueError(f"top_logprobs_num must be an int in [0, {self.args.max_top_logprobs_num}], got {top!r}")
+        if start is None or not return_logprob:
+            return -1
+        if not isinstance(start, int) or start < -1 or start >= len(ids):
+            raise ValueError(f"logprob_start_len must be -1 or in [0, {len(ids)}) for this prompt, got {start!r}")
+        return start
+
+    def _submit(self, req: Req):
+        done = threading.Event()
+        box = {}
+
+        def sink(req, new_text, finished):
+            if finished:
+                box["result"] = self._result(req)
+                done.set()
+
+        req.sink = sink
+        self._inbox.put(("add", req))
+
+        def wait():
+            done.wait()
+            return box["result"]
+
+        return wait
+
+    def _stream(self, req: Req):
+        chunks: queue.Queue = queue.Queue()
+        req.sink = lambda r, new_text, finished: chunks.put(self._result(r))
+        self._inbox.put(("add", req))
+        try:
+            while True:
+                item = chunks.get()
+                yield item
+                if item["meta_info"]["finish_reason"] is not None:
+                    return
+        finally:
+            if not req.finished:
+                self.abort(req.rid)
+
+    async def _async_one(self, req: Req):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def sink(r, new_text, finished):
+            if finished:
+                result = self._result(r)
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        req.sink = sink
+        self._inbox.put(("add", req))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.abort(req.rid)
+            raise
+
+    async def _async_stream(self, req: Req):
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+        req.sink = lambda r, new_text, finished: loop.call_soon_threadsafe(chunks.put_nowait, self._result(r))
+        self._inbox.put(("add", req))
+        try:
+            while True:
+                item = await chunks.get()
+                yield item
+                if item["meta_info"]["finish_reason"] is not None:
+                    return
+        finally:
+            if not req.finished:
+                self.abort(req.rid)
+
+    def _result(self, req: Req) -> dict:
+        meta = {"id": req.rid, "prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
+                "cached_tokens": max(req.cached_tokens, 0), "finish_reason": req.finish_reason}
+        if req.return_logprob:
+            meta["input_token_logprobs"] = [(lp, t, None) for lp, t in req.input_logprobs]
+            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in req.output_logprobs]
+            if req.top_logprobs_num:
+                meta["input_top_logprobs"] = [_tops(x) for x in req.input_top_logprobs]
+                meta["output_top_logprobs"] = [_tops(x) for x in req.output_top_logprobs]
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def _call(self, fn):
+        """Run `fn` on the engine thread between steps and return its result."""
+        if self._closed:
+            raise EngineError("the engine is shut down")
+        done, box = threading.Event(), {}
+        self._inbox.put(("call", (fn, done, box)))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while True:
+            try:
+                if not self._drain(block=not sched.has_work):
+                    break
+                works = sched.schedule()
+                if not works:
+                    if sched.waiting and not sched.running:  # cannot happen for validated requests; never spin
+                        req = sched.waiting.pop(0)
+                        self._finish(req, {"type": "abort", "message": "the request does not fit"}, release=False)
+                    continue
+                t0 = time.perf_counter()
+                tokens, logprobs, top = self.runner.run(works)
+                self._step_seconds += time.perf_counter() - t0
+                for req in sched.commit(works, tokens, logprobs, top):
+                    self._after_token(req)
+            except Exception as e:  # a bug or a device error: fail what ran, keep serving
+                log.exception("engine step failed")
+                for req in list(sched.running):
+                    sched.abort(req.rid)
+                    self._finish(req, {"type": "abort", "message": f"internal error: {e}"}, release=False)
+                if self.runner.pool_lost():  # the donated pool died with the step: its KV is gone
+                    self.runner.reset_pool()
+                    sched.cache.reset()
+
+    def _drain(self, block: bool) -> bool:
+        """Handle inbox messages; wait for one when idle. False when asked to stop."""
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+                    self.scheduler.abort(req.rid)
+                    self._finish(req, {"type": "abort", "message": "engine shut down"}, release=False)
+                return False
+            if kind == "add":
+                if self.tokenizer is not None:
+                    item.decoder = IncrementalDecoder(self.tokenizer, item.params.skip_special_tokens)
+                item.stops = StopMatcher(item.params.stop, item.params.no_stop_trim)
+                self.scheduler.add(item)
+            elif kind == "abort":
+                req = self.scheduler.abort(item)
+                if req is not None:
+                    self._finish(req, {"type": "abort"}, release=False)
+            elif kind == "call":
+                fn, done, box = item
+                try:
+                    box["result"] = fn()
+                except Exception as e:  # returned to the caller's thread
+                    box["error"] = e
+                done.set()
+
+    def _after_token(self, req: Req) -> None:
+        """Stop checks and streaming for a request that got a token (or finished its prefill-only run)."""
+        p = req.params
+        if p.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        token = req.output_ids[-1]
+        n = len(req.output_ids)
+        reason = None
+        may_stop = n >= p.min_new_tokens
+        if may_stop and not p.ignore_eos and token in self.eos_ids:
+            reason = {"type": "stop", "matched": token}
+        elif may_stop and token in p.stop_token_ids:
+            reason = {"type": "stop", "matched": token}
+        safe, matched = req.stops.feed(req.decoder.push([token])) if req.decoder is not None else ("", None)
+        req.text += safe
+        if matched is not None and may_stop and reason is None:
+            reason = {"type": "stop", "matched": matched}
+        if reason is None and n >= p.max_new_tokens:
+            reason = {"type": "length", "length": p.max_new_tokens}
+        if reason is None:
+            if req.sink is not None and safe:
+                req.sink(req, safe, False)
+            return
+        if matched is None and req.decoder is not None:
+            tail, matched_late = req.stops.feed(req.decoder.flush())
+            req.text += tail + ("" if matched_late is not None else req.stops.finish())
+        self._finish(req, reason)
+
+    def _finish(self, req: Req, reason: dict, release: bool = True) -> None:
+        req.finish_reason = reason
+        if release:
+            self.scheduler.finish(req)
+        if req.sink is not None:
+            req.sink(req, "", True)
+
+    def _precompile(self) -> None:
+        """Decode buckets of every request count up to max_running_requests, at the widest page table."""
+        width = self.runner._width(self.runner.max_pages)
+        r = 4
+        while True:
+            self.runner.precompile([(bucket(r, 16), r, width)])
+            if r >= self.args.max_running_requests:
+                break
+            r *= 2
+
+    def _server_info(self) -> dict:
+        s, a, c = self.scheduler, self.scheduler.allocator, self.scheduler.cache
+        st = s.stats
+        return {
+            "model_path": self.args.model_path, "page_size": self.args.page_size,
+            "max_total_tokens": self.max_total_tokens, "context_length": self.context_length,
+            "schedule_policy": s.cfg.policy, "cache": s.cfg.cache, "attention_backend": self.runner.attention,
+            "num_pages": a.capacity, "free_pages": a.num_free, "evictable_pages": c.evictable_pages,
+            "protected_pages": c.protected_pages, "pool_usage": 1.0 - a.num_free / a.capacity,
+            "running_requests": len(s.running), "waiting_requests": len(s.waiting),
+            "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens, "cache_hit_rate": s.hit_rate,
+            "retractions": st.retractions, "steps": st.steps, "tree_seconds": st.tree_seconds,
+            "step_seconds": self._step_seconds, "compiled_shapes": len(self.runner.shapes_seen),
+            "traces": self.runner.traces,
+        }
+
+
+def _tops(entries):
+    return None if entries is None else [(lp, t, None) for lp, t in entries]
+
+
+_MODELS: dict = {}
+
+
+def _dtype(args: ServerArgs) -> str:
+    return args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
+
+
+def _load_model_cached(path, dtype):
+    """Weights are immutable arrays: engines in one process (tests, ablation sweeps) share one copy."""
+    key = (path, dtype)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(path, dtype)
+    return _MODELS[key]
+
+
+def _pool_pages(args: ServerArgs, cfg: ModelConfig, platform: str) -> int:
+    """KV pool pages from max_total_tokens, or from mem_fraction_static of the device memory left after the
+    weights (on CPU, where memory stats are missing, a default of 16k tokens)."""
+    if args.page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {args.page_size}")
+    if args.max_total_tokens is not None:
+        if args.max_total_tokens < args.page_size:
+            raise ValueError(f"max_total_tokens must be >= page_size, got {args.max_total_tokens}")
+        return -(-args.max_total_tokens // args.page_size)
+    itemsize = 2 if cfg.dtype == "bfloat16" else 4
+    bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return -(-16384 // args.page_size)
+    free = limit * args.mem_fraction_static - stats.get("bytes_in_use", 0)
+    return max(int(free // (bytes_per_token * args.page_size)), 2)

@@ -1,0 +1,251 @@
+"""The Engine end to end on the real SmolLM2 (fp32, CPU): outputs against HF transformers, the cache's hits, memory
+pressure, sampling, stops, streaming, logprobs and errors."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from sgjax.cache import POLICIES
+from sgjax.engine.engine import Engine
+from sgjax.engine.params import SamplingParamsError
+from tests.engine.conftest import CHAT, FEW_SHOT, NEW_TOKENS
+
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
+SMALL = dict(max_total_tokens=4096, chunked_prefill_size=96, max_running_requests=8)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    with Engine(**SMALL) as eng:
+        yield eng
+
+
+def assert_no_leak(eng):
+    info = eng.get_server_info()
+    eng.check_invariants()
+    assert info["running_requests"] == info["waiting_requests"] == 0
+    assert info["protected_pages"] == 0
+    assert info["free_pages"] + info["evictable_pages"] == info["num_pages"]
+
+
+CONFIGS = [dict(schedule_policy=p) for p in POLICIES] + [dict(disable_radix_cache=True), dict(cache="table")]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_greedy_batch_equals_hf_under_every_policy_and_cache(config, prompt_ids, hf_greedy):
+    with Engine(**SMALL, **config) as eng:
+        outs = eng.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+        for i, (out, ref) in enumerate(zip(outs, hf_greedy)):
+            assert out["output_ids"] == ref, f"prompt {i}"
+        info = eng.get_server_info()
+        if config.get("disable_radix_cache"):
+            assert info["cached_tokens"] == 0
+        elif config.get("schedule_policy", "lpm") in ("lpm", "dfs-weight") and config.get("cache") != "table":
+            # The five few-shot prompts share ~60 tokens: the cache-aware orders defer the later ones a round so
+            # that they hit the prefix the first one computes (fcfs and random admit them all at once).
+            assert info["cached_tokens"] >= 4 * 48
+        assert_no_leak(eng)
+
+
+def expected_cached(previous: list[list[int]], ids: list[int], page: int = 16) -> int:
+    """The cache oracle for sequential requests: the longest common prefix with anything computed before, in whole
+    pages, never the whole prompt (its last token runs again for the logits)."""
+    best = 0
+    for seq in previous:
+        n = min(len(seq), len(ids) - 1)
+        a, b = np.asarray(seq[:n]), np.asarray(ids[:n])
+        neq = np.nonzero(a != b)[0]
+        best = max(best, int(neq[0]) if len(neq) else n)
+    return best // page * page
+
+
+def test_cached_tokens_for_the_papers_sharing_patterns(smollm2):
+    tok = smollm2[2]
+    with Engine(**SMALL) as eng:
+        computed: list[list[int]] = []
+
+        def run(ids, **params):
+            out = eng.generate(input_ids=ids, sampling_params={"temperature": 0, **params})
+            assert out["meta_info"]["cached_tokens"] == expected_cached(computed, ids)
+            computed.append(ids + out["output_ids"][:-1])
+            return out
+
+        # Few-shot: every question after the first reuses the examples.
+        for q in ("What do bees make?", "What is the opposite of hot?", "What do cows drink?"):
+            out = run(tok.encode(FEW_SHOT + f"Q: {q}\nA:"), max_new_tokens=4)
+        assert out["meta_info"]["cached_tokens"] >= 48
+        # Multi-turn chat: turn 2 extends turn 1's prompt and answer.
+        turn1 = CHAT + "Name a fruit.<|im_end|>\n<|im_start|>assistant\n"
+        a1 = run(tok.encode(turn1), max_new_tokens=8)
+        turn2 = tok.encode(turn1) + a1["output_ids"] + tok.encode("<|im_end|>\n<|im_start|>user\nAnother one.")
+        out = run(turn2, max_new_tokens=4)
+        assert out["meta_info"]["cached_tokens"] >= len(tok.encode(turn1)) // 16 * 16
+        # Fork: the shared prefix goes first as a prefill-only request (the frontend hint), then the branches.
+        prefix = tok.encode("Here are three ideas for a weekend trip, each in one sentence. Idea 1:" * 3)
+        hint = run(prefix, max_new_tokens=0)
+        assert hint["meta_info"]["completion_tokens"] == 0 and hint["meta_info"]["finish_reason"]["type"] == "length"
+        branches = [prefix + tok.encode(f" Branch {i}: go hiking") for i in range(3)]
+        outs = eng.generate(input_ids=branches, sampling_params={"temperature": 0, "max_new_tokens": 3})
+        for out, ids in zip(outs, branches):
+            assert out["meta_info"]["cached_tokens"] == expected_cached([prefix], ids) >= 32
+        assert_no_leak(eng)
+
+
+def test_small_pool_retracts_and_every_request_is_right(prompt_ids, hf_greedy):
+    # 20 pages of 16 tokens: about three of these requests fit at once; no reserve for their outputs.
+    with Engine(max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16,
+                schedule_conservativeness=0.0) as eng:
+        outs = eng.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+        for i, (out, ref) in enumerate(zip(outs, hf_greedy)):
+            assert out["output_ids"] == ref, f"prompt {i}"
+        info = eng.get_server_info()
+        assert info["retractions"] > 0
+        assert_no_leak(eng)
+
+
+def test_seed_reproduces_sampling_whatever_the_batch(engine):
+    params = {"max_new_tokens": 10, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
+    alone = engine.generate("Tell me about the ocean.", params)["output_ids"]
+    mixed = engine.generate(["Hi", "Tell me about the ocean.", "Once upon a time"],
+                            [GREEDY, params, {**params, "seed": 7}])
+    assert mixed[1]["output_ids"] == alone
+    others = [engine.generate("Tell me about the ocean.", {**params, "seed": s})["output_ids"] for s in (1, 2, 3)]
+    assert len({tuple(o) for o in others + [alone]}) > 1
+    n3 = engine.generate("Tell me about the ocean.", {**params, "n": 3})
+    assert len(n3) == 3 and n3[0]["output_ids"] == alone
+    assert len({tuple(o["output_ids"]) for o in n3}) > 1
+
+
+def test_penalties_change_the_output_and_keep_it_valid(engine):
+    base = engine.generate("one one one one one", {"max_new_tokens": 8, "temperature": 0})
+    pen = engine.generate("one one one one one", {"max_new_tokens": 8, "temperature": 0, "repetition_penalty": 1.5,
+                                                  "frequency_penalty": 1.0, "presence_penalty": 1.0})
+    assert base["output_ids"] != pen["output_ids"]
+    assert pen["meta_info"]["completion_tokens"] == 8
+
+
+def test_steady_state_compiles_nothing(engine, prompt_ids):
+    def run(params):
+        engine.flush_cache()  # the same cache state each time, hence the same batches
+        engine.generate(input_ids=prompt_ids[:6], sampling_params=params)
+
+    run(GREEDY)
+    traces = engine.get_server_info()["traces"]
+    run(GREEDY)
+    run({**GREEDY, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 3})
+    assert engine.get_server_info()["traces"] == traces
+
+
+def test_stop_strings_tokens_eos_and_ignore_eos(engine):
+    text = engine.generate("Count: 1, 2, 3,", {"max_new_tokens": 12, "temperature": 0})["text"]
+    assert " 4, 5" in text
+    out = engine.generate("Count: 1, 2, 3,", {"max_new_tokens": 12, "temperature": 0, "stop": [" 5,"]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " 5,"}
+    assert out["text"] == text[:text.index(" 5,")]
+    kept = engine.generate("Count: 1, 2, 3,", {"max_new_tokens": 12, "temperature": 0, "stop": [" 5,"],
+                                               "no_stop_trim": True})
+    assert kept["text"].endswith(" 5,")
+    first = engine.generate("Count: 1, 2, 3,", {"max_new_tokens": 12, "temperature": 0})["output_ids"]
+    out = engine.generate("Count: 1, 2, 3,", {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [first[2]]})
+    assert out["output_ids"] == first[:3] and out["meta_info"]["finish_reason"]["matched"] == first[2]
+    chat = CHAT + "Say hello.<|im_end|>\n<|im_start|>assistant\n"
+    ended = engine.generate(chat, {"max_new_tokens": 64, "temperature": 0})
+    assert ended["meta_info"]["finish_reason"]["type"] == "stop"
+    assert ended["output_ids"][-1] in engine.eos_ids and "<|im_end|>" not in ended["text"]
+    longer = engine.generate(chat, {"max_new_tokens": len(ended["output_ids"]) + 3, "temperature": 0,
+                                    "ignore_eos": True})
+    assert longer["meta_info"]["completion_tokens"] == len(ended["output_ids"]) + 3
+
+
+def test_streaming_and_async(engine):
+    full = engine.generate("The quick brown fox", GREEDY)
+    chunks = list(engine.generate("The quick brown fox", GREEDY, stream=True))
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == full["text"] and chunks[-1]["meta_info"]["finish_reason"] is not None
+
+    async def main():
+        one = await engine.async_generate("The quick brown fox", GREEDY)
+        streamed = [c async for c in await engine.async_generate("The quick brown fox", GREEDY, stream=True)]
+        many = await asyncio.gather(*(engine.async_generate(p, GREEDY) for p in ["Hello", "Water boils at"]))
+        return one, streamed, many
+
+    one, streamed, many = asyncio.run(main())
+    assert one["output_ids"] == full["output_ids"] and streamed[-1]["text"] == full["text"]
+    assert [m["output_ids"] for m in many] == [o["output_ids"] for o in engine.generate(["Hello", "Water boils at"],
+                                                                                        GREEDY)]
+
+
+def test_logprobs_match_hf(engine, hf_smollm2, smollm2):
+    import torch
+
+    ids = smollm2[2].encode(FEW_SHOT + "Q: What do bees make?\nA:")
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0},
+                          return_logprob=True, logprob_start_len=3, top_logprobs_num=3)
+    meta = out["meta_info"]
+    full = ids + out["output_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smollm2(torch.tensor([full])).logits[0].float(), -1).numpy()
+    inp = meta["input_token_logprobs"]
+    assert [t for _, t, _ in inp] == ids[3:]
+    np.testing.assert_allclose([lp for lp, _, _ in inp], [ref[i - 1, ids[i]] for i in range(3, len(ids))], atol=2e-3)
+    outp = meta["output_token_logprobs"]
+    np.testing.assert_allclose([lp for lp, _, _ in outp],
+                               [ref[len(ids) - 1 + j, t] for j, t in enumerate(out["output_ids"])], atol=2e-3)
+    for row, tops in zip(range(len(ids) - 1, len(full) - 1), meta["output_top_logprobs"]):
+        assert [t for _, t, _ in tops] == np.argsort(-ref[row])[:3].tolist()
+    # Prompt logprobs from position 0 over a prefix that is already cached: the cache is not used past the start.
+    again = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                            logprob_start_len=0)
+    assert again["meta_info"]["input_token_logprobs"][0][0] is None
+    np.testing.assert_allclose([lp for lp, _, _ in again["meta_info"]["input_token_logprobs"][1:]],
+                               [ref[i - 1, ids[i]] for i in range(1, len(ids))], atol=2e-3)
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"),
+    ({"max_new_tokens": -1}, "max_new_tokens"), ({"min_p": 2}, "min_p"), ({"nucleus": 0.5}, "nucleus"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"stop_token_ids": [10 ** 6]}, "stop_token_ids"),
+])
+def test_bad_sampling_params_are_clear_errors_and_the_engine_keeps_serving(engine, params, field):
+    with pytest.raises(SamplingParamsError, match=field):
+        engine.generate("Hello", params)
+    assert engine.generate("Hello", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(input_ids=[]), "empty"), (dict(input_ids=[1, 10 ** 7]), "outside"),
+    (dict(prompt="x", input_ids=[1]), "exactly one"), (dict(prompt="hi", return_logprob=True, logprob_start_len=99),
+                                                       "logprob_start_len"),
+    (dict(prompt="hi", top_logprobs_num=1000), "top_logprobs_num"),
+])
+def test_bad_requests_are_clear_errors(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
+
+
+def test_too_long_prompt_is_rejected_and_max_new_tokens_clipped(smollm2):
+    with Engine(max_total_tokens=64) as eng:
+        with pytest.raises(ValueError, match="at most"):
+            eng.generate(input_ids=[1] * 64)
+        out = eng.generate(input_ids=[1] * 60, sampling_params={"max_new_tokens": 100, "ignore_eos": True})
+        assert out["meta_info"]["completion_tokens"] == 4
+
+
+def test_abort_frees_pages_at_once(engine):
+    it = engine.generate("Once upon a time", {"max_new_tokens": 200, "ignore_eos": True}, stream=True)
+    first = next(it)
+    assert first["meta_info"]["finish_reason"] is None
+    it.close()  # the client went away: the stream aborts its request
+    info = engine.get_server_info()
+    assert info["running_requests"] == 0
+    assert_no_leak(engine)
+
+
+def test_flush_cache(engine):
+    engine.generate(FEW_SHOT + "Q: What do bees make?\nA:", GREEDY)
+    assert engine.get_server_info()["evictable_pages"] > 0
+    assert engine.flush_cache()
+    info = engine.get_server_info()
+    assert info["evictable_pages"] == 0 and info["free_pages"] == info["num_pages"]
