@@ -1,4 +1,5 @@
-"""Greedy generation on the default model (SmolLM2-135M-Instruct), printing text and tokens/s.
+"""The engine on the default model (SmolLM2-135M-Instruct): a batch of chat prompts, then a few-shot batch that
+reuses its shared prefix through the radix cache; prints the answers, tokens/s and the cache hit rate.
 
     make run            # set-up + this script
     .venv/bin/python examples/quickstart.py --model-path /path/to/model.gguf --max-new-tokens 64
@@ -14,9 +15,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
-from sgjax.model.generate import GreedyGenerator  # noqa: E402
-from sgjax.model.loader import load_model  # noqa: E402
-from sgjax.model.tokenizer import load_tokenizer  # noqa: E402
+import sgjax  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -24,35 +23,46 @@ QUESTIONS = [
     "Give three tips for staying healthy.",
     "Explain what a radix tree is in one sentence.",
 ]
+FEW_SHOT = ("Q: What color is the sky on a clear day?\nA: Blue\nQ: What animal says moo?\nA: Cow\n"
+            "Q: What is frozen water called?\nA: Ice\n")
+SHORT = ["What do bees make?", "What is the opposite of hot?", "Which planet do we live on?", "What do cows drink?"]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     t0 = time.perf_counter()
-    cfg, weights = load_model(args.model_path, dtype=args.dtype)
-    tok = load_tokenizer(args.model_path)
+    engine = sgjax.Engine(args.model_path, dtype=args.dtype, max_total_tokens=8192)
+    cfg = engine.model_config
     print(f"loaded {cfg.architecture} ({cfg.num_params() / 1e6:.0f}M params, {cfg.dtype}) "
           f"in {time.perf_counter() - t0:.1f}s on {jax.devices()[0].platform}")
-
+    tok = engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    ids = [tok.encode(p) for p in prompts]
-    gen = GreedyGenerator(cfg, weights, page_size=16, max_context=512, max_batch=len(ids))
-    gen.generate(ids, args.max_new_tokens, stop_ids=tok.eos_token_ids)  # compile every bucket it meets; time the rerun
-    result = gen.generate(ids, args.max_new_tokens, stop_ids=tok.eos_token_ids)
+    greedy = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
+    engine.generate(prompts, greedy)  # compiles the buckets this batch meets; the rerun below is timed
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, greedy)
+    seconds = time.perf_counter() - t0
+    for q, out in zip(QUESTIONS, outs):
+        print(f"\n### {q}\n{out['text'].strip()}")
+    new_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    print(f"\n{len(prompts)} prompts, {sum(o['meta_info']['prompt_tokens'] for o in outs)} prompt tokens, "
+          f"{new_tokens} new tokens in {seconds:.2f}s: {new_tokens / seconds:.1f} tokens/s")
 
-    for q, out in zip(QUESTIONS, result.output_ids):
-        print(f"\n### {q}\n{tok.decode(out).strip()}")
-    new_tokens = sum(len(o) for o in result.output_ids)
-    total = result.prefill_seconds + result.decode_seconds
-    print(f"\n{len(ids)} prompts, {sum(map(len, ids))} prompt tokens, {new_tokens} new tokens in {total:.2f}s: "
-          f"{new_tokens / total:.1f} tokens/s overall, "
-          f"{len(ids) * result.decode_steps / max(result.decode_seconds, 1e-9):.1f} tokens/s in decode "
-          f"(batch {len(ids)}), prefill {result.prefill_seconds * 1000:.0f} ms")
+    few = [FEW_SHOT + f"Q: {q}\nA:" for q in SHORT]
+    outs = engine.generate(few, {"max_new_tokens": 4, "temperature": 0, "stop": ["\n"]})
+    print("\nfew-shot: " + ", ".join(f"{q} -> {o['text'].strip()!r} (cached {o['meta_info']['cached_tokens']} of "
+                                       f"{o['meta_info']['prompt_tokens']})" for q, o in zip(SHORT, outs)))
+    info = engine.get_server_info()
+    print(f"cache hit rate {info['cache_hit_rate']:.2f}, pool usage {info['pool_usage']:.2%}, "
+          f"{info['steps']} steps, RadixAttention bookkeeping {info['tree_seconds'] * 1e3:.1f} ms "
+          f"of {info['step_seconds']:.2f} s in steps")
+    engine.shutdown()
 
 
 if __name__ == "__main__":
