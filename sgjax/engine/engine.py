@@ -22,10 +22,11 @@ import jax
 import numpy as np
 
 from sgjax.engine.detokenize import IncrementalDecoder, StopMatcher
-from sgjax.engine.params import SamplingParams
+from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.engine.request import Req
 from sgjax.engine.runner import Runner, bucket
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
+from sgjax.fsm import GrammarCache, GrammarError, RegexError, from_tokenizer
 from sgjax.kernels import default_backend
 from sgjax.model.loader import load_model
 from sgjax.model.config import ModelConfig
@@ -56,6 +57,7 @@ class ServerArgs:
     precompile: bool | None = None  # compile the decode buckets at start; default: on accelerators only
     random_seed: int = 0
     skip_tokenizer_init: bool = False  # input_ids in, output_ids out, no text (dummy-weight benchmarks)
+    disable_jump_forward: bool = False  # decode forced grammar text token by token (same output, more steps)
 
     @classmethod
     def from_kwargs(cls, model_path, kwargs: dict) -> "ServerArgs":
@@ -105,6 +107,9 @@ class Engine:
                              max_top_logprobs=args.max_top_logprobs_num)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self._seeds = np.random.default_rng(args.random_seed)
+        self._grammars = GrammarCache()
+        self._vocabulary = None
+        self._jumped_tokens = 0
         self._inbox: queue.Queue = queue.Queue()
         self._step_seconds = 0.0
         self._closed = False
@@ -188,14 +193,31 @@ class Engine:
                 raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
             ids = self._tokens(prompts[i] if prompts is not None else None, ids_list[i] if ids_list else None)
             params = self._fit_length(params, ids)
+            grammar = self._grammar(params)
             lp_start = self._check_logprob_args(return_logprob, logprob_start_len, top_logprobs_num, ids)
             base = rids[i] or uuid.uuid4().hex
             for j in range(params.n):
                 seed = (params.seed32 + j) % (2 ** 31) if params.seed is not None else int(self._seeds.integers(2 ** 31))
                 reqs.append(Req(rid=base if params.n == 1 else f"{base}-{j}", input_ids=list(ids), params=params,
                                 seed=seed, return_logprob=bool(return_logprob), logprob_start_len=lp_start,
-                                top_logprobs_num=int(top_logprobs_num or 0)))
+                                top_logprobs_num=int(top_logprobs_num or 0), grammar=grammar))
         return reqs, single
+
+    def _grammar(self, params: SamplingParams):
+        """The compiled FSM of a regex / json_schema request (cached across requests), or None."""
+        if params.regex is None and params.json_schema is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("regex and json_schema need a tokenizer; this engine has none")
+        if self._vocabulary is None:
+            self._vocabulary = from_tokenizer(self.tokenizer)
+        try:
+            if params.regex is not None:
+                return self._grammars.get_regex(params.regex, self._vocabulary)
+            return self._grammars.get_json_schema(params.json_schema, self._vocabulary)
+        except (GrammarError, RegexError) as e:
+            field_name = "regex" if params.regex is not None else "json_schema"
+            raise SamplingParamsError(f"{field_name}: {e}") from None
 
     def _tokens(self, text, ids) -> list[int]:
         if text is not None:
@@ -362,6 +384,8 @@ class Engine:
                 if self.tokenizer is not None:
                     item.decoder = IncrementalDecoder(self.tokenizer, item.params.skip_special_tokens)
                 item.stops = StopMatcher(item.params.stop, item.params.no_stop_trim)
+                if item.grammar is not None and self._jump(item):  # forced text before the first token
+                    continue
                 self.scheduler.add(item)
             elif kind == "abort":
                 req = self.scheduler.abort(item)
@@ -376,12 +400,25 @@ class Engine:
                 done.set()
 
     def _after_token(self, req: Req) -> None:
-        """Stop checks and streaming for a request that got a token (or finished its prefill-only run)."""
-        p = req.params
-        if p.max_new_tokens == 0:
+        """Stop checks, the FSM and streaming for a request that got a token (or finished a prefill-only run)."""
+        if req.params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
         token = req.output_ids[-1]
+        if req.grammar is not None:
+            req.fsm_state = req.grammar.next_state(req.fsm_state, token)
+            if req.fsm_state < 0:  # the mask forbade it: only an all-masked row (a broken grammar) gets here
+                self._finish(req, {"type": "abort", "message": f"token {token} violates the grammar"})
+                return
+        if self._check_stop(req, [token]):
+            return
+        if req.grammar is not None:
+            self._jump(req)
+
+    def _check_stop(self, req: Req, new_tokens: list[int]) -> bool:
+        """Stream the new tokens' text and finish the request if it is done. True when it finished."""
+        p = req.params
+        token = new_tokens[-1]
         n = len(req.output_ids)
         reason = None
         may_stop = n >= p.min_new_tokens
@@ -389,20 +426,46 @@ class Engine:
             reason = {"type": "stop", "matched": token}
         elif may_stop and token in p.stop_token_ids:
             reason = {"type": "stop", "matched": token}
-        safe, matched = req.stops.feed(req.decoder.push([token])) if req.decoder is not None else ("", None)
+        safe, matched = req.stops.feed(req.decoder.push(new_tokens)) if req.decoder is not None else ("", None)
         req.text += safe
         if matched is not None and may_stop and reason is None:
             reason = {"type": "stop", "matched": matched}
+        if reason is None and req.grammar is not None and req.grammar.is_finished(req.fsm_state):
+            reason = {"type": "stop", "matched": None}  # the grammar is complete: only EOS could follow
         if reason is None and n >= p.max_new_tokens:
             reason = {"type": "length", "length": p.max_new_tokens}
         if reason is None:
             if req.sink is not None and safe:
                 req.sink(req, safe, False)
-            return
+            return False
         if matched is None and req.decoder is not None:
             tail, matched_late = req.stops.feed(req.decoder.flush())
             req.text += tail + ("" if matched_late is not None else req.stops.finish())
-        self._finish(req, reason)
+        self._finish(req, reason, release=req in self.scheduler.running)
+        return True
+
+    def _jump(self, req: Req) -> bool:
+        """Jump-forward: append the grammar's forced tokens in one extend instead of decoding them one per step.
+        The canonical forced-token rule (docs/fsm.md) makes the tokens exactly those decoding would produce, so
+        the output is the same with the switch on or off. True when the request finished."""
+        if self.args.disable_jump_forward:
+            return False
+        jump = req.grammar.jump(req.fsm_state)
+        if jump is None:
+            return False
+        tokens = list(jump.tokens[:req.params.max_new_tokens - len(req.output_ids)])
+        if not tokens:
+            return False
+        state = jump.state if len(tokens) == len(jump.tokens) else req.grammar.walk(tokens, req.fsm_state)
+        req.output_ids.extend(tokens)
+        if req.return_logprob:  # not computed: these tokens were forced, not sampled
+            req.output_logprobs.extend((None, t) for t in tokens)
+            req.output_top_logprobs.extend(None for _ in tokens)
+        req.fsm_state = state
+        req.jump_tokens += len(tokens)
+        self._jumped_tokens += len(tokens)
+        req.prefill_done = False  # the forced tokens run as an extend; the next token comes from its last row
+        return self._check_stop(req, tokens)
 
     def _finish(self, req: Req, reason: dict, release: bool = True) -> None:
         req.finish_reason = reason
@@ -434,7 +497,8 @@ class Engine:
             "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens, "cache_hit_rate": s.hit_rate,
             "retractions": st.retractions, "steps": st.steps, "tree_seconds": st.tree_seconds,
             "step_seconds": self._step_seconds, "compiled_shapes": len(self.runner.shapes_seen),
-            "traces": self.runner.traces,
+            "traces": self.runner.traces, "jump_forward_tokens": self._jumped_tokens,
+            "grammar_cache": dataclasses.asdict(self._grammars.stats),
         }
 
 

@@ -53,6 +53,11 @@ class Req:
     stops: Any = None
     retractions: int = 0
 
+    # constrained decoding (sgjax.fsm): the compiled grammar and the FSM state after the output so far
+    grammar: Any = None
+    fsm_state: int = 0
+    jump_tokens: int = 0  # output tokens appended by jump-forward instead of decoded one by one
+
     @property
     def fill_ids(self) -> list[int]:
         if self.prefill_done and self.output_ids:

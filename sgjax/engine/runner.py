@@ -21,6 +21,7 @@ import numpy as np
 
 from sgjax.engine.sampler import default_rows, pack_sampling, sample, sampling_size, unpack_sampling
 from sgjax.engine.scheduler import Work
+from sgjax.fsm.device import unpack_bits
 from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import BatchShape, build_batch, pack, unpack
 from sgjax.model.config import ModelConfig
@@ -40,6 +41,7 @@ class StepShape:
     batch: BatchShape
     history: int  # W
     top_logprobs: int  # K
+    mask_words: int = 0  # ceil(V / 32) when a row is constrained (packed allowed-token bits per row), else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,10 +53,15 @@ def jitted_step(cfg: ModelConfig, attention: str):
     def step(weights, pool, buffer, shape: StepShape):
         step.traces += 1
         n = sum(shape.batch.sizes)
+        num_rows = shape.batch.num_logits
+        m = n + sampling_size(num_rows, shape.history)
         batch = unpack(buffer[:n], shape.batch)
-        rows = unpack_sampling(buffer[n:], shape.batch.num_logits, shape.history)
+        rows = unpack_sampling(buffer[n:m], num_rows, shape.history)
         logits, pool = forward(weights, pool, batch, cfg=cfg, attention=attend)
-        return sample(logits, rows, num_top_logprobs=shape.top_logprobs), pool
+        mask = None
+        if shape.mask_words:
+            mask = unpack_bits(buffer[m:].reshape(num_rows, shape.mask_words), cfg.vocab_size)
+        return sample(logits, rows, num_top_logprobs=shape.top_logprobs, mask=mask), pool
 
     step.traces = 0
     fn = jax.jit(step, donate_argnames=("pool",), static_argnames=("shape",))
@@ -120,10 +127,25 @@ class Runner:
         batch = build_batch(chunks, kv_lens, [p[:width] for p in tables], self.page_size, bucket(t, 16), num_reqs,
                             width, logits_rows=logits_rows, num_logits=num_logits)
         rows, history, top_k = self._sampling_rows(works, num_logits, sample_rows, prompt_rows)
-        shape = StepShape(BatchShape.of(batch), history, top_k)
-        buffer = np.concatenate([pack(batch), pack_sampling(rows)])
-        assert len(buffer) == sum(shape.batch.sizes) + sampling_size(num_logits, history)
-        return buffer, shape, sample_rows, prompt_rows
+        masks = self._masks(works, num_logits, sample_rows)
+        shape = StepShape(BatchShape.of(batch), history, top_k, 0 if masks is None else masks.shape[1])
+        parts = [pack(batch), pack_sampling(rows)] + ([] if masks is None else [masks.reshape(-1)])
+        return np.concatenate(parts), shape, sample_rows, prompt_rows
+
+    def _masks(self, works, num_logits, sample_rows):
+        """Packed allowed-token bits per logits row (all ones for unconstrained rows), or None when no row is
+        constrained. The FSM state lives on the host, which needs every token anyway (stops, jump-forward), so
+        the mask row is copied from the grammar's table: ceil(V/32) words per row, in the step's one buffer."""
+        constrained = [(w, r) for w, r in zip(works, sample_rows) if r >= 0 and w.req.grammar is not None]
+        if not constrained:
+            return None
+        words = -(-self.cfg.vocab_size // 32)
+        masks = np.full((num_logits, words), -1, np.int32)
+        for w, row in constrained:
+            bits = w.req.grammar.mask_bits[w.req.fsm_state]
+            masks[row, :len(bits)] = bits
+            masks[row, len(bits):] = 0  # model ids past the tokenizer's vocabulary are never allowed
+        return masks
 
     def _sampling_rows(self, works, num_logits, sample_rows, prompt_rows):
         vocab = self.cfg.vocab_size
