@@ -58,6 +58,7 @@ class ServerArgs:
     random_seed: int = 0
     skip_tokenizer_init: bool = False  # input_ids in, output_ids out, no text (dummy-weight benchmarks)
     disable_jump_forward: bool = False  # decode forced grammar text token by token (same output, more steps)
+    grammar_cache_size: int = 128  # compiled grammars kept; 0 rebuilds per request (the paper's ablation)
 
     @classmethod
     def from_kwargs(cls, model_path, kwargs: dict) -> "ServerArgs":
@@ -107,7 +108,7 @@ class Engine:
                              max_top_logprobs=args.max_top_logprobs_num)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self._seeds = np.random.default_rng(args.random_seed)
-        self._grammars = GrammarCache()
+        self._grammars = GrammarCache(max_entries=args.grammar_cache_size)
         self._vocabulary = None
         self._jumped_tokens = 0
         self._inbox: queue.Queue = queue.Queue()
