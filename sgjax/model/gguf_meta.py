@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import functools
 
-from gguf import GGUFReader
-
 
 class GGUFError(ValueError):
     """A GGUF file that cannot be read or holds something we do not support."""
 
 
 @functools.lru_cache(maxsize=4)
-def open_gguf(path: str) -> GGUFReader:
+def open_gguf(path: str):
+    from gguf import GGUFReader  # imported here: serving HF checkpoints or dummy weights needs no gguf
+
     try:
         return GGUFReader(path)
     except Exception as e:  # the reader raises a variety of errors on truncated or corrupt files
