@@ -24,11 +24,15 @@ CFG = ModelConfig(architecture="llama", vocab_size=4096, hidden_size=256, interm
                   num_heads=8, num_kv_heads=2, head_dim=32, max_position_embeddings=2048)
 
 
+TIE = 0.02
+
+
 def run(backend, weights, prompts):
     eng = Engine.from_weights(CFG, weights, None, attention_backend=backend, page_size=16, max_total_tokens=8192,
                               chunked_prefill_size=128, max_running_requests=16, precompile=False)
     outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "temperature": 0,
-                                                            "ignore_eos": True}, return_logprob=True)
+                                                            "ignore_eos": True}, return_logprob=True,
+                         top_logprobs_num=2)
     info = eng.get_server_info()
     eng.shutdown()
     return outs, info
@@ -48,15 +52,25 @@ def main():
     same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(ref, pal))
     gap = max(abs(x[0] - y[0]) for a, b in zip(ref, pal) if a["output_ids"] == b["output_ids"]
               for x, y in zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]))
+    # Where outputs differ, the first differing token must be a near tie in ref's own distribution (random weights
+    # give flat distributions; GPU f32 matmuls may run in TF32): top-1 minus top-2 logprob below TIE.
+    divergences = []
+    for i, (a, b) in enumerate(zip(ref, pal)):
+        if a["output_ids"] != b["output_ids"]:
+            j = next(k for k, (x, y) in enumerate(zip(a["output_ids"], b["output_ids"])) if x != y)
+            top = a["meta_info"]["output_top_logprobs"][j]
+            divergences.append({"request": i, "position": j, "top2_margin": top[0][0] - top[1][0]})
     result = {"platform": jax.devices()[0].platform, "device": jax.devices()[0].device_kind, "requests": len(prompts),
-              "identical_outputs": same, "max_logprob_gap": gap, "cached_tokens": pal_info["cached_tokens"],
-              "prompt_tokens": pal_info["prompt_tokens"], "steps": pal_info["steps"]}
+              "identical_outputs": same, "max_logprob_gap": gap, "divergences": divergences,
+              "cached_tokens": pal_info["cached_tokens"], "prompt_tokens": pal_info["prompt_tokens"],
+              "steps": pal_info["steps"]}
     print(json.dumps(result))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f)
-    if same != len(prompts):
-        raise SystemExit(f"{len(prompts) - same} requests differ between ref and pallas")
+    real = [d for d in divergences if d["top2_margin"] > TIE]
+    if real:
+        raise SystemExit(f"{len(real)} requests differ between ref and pallas beyond a near tie: {real}")
 
 
 if __name__ == "__main__":
