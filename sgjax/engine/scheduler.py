@@ -166,10 +166,15 @@ class Scheduler:
         if not self.waiting or room <= 0 or budget <= 0:
             return []
         t0 = time.perf_counter()
-        queue = self.waiting[:cfg.max_match_queue]
-        matches = [self._match(r) for r in queue]
         policy = cfg.policy if len(self.waiting) <= cfg.max_match_queue else "fcfs"
-        order = schedule_order(policy, [m.num_tokens for m in matches], [m.last_node for m in matches], self.rng)
+        if policy in ("lpm", "dfs-weight"):  # the order needs every match
+            queue = self.waiting[:cfg.max_match_queue]
+            matches = [self._match(r) for r in queue]
+            order = schedule_order(policy, [m.num_tokens for m in matches], [m.last_node for m in matches], self.rng)
+        else:  # the order ignores the cache: match only the requests we try to admit
+            queue = self.waiting
+            matches = [None] * len(queue)
+            order = schedule_order(policy, matches, None, self.rng)
         reserve = sum(self._future_pages(r) for r in self.running)
         admitted: list[Req] = []
         works: list[Work] = []
@@ -177,7 +182,7 @@ class Scheduler:
             if len(admitted) >= room or budget <= 0:
                 break
             req, m = queue[i], matches[i]
-            if m.last_node is not None and m.last_node.value is None:
+            if m is None or (m.last_node is not None and m.last_node.value is None):
                 m = self._match(req)  # an eviction for an earlier admission took its pages
             if policy in ("lpm", "dfs-weight") and self._shares_with(req, m.num_tokens, admitted):
                 continue
