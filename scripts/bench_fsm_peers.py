@@ -1,0 +1,698 @@
+"""Our FSM compiler (sgjax.fsm) against xgrammar, outlines-core and llguidance on the SmolLM2 vocabulary.
+
+Per library and grammar: cold compile time (per-tokenizer preprocessing reported separately), the per-token
+cost of a full-vocabulary mask plus advance along a valid token walk (mean / p99 microseconds), memory of the
+compiled structure where the library reports it, and how often the peer's allowed set equals ours at each
+step of the walk (against sgjax with and without the canonical forced-token rule, docs/fsm.md).
+
+    .venv/bin/python scripts/bench_fsm_peers.py [--out /tmp/bench_fsm_peers.jsonl] [--walk-repeats 20]
+
+Peers are optional (pip install xgrammar outlines-core llguidance); a missing one is skipped. The CPU may be
+shared, so every timing is repeated (--repeats, --compile-repeats, --walk-repeats) and the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+
+EOS_TOKEN = "<|im_end|>"
+
+# Explicit ASCII classes everywhere: \d \w \s differ between the libraries' regex dialects (ASCII vs Unicode).
+REGEXES = {
+    "phone": (r"(\+1 )?\(?[0-9]{3}\)?[ .-]?[0-9]{3}[.-][0-9]{4}", "+1 (555) 123-4567"),
+    "email": (r"[a-z0-9._%+-]+@[a-z0-9-]+(\.[a-z0-9-]+)*\.[a-z]{2,6}", "jane.doe+news@mail.example-corp.com"),
+    "iso_datetime": (r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
+                     r"(\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])", "2024-03-15T14:30:00.123+02:00"),
+    "ipv4": (r"((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
+             "192.168.10.254"),
+    # scripts/bench_fsm.py's paper regex with [\w\d\s] spelled out as ASCII (our dialect's meaning)
+    "paper_regex": (r'\{"summary": "[A-Za-z0-9_ \t\n\r\f\v]+\.", "grade": "[ABCD][+-]?"\}',
+                    '{"summary": "The essay argues well but cites no sources.", "grade": "B+"}'),
+}
+
+SCHEMAS = {
+    # scripts/bench_fsm.py's schema: nested object, enum, array of strings, pattern
+    "user_nested": ({"type": "object", "properties": {
+        "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 20}, "email": {"type": "string"},
+        "role": {"enum": ["admin", "user", "guest"]}, "active": {"type": "boolean"}, "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "address": {"type": "object", "properties": {
+            "street": {"type": "string"}, "city": {"type": "string"},
+            "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["street", "city", "zip"]}},
+        "required": ["id", "name", "email", "role", "active", "score", "tags", "address"]},
+        {"id": 42, "name": "Ada Lovelace", "email": "ada@example.com", "role": "admin", "active": True,
+         "score": 97.5, "tags": ["math", "poetry"],
+         "address": {"street": "12 St James Square", "city": "London", "zip": "10001"}}),
+    # array of objects, integer ranges, number >= 0
+    "order_items": ({"type": "object", "properties": {
+        "order_id": {"type": "integer", "minimum": 1},
+        "items": {"type": "array", "minItems": 1, "maxItems": 5, "items": {"type": "object", "properties": {
+            "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+            "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+            "price": {"type": "number", "minimum": 0}}, "required": ["sku", "qty", "price"]}},
+        "status": {"enum": ["pending", "shipped", "delivered"]}},
+        "required": ["order_id", "items", "status"]},
+        {"order_id": 1001, "items": [{"sku": "ABC-1234", "qty": 2, "price": 19.99},
+                                     {"sku": "XYZ-0042", "qty": 12, "price": 5}], "status": "shipped"}),
+    # event: formats, anyOf, optional property, nested object
+    "event": ({"type": "object", "properties": {
+        "event": {"enum": ["click", "view", "purchase"]},
+        "timestamp": {"type": "string", "format": "date-time"},
+        "user": {"type": "object", "properties": {
+            "id": {"type": "string", "format": "uuid"}, "premium": {"type": "boolean"}},
+            "required": ["id", "premium"]},
+        "value": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+        "note": {"type": "string", "maxLength": 40}},
+        "required": ["event", "timestamp", "user", "value"]},
+        {"event": "purchase", "timestamp": "2024-05-01T12:00:00Z",
+         "user": {"id": "3f2b8c1e-9a4d-4e2f-8b6a-1c2d3e4f5a6b", "premium": True}, "value": 49.9,
+         "note": "gift wrap, leave at the door"}),
+}
+
+
+
+def _closed(schema):
+    """additionalProperties: false on every object: our converter (and xgrammar's strict mode) emits only the
+    declared properties, while llguidance follows JSON Schema and would otherwise allow any extra key."""
+    if isinstance(schema, dict):
+        schema = {k: _closed(v) for k, v in schema.items()}
+        if schema.get("type") == "object":
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [_closed(v) for v in schema]
+    return schema
+
+
+SCHEMAS = {name: (_closed(schema), example) for name, (schema, example) in SCHEMAS.items()}
+LL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _median(xs):
+    return float(np.median(np.asarray(xs, dtype=np.float64)))
+
+
+def _timed(fn, repeats: int):
+    """(median seconds, all runs, last result)."""
+    runs, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        runs.append(time.perf_counter() - t0)
+    return _median(runs), runs, out
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    for pkg in ("sgjax", "numpy", "tokenizers", "transformers", "torch", "xgrammar", "llguidance", "outlines-core"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    try:
+        out["sgjax_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        out["sgjax_commit"] = None
+    return out
+
+
+def unpack(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """int32[W] bitmask (bit t%32 of word t//32) -> bool[V]."""
+    return np.unpackbits(np.ascontiguousarray(words, dtype=np.int32).view(np.uint8), bitorder="little")[
+        :vocab_size].astype(bool)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Adapters: one per library. compile(kind, spec) -> handle; session(handle) -> object with mask(buf) and advance(t)
+
+
+class Ours:
+    def __init__(self, vocab, canonical: bool):
+        self.vocab, self.canonical = vocab, canonical
+        self.name = "sgjax" if canonical else "sgjax-plain"
+
+    def compile(self, kind, spec):
+        from sgjax.fsm import compile_grammar, schema_to_regex
+
+        regex = spec if kind == "regex" else schema_to_regex(spec)
+        return compile_grammar(regex, self.vocab, canonical=self.canonical)
+
+    def memory(self, g):
+        return {"memory_bytes": int(g.nbytes), "states": int(g.num_states), "classes": int(g.tables.num_classes)}
+
+    def session(self, g):
+        return _OurSession(g)
+
+
+class _OurSession:
+    def __init__(self, g):
+        self.g, self.state = g, g.start
+        self.bits = g.mask_bits
+
+    def mask(self, buf):  # the host path of the engine: copy the state's packed row into the step buffer
+        np.copyto(buf, self.bits[self.state])
+
+    def advance(self, token):
+        self.state = self.g.next_state(self.state, token)
+        return self.state >= 0
+
+
+class XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, hf_tok, vocab_size, eos_id, threads):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(hf_tok, vocab_size=vocab_size, stop_token_ids=[eos_id])
+        # cache off: every compile is cold
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+
+    def compile(self, kind, spec):
+        if kind == "regex":
+            return self.compiler.compile_regex(spec)
+        return self.compiler.compile_json_schema(spec, any_whitespace=False, separators=(", ", ": "),
+                                                 strict_mode=True)
+
+    def memory(self, cg):
+        return {"memory_bytes": int(cg.memory_size_bytes)}
+
+    def session(self, cg):
+        return _XgrSession(self.xgr.GrammarMatcher(cg))
+
+
+class _XgrSession:
+    def __init__(self, m):
+        self.m = m
+
+    def mask(self, buf):
+        self.m.fill_next_token_bitmask(buf.reshape(1, -1))
+
+    def advance(self, token):
+        return self.m.accept_token(token)
+
+
+class LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, hf_tok, vocab_size, eos_id):
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+
+        self.llg = llguidance
+        self.tok = llguidance.hf.from_tokenizer(hf_tok, n_vocab=vocab_size, eos_token=eos_id)
+
+    def compile(self, kind, spec):
+        M = self.llg.LLMatcher
+        grammar = (M.grammar_from_regex(spec) if kind == "regex"
+                   else M.grammar_from_json_schema(spec, defaults=LL_JSON_OPTIONS))
+        m = M(self.tok, grammar, log_level=0)
+        if m.is_error():
+            raise RuntimeError(m.get_error())
+        return grammar, m
+
+    def memory(self, handle):
+        return {}
+
+    def session(self, handle):
+        # a fresh matcher per request, as serving does (sglang's llguidance backend builds one per request)
+        return _LlgSession(self.llg.LLMatcher(self.tok, handle[0], log_level=0))
+
+
+class _LlgSession:
+    def __init__(self, m):
+        import llguidance.numpy
+
+        self.m, self.fill = m, llguidance.numpy.fill_next_token_bitmask
+
+    def mask(self, buf):
+        self.fill(self.m, buf.reshape(1, -1))
+
+    def advance(self, token):
+        return self.m.consume_token(token)
+
+
+class Outlines:
+    """Guide.write_mask_into (a packed bitmask, what outlines' kernels consume) + Guide.advance."""
+
+    name = "outlines-core"
+
+    def __init__(self, vocab, eos_id):
+        import outlines_core
+
+        self.oc, self.eos_id = outlines_core, eos_id
+        table = {}
+        for i, b in enumerate(vocab.tokens):
+            if b is not None:
+                table.setdefault(b, []).append(i)
+        self.vocab = outlines_core.Vocabulary(eos_id, table)
+
+    def compile(self, kind, spec):
+        regex = spec if kind == "regex" else self.oc.json_schema.build_regex_from_schema(json.dumps(spec))
+        return self.oc.Index(regex, self.vocab)
+
+    def memory(self, index):
+        trans = index.get_transitions()
+        return {"states": len(trans), "transitions": int(sum(len(v) for v in trans.values()))}
+
+    def session(self, index):
+        return _OutlinesSession(self.oc.Guide(index), self.eos_id)
+
+
+class _OutlinesSession:
+    # EOS is in the mask of final states but has no transition (advance raises): it ends the walk there.
+    def __init__(self, guide, eos_id):
+        self.guide, self.eos_id = guide, eos_id
+
+    def mask(self, buf):
+        self.guide.write_mask_into(buf.ctypes.data, buf.size, 4)
+
+    def advance(self, token):
+        if token == self.eos_id:
+            return self.guide.is_finished()
+        try:
+            self.guide.advance(token, return_tokens=False)
+            return True
+        except ValueError:
+            return False
+
+
+class OutlinesIndex(Outlines):
+    """The Index API alone: get_allowed_tokens(state) (a list of ids) + get_next_state."""
+
+    name = "outlines-core/index"
+
+    def session(self, index):
+        return _OutlinesIndexSession(index, self.eos_id)
+
+
+class _OutlinesIndexSession:
+    def __init__(self, index, eos_id):
+        self.index, self.state, self.eos_id = index, index.get_initial_state(), eos_id
+
+    def mask(self, buf):
+        self.allowed = self.index.get_allowed_tokens(self.state)
+
+    def advance(self, token):
+        if token == self.eos_id:
+            return self.index.is_final_state(self.state)
+        self.state = self.index.get_next_state(self.state, token)
+        return self.state is not None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def walk_masks(adapter, handle, walk, words):
+    """Replay `walk` on a fresh session: (int32[steps, W] masks before each token, index of the first rejected
+    token or None). Only steps before the rejection are recorded."""
+    s = adapter.session(handle)
+    out = np.zeros((len(walk), words), np.int32)
+    for i, t in enumerate(walk):
+        s.mask(out[i])
+        if not s.advance(int(t)):
+            return out[:i + 1], i
+    return out, None
+
+
+def check_walk(adapters, handles, walk, vocab_size, words):
+    """Names of the adapters that reject `walk` (a token outside the mask or a failed advance)."""
+    rejected = {}
+    for a in adapters:
+        masks, bad = walk_masks(a, handles[a.name], walk, words)
+        if bad is None:
+            allowed = np.array([unpack(masks[i], vocab_size)[t] for i, t in enumerate(walk)])
+            bad = int(np.argmin(allowed)) if not allowed.all() else None
+        if bad is not None:
+            rejected[a.name] = bad
+    return rejected
+
+
+def guided_walk(adapters, handles, example: bytes, vocab, eos_id, vocab_size, words, seed=0, max_steps=200):
+    """Fallback walk when a library rejects the tokenized example: at each step take the argmax of a fixed-seed
+    random score vector over the tokens every library in `adapters` allows, with a large bonus for tokens that
+    spell a prefix of the rest of the example (longest first) and a smaller one for EOS, so the walk follows
+    the example wherever the libraries let it and ends as soon as it can once it has left it.
+    Returns (walk, ended_with_eos)."""
+    rng = np.random.default_rng(seed)
+    sessions = [a.session(handles[a.name]) for a in adapters]
+    buf = np.zeros(words, np.int32)
+    walk, rest = [], example
+    lens = np.array([len(t) if t else 0 for t in vocab.tokens], np.float64)
+    for _ in range(max_steps):
+        allowed = np.ones(vocab_size, bool)
+        for s in sessions:
+            s.mask(buf)
+            allowed &= unpack(buf, vocab_size)
+        if not allowed.any():
+            return walk, False
+        score = rng.normal(size=vocab_size)
+        if rest:
+            prefix = np.array([bool(t) and rest.startswith(t) for t in vocab.tokens])
+            score += prefix * (1000.0 + 10.0 * lens)
+        score[eos_id] += 500.0
+        t = int(np.argmax(np.where(allowed, score, -np.inf)))
+        walk.append(t)
+        if t == eos_id:
+            return walk, True
+        tb = vocab.tokens[t]
+        rest = rest[len(tb):] if rest.startswith(tb) else b""
+        for s in sessions:
+            s.advance(t)
+    return walk, False
+
+
+def time_walk(adapter, handle, walk, words, repeats):
+    """Per-token mask and advance times (ns) over `repeats` fresh sessions; each repeat's stats, then medians."""
+    buf = np.zeros(words, np.int32)
+    per_rep = []
+    clock = time.perf_counter_ns
+    for _ in range(repeats):
+        s = adapter.session(handle)
+        mask_ns = np.zeros(len(walk), np.int64)
+        adv_ns = np.zeros(len(walk), np.int64)
+        gc.disable()  # no gc.collect() here: it evicts the caches and inflates the first steps (~40 us)
+        try:
+            for i, t in enumerate(walk):
+                t0 = clock()
+                s.mask(buf)
+                t1 = clock()
+                ok = s.advance(t)
+                t2 = clock()
+                mask_ns[i], adv_ns[i] = t1 - t0, t2 - t1
+                if not ok:
+                    raise RuntimeError(f"{adapter.name} rejected token {t} at step {i} while timing")
+        finally:
+            gc.enable()
+        tot = (mask_ns + adv_ns) / 1e3
+        per_rep.append({"mean": tot.mean(), "p99": np.percentile(tot, 99), "max": tot.max(),
+                        "mask_mean": mask_ns.mean() / 1e3, "advance_mean": adv_ns.mean() / 1e3,
+                        "first": tot[0]})
+    med = {k: _median([r[k] for r in per_rep]) for k in per_rep[0]}
+    return {"mask_us_mean": med["mean"], "mask_us_p99": med["p99"], "mask_us_max": med["max"],
+            "mask_only_us_mean": med["mask_mean"], "advance_us_mean": med["advance_mean"],
+            "first_step_us": med["first"], "mask_us_mean_runs": [round(r["mean"], 3) for r in per_rep]}
+
+
+class Oracle:
+    """Python `regex` partial full-match on our grammar's regex (for a schema: schema_to_regex's output): is
+    prefix + token still the beginning of a match? An independent check of our byte DFA and token tables."""
+
+    def __init__(self, pattern: str):
+        import regex
+
+        body = pattern[1:] if pattern.startswith("^") else pattern
+        body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
+        self.rx = regex.compile(body, regex.ASCII)
+
+    def viable(self, prefix: bytes, token: bytes | None, is_eos: bool):
+        """True/False, or None where it cannot say (special tokens, text that is not whole UTF-8)."""
+        try:
+            if is_eos:
+                return self.rx.fullmatch(prefix.decode()) is not None
+            if token is None:
+                return None
+            return self.rx.fullmatch((prefix + token).decode(), partial=True) is not None
+        except UnicodeDecodeError:
+            return None
+
+
+def agreement(ours_masks, peer_masks, walk, vocab, eos_id, canonical_rows=None, plain_masks=None, oracle=None,
+              max_examples=8, oracle_sample=48):
+    """Compare allowed sets step by step along `walk` (ours_masks[i] / peer_masks[i]: before walk[i]).
+
+    identical_frac: steps with identical sets; symdiff_*: size of the symmetric difference where they differ;
+    identical_frac_ignoring_specials: the same with the non-EOS special tokens left out (peers that treat
+    `<|endoftext|>` etc. as text); explained_by_canonical: differing steps where sgjax-plain equals the peer;
+    oracle_contradicts_ours: tokens on which the Python-regex oracle sides with the peer against us (a token we
+    allow that cannot start a match, or one the peer allows that can, where our plain mask forbids it).
+    Examples are distinct by the (only_ours, only_peer) token lists, with the text before the step."""
+    V = vocab.size
+    specials = np.array([t is None and i != eos_id for i, t in enumerate(vocab.tokens)])
+    steps = min(len(ours_masks), len(peer_masks))
+    sizes, seen, examples = [], {}, []
+    ignoring_specials = canonical_explained = 0
+    oracle_checked = oracle_contra = 0
+    text = b""
+    for i in range(steps):
+        a, b = unpack(ours_masks[i], V), unpack(peer_masks[i], V)
+        if not (a == b).all():
+            only_ours, only_peer = np.flatnonzero(a & ~b), np.flatnonzero(b & ~a)
+            sizes.append(len(only_ours) + len(only_peer))
+            if ((a == b) | specials).all():
+                ignoring_specials += 1
+            plain = unpack(plain_masks[i], V) if plain_masks is not None else None
+            if plain is not None and (plain == b).all():
+                canonical_explained += 1
+            contra = []
+            if oracle is not None:
+                ref = plain if plain is not None else a  # the oracle judges byte-valid masks, before canonical
+                for ids, want in ((np.flatnonzero(ref & ~b), False), (np.flatnonzero(b & ~ref), True)):
+                    for t in ids[:oracle_sample]:
+                        v = oracle.viable(text, vocab.tokens[t], t == eos_id)
+                        if v is None:
+                            continue
+                        oracle_checked += 1
+                        if v == want:
+                            oracle_contra += 1
+                            contra.append(int(t))
+
+            def show(ids):
+                return [vocab.tokens[t].decode("utf-8", "backslashreplace") if vocab.tokens[t] is not None
+                        else ("<eos>" if t == eos_id else f"<special {t}>") for t in ids[:8]]
+            key = (tuple(show(only_ours)), tuple(show(only_peer)))
+            if key in seen:
+                seen[key]["count"] += 1
+            elif len(examples) < max_examples:
+                ex = {"step": i, "text_before": text[-48:].decode("utf-8", "backslashreplace"),
+                      "next_token": show([walk[i]])[0], "ours_allowed": int(a.sum()), "peer_allowed": int(b.sum()),
+                      "only_ours": len(only_ours), "only_peer": len(only_peer),
+                      "only_ours_tokens": list(key[0]), "only_peer_tokens": list(key[1]), "count": 1}
+                if canonical_rows is not None:
+                    ex["canonical_forced"] = bool(canonical_rows[i])
+                if contra:
+                    ex["oracle_contradicts_ours_tokens"] = show(np.array(contra))
+                seen[key] = ex
+                examples.append(ex)
+        tok = vocab.tokens[walk[i]] if i < len(walk) else None
+        text += tok or b""
+    return {"steps": steps, "identical_frac": (steps - len(sizes)) / max(steps, 1), "differing_steps": len(sizes),
+            "symdiff_mean": float(np.mean(sizes)) if sizes else 0.0, "symdiff_max": int(max(sizes, default=0)),
+            "identical_frac_ignoring_specials": (steps - len(sizes) + ignoring_specials) / max(steps, 1),
+            "explained_by_canonical": canonical_explained if plain_masks is not None else None,
+            "oracle_tokens_checked": oracle_checked, "oracle_contradicts_ours": oracle_contra,
+            "examples": examples}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="/tmp/bench_fsm_peers.jsonl")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of tokenizer preparation")
+    ap.add_argument("--compile-repeats", type=int, default=3, help="cold compiles per library and grammar")
+    ap.add_argument("--walk-repeats", type=int, default=20, help="timed walks (fresh matcher each)")
+    ap.add_argument("--xgrammar-threads", type=int, default=1, help="GrammarCompiler max_threads")
+    ap.add_argument("--skip", nargs="*", default=[], help="libraries to leave out")
+    args = ap.parse_args()
+
+    from sgjax.fsm import from_tokenizer
+    from sgjax.model.tokenizer import load_tokenizer
+
+    vers = versions()
+    load_start = os.getloadavg()
+    common = {"versions": vers, "repeats": args.repeats, "compile_repeats": args.compile_repeats,
+              "walk_repeats": args.walk_repeats, "xgrammar_threads": args.xgrammar_threads,
+              "timing_note": ("CPU shared with other work: every timing repeated, the median over repeats reported "
+                              "(per walk: mean and p99 over its steps, then the median over walk_repeats walks); "
+                              "mask times are per token, mask + advance, fresh matcher/state per walk, gc off")}
+    rows = []
+
+    tok = load_tokenizer()
+    V = tok.vocab_size
+    words = (V + 31) // 32
+    eos_id = tok.token_to_id(EOS_TOKEN)
+    assert eos_id in tok.eos_token_ids, (eos_id, tok.eos_token_ids)
+
+    def prep_row(lib, med, runs, **kw):
+        rows.append({"bench": "tokenizer_prep", "library": lib, "seconds_median": med,
+                     "seconds_runs": [round(r, 4) for r in runs], **kw, **common})
+
+    def ours_vocab():
+        v = from_tokenizer(tok)
+        v.byte_matrix, v.sorted_index  # noqa: B018 - built lazily on first compile otherwise
+        return v
+
+    med, runs, vocab = _timed(ours_vocab, args.repeats)
+    prep_row("sgjax", med, runs, what="from_tokenizer + byte_matrix + sorted_index")
+
+    ours_adapters = [Ours(vocab, True), Ours(vocab, False)]
+    adapters = list(ours_adapters)
+    tmp = tempfile.mkdtemp(prefix="bench_fsm_peers_")
+    tok_file = os.path.join(tmp, "tokenizer.json")
+    tok.hf.save(tok_file)
+    skipped = {}
+    hf_tok = None
+    if {"xgrammar", "llguidance"} - set(args.skip):
+        import transformers
+
+        med, runs, hf_tok = _timed(lambda: transformers.PreTrainedTokenizerFast(
+            tokenizer_file=tok_file, eos_token=EOS_TOKEN), args.repeats)
+        assert hf_tok.eos_token_id == eos_id and len(hf_tok) == V
+        prep_row("transformers", med, runs,
+                 what="PreTrainedTokenizerFast(tokenizer_file), shared by xgrammar and llguidance")
+    for name, make, what in (
+            ("xgrammar", lambda: XGrammar(hf_tok, V, eos_id, args.xgrammar_threads),
+             "TokenizerInfo.from_huggingface + GrammarCompiler"),
+            ("llguidance", lambda: LLGuidance(hf_tok, V, eos_id), "llguidance.hf.from_tokenizer (LLTokenizer)"),
+            ("outlines-core", lambda: Outlines(vocab, eos_id), "token bytes table + outlines_core.Vocabulary")):
+        if name in args.skip:
+            continue
+        try:
+            t0 = time.perf_counter()
+            make()  # first construction includes the import
+            import_s = time.perf_counter() - t0
+            med, runs, a = _timed(make, args.repeats)
+        except ImportError as e:
+            skipped[name] = f"not installed: {e}"
+            continue
+        prep_row(name, med, runs, what=what, first_with_import_s=import_s)
+        adapters.append(a)
+        if name == "outlines-core" and "outlines-core/index" not in args.skip:
+            b = OutlinesIndex.__new__(OutlinesIndex)
+            b.__dict__.update(a.__dict__)
+            adapters.append(b)
+    for r in rows:
+        r["skipped"] = skipped
+
+    grammars = [("regex", n, r, ex) for n, (r, ex) in REGEXES.items()] + \
+               [("json_schema", n, s, json.dumps(ex)) for n, (s, ex) in SCHEMAS.items()]
+    for kind, gname, spec, example in grammars:
+        print(f"# {gname}", flush=True)
+        gc.collect()
+        handles, compile_info = {}, {}
+        failed = {}
+        for a in adapters:
+            if a.name == "outlines-core/index":
+                continue
+            try:
+                med, runs, h = _timed(lambda: a.compile(kind, spec), args.compile_repeats)
+            except Exception as e:  # noqa: BLE001 - a peer that cannot compile a grammar is a result
+                failed[a.name] = f"{type(e).__name__}: {e}"[:300]
+                continue
+            handles[a.name] = h
+            compile_info[a.name] = (med, runs)
+        if "outlines-core" in handles:
+            handles["outlines-core/index"] = handles["outlines-core"]
+            compile_info["outlines-core/index"] = compile_info["outlines-core"]
+        live = [a for a in adapters if a.name in handles]
+        maskers = [a for a in live if a.name != "outlines-core/index"]  # the Index API gives lists, not bitmasks
+
+        ids = tok.encode(example, add_special_tokens=False)
+        assert tok.decode(ids) == example
+        tokenized = ids + [eos_id]
+        rejected = check_walk(maskers, handles, tokenized, V, words)
+        # One walk per library: the tokenized example where the library (and sgjax) accept it, else a guided
+        # walk over the tokens that the library and both sgjax variants allow (all libraries if sgjax rejects).
+        walks = {a.name: (tokenized, {"walk_source": "tokenized_example"}) for a in maskers}
+        ours_names = [n for n in ("sgjax", "sgjax-plain") if n in handles]
+        shared = bool(set(rejected) & set(ours_names))
+        groups = ([maskers] if shared else
+                  [[a for a in maskers if a.name in ours_names or a.name == bad] for bad in rejected])
+        for group in groups:
+            walk, ended = guided_walk(group, handles, example.encode(), vocab, eos_id, V, words)
+            still = check_walk(group, handles, walk, V, words)
+            assert not still, f"{gname}: the guided walk is rejected by {still}"
+            info = {"walk_source": "guided_random_walk", "walk_ended_with_eos": ended,
+                    "walk_text": tok.decode([t for t in walk if t != eos_id])}
+            for a in group:
+                if shared or a.name not in ours_names:
+                    walks[a.name] = (walk, info)
+        if "outlines-core" in walks:
+            walks["outlines-core/index"] = walks["outlines-core"]
+        oracle = Oracle(handles["sgjax"].regex) if "sgjax" in handles else None
+
+        for a in live:
+            walk, info = walks[a.name]
+            info = {**info, "walk_tokens": len(walk), "rejected_tokenized_example": rejected}
+            timing = time_walk(a, handles[a.name], walk, words, args.walk_repeats)
+            med, runs = compile_info[a.name]
+            agree = {}
+            if a.name not in ("sgjax", "outlines-core/index") and "sgjax" in handles:
+                peer = walk_masks(a, handles[a.name], walk, words)[0]
+                ours = walk_masks(ours_adapters[0], handles["sgjax"], walk, words)[0]
+                plain = walk_masks(ours_adapters[1], handles["sgjax-plain"], walk, words)[0]
+                g, st, canon_rows = handles["sgjax"], 0, []
+                for t in walk:
+                    canon_rows.append(int(g.canonical[st]) >= 0)
+                    st = g.next_state(st, t)
+                agree["vs_sgjax"] = agreement(ours, peer, walk, vocab, eos_id, canon_rows, plain, oracle)
+                if a.name != "sgjax-plain":
+                    agree["vs_sgjax_plain"] = agreement(plain, peer, walk, vocab, eos_id, canon_rows, None, oracle)
+            try:
+                mem = a.memory(handles[a.name])
+            except Exception as e:  # noqa: BLE001
+                mem = {"memory_error": str(e)[:200]}
+            row = {"bench": "grammar", "library": a.name, "grammar": gname, "kind": kind,
+                   "compile_ms_median": med * 1e3, "compile_ms_runs": [round(r * 1e3, 3) for r in runs],
+                   **timing, **mem, **info, "agreement": agree, "compile_failed": failed, **common}
+            if a.name in ("sgjax", "sgjax-plain"):
+                row["regex_chars"] = len(handles[a.name].regex)
+            rows.append(row)
+            print(f"  {a.name:20s} compile {med * 1e3:9.2f} ms  mask {timing['mask_us_mean']:8.2f} / "
+                  f"{timing['mask_us_p99']:8.2f} us  walk {len(walk)} ({info['walk_source']})", flush=True)
+        for name, err in failed.items():
+            rows.append({"bench": "grammar", "library": name, "grammar": gname, "kind": kind, "error": err, **common})
+
+    load_end = os.getloadavg()
+    for r in rows:
+        r["loadavg_start_end"] = [round(load_start[0], 2), round(load_end[0], 2)]
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print_table(rows)
+    print(f"wrote {len(rows)} rows to {args.out}")
+
+
+def print_table(rows):
+    print("\ntokenizer preprocessing (s, median)")
+    for r in rows:
+        if r["bench"] == "tokenizer_prep":
+            print(f"  {r['library']:20s} {r['seconds_median']:.3f}  ({r['what']})")
+    head = (f"{'library':20s} {'grammar':13s} {'compile ms':>10s} {'1st mask us':>11s} {'mask us mean':>12s} "
+            f"{'p99':>8s} {'mem KB':>7s} {'agree vs sgjax':>14s} {'vs plain':>9s} {'no-spec':>7s}  walk")
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in rows:
+        if r["bench"] != "grammar":
+            continue
+        if "error" in r:
+            print(f"{r['library']:20s} {r['grammar']:13s} FAILED: {r['error'][:80]}")
+            continue
+
+        def frac(k, field="identical_frac", sym=True):
+            a = r["agreement"].get(k)
+            if not a:
+                return "-"
+            s = f"{a[field] * 100:.0f}%"
+            return s + (f" d{a['symdiff_max']}" if sym and a["differing_steps"] else "")
+        mem = f"{r['memory_bytes'] / 1024:.0f}" if "memory_bytes" in r else "-"
+        print(f"{r['library']:20s} {r['grammar']:13s} {r['compile_ms_median']:10.2f} {r['first_step_us']:11.1f} "
+              f"{r['mask_us_mean']:12.2f} {r['mask_us_p99']:8.2f} {mem:>7s} {frac('vs_sgjax'):>14s} "
+              f"{frac('vs_sgjax_plain'):>9s} {frac('vs_sgjax_plain', 'identical_frac_ignoring_specials', False):>7s}"
+              f"  {r['walk_tokens']} tok, {r['walk_source'].split('_')[0]}")
+    print("agree: steps of the walk with identical allowed sets (dN: largest symmetric difference); no-spec: vs plain,"
+          " ignoring non-EOS special tokens")
+
+
+if __name__ == "__main__":
+    main()
