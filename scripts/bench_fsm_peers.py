@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 import time
@@ -550,6 +551,7 @@ def main() -> None:
         assert hf_tok.eos_token_id == eos_id and len(hf_tok) == V
         prep_row("transformers", med, runs,
                  what="PreTrainedTokenizerFast(tokenizer_file), shared by xgrammar and llguidance")
+    shutil.rmtree(tmp, ignore_errors=True)
     for name, make, what in (
             ("xgrammar", lambda: XGrammar(hf_tok, V, eos_id, args.xgrammar_threads),
              "TokenizerInfo.from_huggingface + GrammarCompiler"),
