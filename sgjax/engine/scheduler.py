@@ -176,6 +176,8 @@ class Scheduler:
             matches = [None] * len(queue)
             order = schedule_order(policy, matches, None, self.rng)
         reserve = sum(self._future_pages(r) for r in self.running)
+        # Requests still prefilling (chunked) cache their prompt chunk by chunk: sharing with them also pays to wait.
+        prefilling = [r for r in self.running if r.kv_len < r.fill_len]
         admitted: list[Req] = []
         works: list[Work] = []
         for i in order:
@@ -184,7 +186,7 @@ class Scheduler:
             req, m = queue[i], matches[i]
             if m is None or (m.last_node is not None and m.last_node.value is None):
                 m = self._match(req)  # an eviction for an earlier admission took its pages
-            if policy in ("lpm", "dfs-weight") and self._shares_with(req, m.num_tokens, admitted):
+            if policy in ("lpm", "dfs-weight") and self._shares_with(req, m.num_tokens, admitted + prefilling):
                 continue
             self.cache.lock(m.last_node)
             need = self._pages_for(req.fill_len) - len(m.pages)
@@ -212,7 +214,8 @@ class Scheduler:
         return works
 
     def _shares_with(self, req: Req, matched: int, admitted: list[Req]) -> bool:
-        """True when `req` shares enough uncached prompt with a request admitted this round to wait for it."""
+        """True when `req` shares enough uncached prompt with a request admitted this round (or still prefilling)
+        to wait for it."""
         threshold = self.cfg.in_batch_prefix_tokens
         if not admitted or len(req.input_ids) - matched < threshold:
             return False
