@@ -201,6 +201,8 @@ def main():
                    command=" ".join(sys.argv))
         rows.append(row)
         print(f"{name}: {row['wall_s']:.2f}s", flush=True)
+        with open(args.out + ".partial", "a") as f:  # survives a timeout in a later configuration
+            f.write(json.dumps(row) + "\n")
     base = next((r for r in rows if r["config"] == "no-jump"), rows[0])
     for r in rows:
         r["speedup_vs_no_jump"] = base["wall_s"] / r["wall_s"]

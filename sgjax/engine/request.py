@@ -59,6 +59,14 @@ class Req:
     jump_tokens: int = 0  # output tokens appended by jump-forward instead of decoded one by one
 
     @property
+    def input_array(self) -> np.ndarray:
+        """The prompt as int32, built once: matching a long waiting prompt every step must not rebuild it."""
+        arr = self.__dict__.get("_input_array")
+        if arr is None:
+            arr = self.__dict__["_input_array"] = np.asarray(self.input_ids, np.int32)
+        return arr
+
+    @property
     def fill_ids(self) -> list[int]:
         if self.prefill_done and self.output_ids:
             return self.input_ids + self.output_ids[:-1]

@@ -219,9 +219,9 @@ class Scheduler:
         threshold = self.cfg.in_batch_prefix_tokens
         if not admitted or len(req.input_ids) - matched < threshold:
             return False
-        mine = np.asarray(req.input_ids[:matched + threshold], np.int32)
+        mine = req.input_array[:matched + threshold]
         for other in admitted:
-            theirs = np.asarray(other.input_ids[:len(mine)], np.int32)
+            theirs = other.input_array[:len(mine)]
             if len(theirs) == len(mine) and np.array_equal(theirs, mine):
                 return True
         return False
@@ -292,11 +292,11 @@ class Scheduler:
     def _match(self, req: Req):
         """The cached prefix a request may reuse: never all of its fill (one token must run for the logits), and
         not past the first prompt row whose logprob it wants."""
-        fill = req.fill_ids
-        limit = len(fill) - 1
+        limit = req.fill_len - 1
         if req.wants_input_logprobs:
             limit = min(limit, max(req.logprob_start_len - 1, 0))
-        return self.cache.match_prefix(fill[:limit], req.extra_key)
+        tokens = req.input_array if limit <= len(req.input_ids) else req.fill_ids
+        return self.cache.match_prefix(tokens[:limit], req.extra_key)
 
     def _grow(self, req: Req, num_tokens: int) -> None:
         need = self._pages_for(num_tokens) - len(req.pages)
