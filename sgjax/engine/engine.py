@@ -125,10 +125,8 @@ class Engine:
         """One prompt -> one result dict (a list when n > 1); a list of prompts -> a list of results.
         stream=True returns an iterator of result dicts whose `text` grows (one prompt, n == 1)."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                           top_logprobs_num, rid)
+                                           top_logprobs_num, rid, stream)
         if stream:
-            if len(reqs) != 1:
-                raise ValueError("stream=True takes one prompt with n == 1")
             return self._stream(reqs[0])
         waits = [self._submit(r) for r in reqs]
         results = [w() for w in waits]
@@ -137,10 +135,8 @@ class Engine:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                           top_logprobs_num, rid)
+                                           top_logprobs_num, rid, stream)
         if stream:
-            if len(reqs) != 1:
-                raise ValueError("stream=True takes one prompt with n == 1")
             return self._async_stream(reqs[0])
         results = await asyncio.gather(*(self._async_one(r) for r in reqs))
         return results[0] if single and len(results) == 1 else list(results)
@@ -173,7 +169,7 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
     def _make_requests(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                       top_logprobs_num, rid):
+                       top_logprobs_num, rid, stream=False):
         if self._closed:
             raise EngineError("the engine is shut down")
         if (prompt is None) == (input_ids is None):
@@ -202,6 +198,8 @@ class Engine:
                 reqs.append(Req(rid=base if params.n == 1 else f"{base}-{j}", input_ids=list(ids), params=params,
                                 seed=seed, return_logprob=bool(return_logprob), logprob_start_len=lp_start,
                                 top_logprobs_num=int(top_logprobs_num or 0), grammar=grammar))
+        if stream and len(reqs) != 1:
+            raise ValueError("stream=True takes one prompt with n == 1")
         return reqs, single
 
     def _grammar(self, params: SamplingParams):
