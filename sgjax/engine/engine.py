@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -59,6 +60,9 @@ class ServerArgs:
     skip_tokenizer_init: bool = False  # input_ids in, output_ids out, no text (dummy-weight benchmarks)
     disable_jump_forward: bool = False  # decode forced grammar text token by token (same output, more steps)
     grammar_cache_size: int = 128  # compiled grammars kept; 0 rebuilds per request (the paper's ablation)
+    # JAX's persistent compilation cache, used when the process has not configured one (JAX_COMPILATION_CACHE_DIR
+    # or jax.config): restarts then load the step's executables instead of compiling them again.
+    compilation_cache_dir: str | None = "~/.cache/sgjax/jax"
 
     @classmethod
     def from_kwargs(cls, model_path, kwargs: dict) -> "ServerArgs":
@@ -92,6 +96,8 @@ class Engine:
 
     def _start(self, args: ServerArgs, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None) -> None:
         platform = jax.devices()[0].platform
+        if args.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
         self.args, self.model_config, self.tokenizer = args, cfg, tokenizer
         self.context_length = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         num_pages = 1 + _pool_pages(args, cfg, platform)
