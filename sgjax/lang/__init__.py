@@ -1,0 +1,1 @@
+"""The frontend language: SGLang programs (gen, select, fork, roles) over sgjax backends."""
