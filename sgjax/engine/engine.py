@@ -117,6 +117,8 @@ class Engine:
         self._grammars = GrammarCache(max_entries=args.grammar_cache_size)
         self._vocabulary = None
         self._jumped_tokens = 0
+        # Benchmarks set a list here to get every prompt the engine was given (for the Theorem 3.1 optimum).
+        self.request_log: list[list[int]] | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._step_seconds = 0.0
         self._closed = False
@@ -206,6 +208,8 @@ class Engine:
                                 top_logprobs_num=int(top_logprobs_num or 0), grammar=grammar))
         if stream and len(reqs) != 1:
             raise ValueError("stream=True takes one prompt with n == 1")
+        if self.request_log is not None:
+            self.request_log.extend(r.input_ids for r in reqs)
         return reqs, single
 
     def _grammar(self, params: SamplingParams):
