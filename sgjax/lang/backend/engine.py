@@ -1,0 +1,80 @@
+"""The in-process backend: programs run on an `sgjax.Engine` in the same process, no HTTP in between.
+
+`sgl.set_default_backend(engine)` wraps an Engine in `EngineBackend`; `sgl.Runtime(model_path, **server_args)`
+starts an Engine that the backend owns and shuts down (SGLang's `Runtime` starts a server; ours does not need
+one).
+"""
+
+from __future__ import annotations
+
+from sgjax.lang.backend.base import Backend
+from sgjax.lang.chat_template import from_tokenizer
+from sgjax.lang.ir import LOGPROB_PARAMS
+
+
+class EngineBackend(Backend):
+    def __init__(self, engine):
+        if engine.tokenizer is None:
+            raise ValueError("the frontend works on text: this engine has no tokenizer (skip_tokenizer_init)")
+        self.engine = engine
+        self.chat_template = from_tokenizer(engine.tokenizer)
+
+    def generate(self, text, params):
+        sampling, extra = _split(params)
+        out = self.engine.generate(text, sampling, **extra)
+        return out["text"], out["meta_info"]
+
+    def generate_stream(self, text, params):
+        sampling, extra = _split(params)
+        sent = 0
+        for chunk in self.engine.generate(text, sampling, stream=True, **extra):
+            piece = chunk["text"][sent:]
+            sent = len(chunk["text"])
+            yield piece, chunk["meta_info"]
+
+    def cache_prefix(self, text):
+        return self.engine.generate(text, {"max_new_tokens": 0})["meta_info"]
+
+    def tokenize(self, text):
+        return self.engine.tokenizer.encode(text)
+
+    def prompt_logprobs(self, input_ids, starts):
+        # The engine takes one logprob_start_len per call: one batched call per distinct start.
+        rows: list = [None] * len(input_ids)
+        for start in sorted(set(starts)):
+            idx = [i for i, s in enumerate(starts) if s == start]
+            outs = self.engine.generate(input_ids=[input_ids[i] for i in idx], sampling_params={"max_new_tokens": 0},
+                                        return_logprob=True, logprob_start_len=start)
+            for i, out in zip(idx, outs):
+                rows[i] = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]]
+        return rows
+
+    def get_server_info(self):
+        return self.engine.get_server_info()
+
+    def flush_cache(self):
+        return self.engine.flush_cache()
+
+
+class Runtime(EngineBackend):
+    """An Engine owned by the frontend: `sgl.set_default_backend(sgl.Runtime())` runs programs on SmolLM2."""
+
+    def __init__(self, model_path: str | None = None, **server_args):
+        from sgjax.engine.engine import Engine
+
+        super().__init__(Engine(model_path, **server_args))
+
+    def shutdown(self):
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def _split(params: dict) -> tuple[dict, dict]:
+    sampling = {k: v for k, v in params.items() if k not in LOGPROB_PARAMS}
+    extra = {k: v for k, v in params.items() if k in LOGPROB_PARAMS}
+    return sampling, extra
