@@ -1,0 +1,217 @@
+"""The public API of the language, with SGLang's names and signatures (`import sgjax as sgl`)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+from sgjax.lang.backend.base import Backend
+from sgjax.lang.choices import ChoicesMethod, token_length_normalized
+from sgjax.lang.global_config import global_config
+from sgjax.lang.ir import GEN_PARAMS, RoleBegin, RoleEnd, Select, make_gen, role
+
+
+# -- backends -----------------------------------------------------------------------------------------------
+def as_backend(backend) -> Backend:
+    """A Backend as is; an `sgjax.Engine` wrapped in the in-process EngineBackend."""
+    if isinstance(backend, Backend):
+        return backend
+    from sgjax.engine.engine import Engine  # only once someone passes something that is not a Backend
+
+    if isinstance(backend, Engine):
+        from sgjax.lang.backend.engine import EngineBackend
+
+        return EngineBackend(backend)
+    raise TypeError(f"a backend must be an sgjax Backend or Engine, not {type(backend).__name__}")
+
+
+def set_default_backend(backend) -> None:
+    global_config.default_backend = as_backend(backend)
+
+
+def get_default_backend() -> Backend | None:
+    return global_config.default_backend
+
+
+def _backend(backend) -> Backend:
+    if backend is not None:
+        return as_backend(backend)
+    if global_config.default_backend is None:
+        raise RuntimeError("no backend: call sgl.set_default_backend(sgl.Runtime()) or pass backend=...")
+    return global_config.default_backend
+
+
+def flush_cache(backend=None) -> bool:
+    return _backend(backend).flush_cache()
+
+
+def get_server_info(backend=None) -> dict:
+    return _backend(backend).get_server_info()
+
+
+# -- programs -----------------------------------------------------------------------------------------------
+def function(func: Callable | None = None, *, num_api_spec_tokens: int | None = None):
+    """`@sgl.function` turns `def program(s, ...)` into a Function you can run, batch and trace."""
+    if func is not None:
+        return Function(func, num_api_spec_tokens=num_api_spec_tokens)
+    return lambda f: Function(f, num_api_spec_tokens=num_api_spec_tokens)
+
+
+def _split_run_kwargs(kwargs: dict) -> tuple[dict, dict]:
+    """run(...)'s keyword arguments: sampling defaults (GEN_PARAMS names) vs the program's own arguments."""
+    sampling = {k: v for k, v in kwargs.items() if k in GEN_PARAMS and v is not None}
+    program = {k: v for k, v in kwargs.items() if k not in GEN_PARAMS}
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    return sampling, program
+
+
+class Function:
+    def __init__(self, func: Callable, num_api_spec_tokens: int | None = None, bind_arguments: dict | None = None):
+        params = list(inspect.signature(func).parameters.values())
+        if not params or params[0].name != "s":
+            raise TypeError(f"the first argument of an sgjax function must be `s` (the prompt state); "
+                            f"{func.__name__} has {params[0].name if params else 'none'}")
+        self.func = func
+        self.name = func.__name__
+        self.num_api_spec_tokens = num_api_spec_tokens
+        self.bind_arguments = dict(bind_arguments or {})
+        self.arg_names = [p.name for p in params[1:]]
+        self.defaults = {p.name: p.default for p in params[1:] if p.default is not inspect.Parameter.empty}
+
+    def bind(self, **kwargs) -> "Function":
+        unknown = set(kwargs) - set(self.arg_names)
+        if unknown:
+            raise TypeError(f"{self.name} has no argument(s) {sorted(unknown)}")
+        return Function(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
+
+    def _check_spec(self):
+        if self.num_api_spec_tokens is not None:
+            raise NotImplementedError("num_api_spec_tokens (API speculative execution) needs the OpenAI backend, "
+                                      "which is not built yet")
+
+    def run(self, *args, stream: bool = False, backend=None, **kwargs):
+        """Run the program once; returns its state (`state["x"]`, `state.text()`). Keyword arguments named like
+        sampling parameters (max_new_tokens, temperature, stop, ...) are defaults for every gen."""
+        from sgjax.lang.interpreter import run_program
+
+        self._check_spec()
+        sampling, program_kwargs = _split_run_kwargs(kwargs)
+        return run_program(self, _backend(backend), args, program_kwargs, sampling, stream=stream)
+
+    def run_batch(self, batch_kwargs, *, backend=None, num_threads="auto", progress_bar: bool = False, **sampling):
+        """Run the program once per argument dict (or tuple of positional arguments), in parallel threads."""
+        from sgjax.lang.interpreter import run_program_batch
+
+        self._check_spec()
+        unknown = set(sampling) - set(GEN_PARAMS)
+        if unknown:
+            raise TypeError(f"run_batch: unknown argument(s) {sorted(unknown)}; program arguments go in batch_kwargs")
+        batch = [kw if isinstance(kw, dict) else self._positional(kw) for kw in batch_kwargs]
+        if not batch:
+            return []
+        defaults, _ = _split_run_kwargs(sampling)
+        return run_program_batch(self, _backend(backend), batch, defaults, num_threads, progress_bar)
+
+    def _positional(self, values) -> dict:
+        if not isinstance(values, (list, tuple)) or len(values) > len(self.arg_names):
+            raise TypeError(f"{self.name} takes {self.arg_names}; got {values!r}")
+        return dict(zip(self.arg_names, values))
+
+    def trace(self, *, backend=None, assume: dict | None = None, **kwargs):
+        """Compiler mode: the program's graph, with the given arguments fixed and the others abstract."""
+        from sgjax.lang.tracer import trace_program
+
+        backend = as_backend(backend) if backend is not None else global_config.default_backend
+        return trace_program(self, backend, kwargs, assume)
+
+    def cache(self, backend=None) -> str:
+        """Cache the program's constant prefix on the backend (run_batch does this by itself)."""
+        from sgjax.lang.tracer import trace_program
+
+        backend = _backend(backend)
+        prefix = trace_program(self, backend, prefix_only=True).prefix()
+        if prefix:
+            backend.cache_prefix(prefix)
+        return prefix
+
+    def __call__(self, *args, **kwargs):
+        return self.run(*args, **kwargs)
+
+    def __repr__(self):
+        return f"sgjax.function({self.name})"
+
+
+# -- expressions --------------------------------------------------------------------------------------------
+def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None, stop=None,
+        stop_token_ids=None, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+        min_p: float | None = None, frequency_penalty: float | None = None, presence_penalty: float | None = None,
+        repetition_penalty: float | None = None, ignore_eos: bool | None = None, return_logprob: bool | None = None,
+        logprob_start_len: int | None = None, top_logprobs_num: int | None = None, dtype=None, choices=None,
+        choices_method: ChoicesMethod | None = None, regex: str | None = None, json_schema=None):
+    """Generate text into variable `name` (`s[name]`) and append it to the prompt. With `choices`, a select."""
+    if choices is not None:
+        return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
+    return make_gen(name, dtype=dtype, regex=regex, json_schema=json_schema, max_new_tokens=max_tokens,
+                    min_new_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids, temperature=temperature,
+                    top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
+                    presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, ignore_eos=ignore_eos,
+                    return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top_logprobs_num)
+
+
+def gen_int(name: str | None = None, **kwargs):
+    return gen(name, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, **kwargs):
+    return gen(name, dtype=str, **kwargs)
+
+
+def select(name: str | None = None, choices=None, temperature: float = 0.0,
+           choices_method: ChoicesMethod = token_length_normalized):
+    """Append the most likely of `choices` (scored with prompt logprobs) and store it in `s[name]`."""
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"select needs a non-empty list of non-empty strings, got {choices!r}")
+    if temperature:
+        raise ValueError("select picks the best-scoring choice; temperature > 0 is not supported")
+    if not isinstance(choices_method, ChoicesMethod):
+        raise TypeError(f"choices_method must be one of sgl.token_length_normalized, sgl.greedy_token_selection, "
+                        f"sgl.unconditional_likelihood_normalized; got {choices_method!r}")
+    return Select(name, tuple(choices), choices_method)
+
+
+def system(expr=None):
+    return role("system", expr)
+
+
+def user(expr=None):
+    return role("user", expr)
+
+
+def assistant(expr=None):
+    return role("assistant", expr)
+
+
+def system_begin():
+    return RoleBegin("system")
+
+
+def system_end():
+    return RoleEnd("system")
+
+
+def user_begin():
+    return RoleBegin("user")
+
+
+def user_end():
+    return RoleEnd("user")
+
+
+def assistant_begin():
+    return RoleBegin("assistant")
+
+
+def assistant_end():
+    return RoleEnd("assistant")

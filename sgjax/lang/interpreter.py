@@ -1,0 +1,543 @@
+"""The interpreter: every prompt state is a stream executed by its own worker thread.
+
+`s += expr` puts the expression on the stream's queue and returns at once, like launching a kernel; the worker
+executes expressions in order against the backend. `s["x"]` blocks until `x` exists. `s.fork(n)` is queued too:
+when the worker reaches it, it sends the frontend hint (the prompt so far as a prefill-only request, so the
+branches find it cached), copies its state into the n child streams and lets them start. `join` is queued on the
+parent and waits for the children. A failing expression stops its stream; the error names the program line that
+appended it and is raised where the program next uses the stream (`s["x"]`, `s.text()`, the run's result).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from sgjax.lang.global_config import global_config
+from sgjax.lang.ir import (Constant, ExprList, Gen, RoleBegin, RoleEnd, Select, VarScopeBegin, VarScopeEnd, as_expr,
+                           role, variable_names)
+
+
+class ProgramError(RuntimeError):
+    """An expression of a program failed; the message starts with the program line that appended it."""
+
+
+_LANG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+@functools.lru_cache(maxsize=256)
+def _inside_lang(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_LANG_DIR) or filename.startswith("<frozen")
+
+
+def call_site() -> str:
+    """`file:line in function` of the nearest caller outside sgjax.lang (the program's own line)."""
+    f = sys._getframe(1)
+    while f is not None and _inside_lang(f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        return "<unknown>"
+    path = f.f_code.co_filename
+    rel = os.path.relpath(path) if os.path.isabs(path) else path
+    return f"{path if rel.startswith('..') else rel}:{f.f_lineno} in {f.f_code.co_name}"
+
+
+# -- queued operations that are not program expressions ---------------------------------------------------
+@dataclass(eq=False)
+class _Fork:
+    children: list
+    hint: bool
+
+    def __repr__(self):
+        return f"fork({len(self.children)})"
+
+
+@dataclass(eq=False)
+class _Join:
+    children: list
+    mode: str
+    names: tuple  # the variables the children define, gathered into lists on the parent
+
+    def __repr__(self):
+        return f"join({self.mode!r})"
+
+
+class StreamExecutor:
+    def __init__(self, backend, defaults: dict, stream: bool = False, root: "StreamExecutor | None" = None):
+        self.backend = backend
+        self.defaults = defaults  # the run's sampling parameters; a gen's own override them
+        self.stream = stream
+        self.chat_template = backend.get_chat_template()
+        self.root = root or self
+        self.text_ = ""
+        self.messages_: list[dict] = []
+        self.cur_role: str | None = None
+        self.role_begin_pos = 0
+        self.variables: dict = {}
+        self.meta_info: dict = {}
+        self.fork_start = 0  # where a child's own text begins
+        self.hint_meta: dict | None = None  # meta info of the frontend hint this stream sent at its last fork
+        self.error_: BaseException | None = None
+        self._events: dict[str, threading.Event] = {}  # the latest definition of each variable; set when final
+        self._item_events: dict[str, threading.Event] = {}  # the events of the expression being executed
+        self._partial: dict[str, str] = {}  # streaming gens: the text so far
+        self._scopes: dict[str, int] = {}
+        self._descendants: list[StreamExecutor] = []
+        self._ended = False
+        self._ready = threading.Event()  # a child starts when its parent reaches the fork
+        self._finished = threading.Event()
+        self._changed = threading.Condition()
+        self._queue: queue.Queue = queue.Queue()
+        if root is None:
+            self._ready.set()
+        self._worker = threading.Thread(target=self._work, name="sgjax-stream", daemon=True)
+        self._worker.start()
+
+    # -- called from the program's thread -----------------------------------------------------------------
+    def submit(self, expr, where: str, names=None) -> None:
+        # One event per definition: a reader waits for the latest definition queued before its read.
+        events = {name: threading.Event() for name in (variable_names(expr) if names is None else names)}
+        self._events.update(events)
+        self._queue.put((expr, where, events))
+
+    def get_var(self, name: str):
+        event = self._events.get(name)
+        if event is not None:
+            event.wait()
+        else:
+            self._ready.wait()  # a child sees its parent's variables from the fork point on
+        if name in self.variables:
+            return self.variables[name]
+        if self.error_ is not None:
+            raise self.error_
+        raise KeyError(f"no variable {name!r} in this program state; it has {sorted(self.variables)}")
+
+    def set_var(self, name: str, value) -> None:
+        self.variables[name] = value
+
+    def fork(self, size: int, hint: bool, where: str) -> list["StreamExecutor"]:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"fork takes a number of branches >= 1, got {size!r}")
+        children = [StreamExecutor(self.backend, self.defaults, self.stream, root=self.root) for _ in range(size)]
+        self.root._descendants.extend(children)
+        self.submit(_Fork(children, hint), where)
+        return children
+
+    def join(self, children: list["StreamExecutor"], mode: str, where: str) -> None:
+        if mode not in ("gather_variable", "concate_and_append"):
+            raise ValueError(f"join mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
+        names = tuple(dict.fromkeys(n for c in children for n in c._events)) if mode == "gather_variable" else ()
+        self.submit(_Join(children, mode, names), where, names)
+
+    def sync(self) -> None:
+        """Wait until everything queued so far ran, on this stream and (for a program's root) its forks."""
+        self._queue.join()
+        if self.root is self:
+            for child in list(self._descendants):
+                child._queue.join()
+
+    def end(self) -> None:
+        """No more expressions will come: the worker exits once the queue is drained."""
+        if not self._ended:
+            self._ended = True
+            self._queue.put(None)
+        if self.root is self:
+            for child in list(self._descendants):
+                child.end()
+
+    def fail_from_program(self, error: BaseException) -> None:
+        """The program's own code raised (streaming runs, where nobody else would see it)."""
+        if self.error_ is None:
+            self.error_ = error
+        self._release_waiters()
+
+    def stream_view(self, var_name: str | None) -> tuple[str, bool]:
+        """(text so far, done) for streaming: the whole prompt, or one variable."""
+        if var_name is None:
+            return self.text_, self._finished.is_set()
+        event = self._events.get(var_name)
+        final = event is not None and event.is_set()
+        value = self.variables.get(var_name, "") if final else self._partial.get(var_name, "")
+        return str(value), final or self._finished.is_set()
+
+    # -- the worker ---------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        self._ready.wait()
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    break
+                expr, where, self._item_events = item
+                if self.error_ is None:
+                    try:
+                        self._execute(expr)
+                    except Exception as e:
+                        self._fail(e, expr, where)
+                if self.error_ is not None:
+                    self._skip(expr)
+            finally:
+                self._queue.task_done()
+                self._notify()
+        self._finished.set()
+        self._notify()
+
+    def _fail(self, e: Exception, expr, where: str) -> None:
+        if isinstance(e, ProgramError):  # from a child at a join: it already names its line
+            self.error_ = e
+        else:
+            self.error_ = ProgramError(f"{where}: {expr!r} failed: {type(e).__name__}: {e}")
+            self.error_.__cause__ = e
+        self._release_waiters()
+
+    def _skip(self, expr) -> None:
+        """After a failure: wake the readers of what this expression would have defined."""
+        for event in self._item_events.values():
+            event.set()
+        if isinstance(expr, _Fork):  # the children never get a state to start from
+            for child in expr.children:
+                if not child._ready.is_set():
+                    child.fail_from_program(self.error_)
+                    child._ready.set()
+        if isinstance(expr, _Join):
+            for child in expr.children:
+                child.end()
+
+    def _release_waiters(self) -> None:
+        for event in list(self._events.values()):
+            event.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _execute(self, expr) -> None:
+        if isinstance(expr, Constant):
+            self._fill(expr.text)
+        elif isinstance(expr, ExprList):
+            for item in expr.items:
+                self._execute(item)
+        elif isinstance(expr, Gen):
+            self._gen(expr)
+        elif isinstance(expr, Select):
+            decision = self.backend.select(self.text_, list(expr.choices), expr.method)
+            self._fill(decision.decision)
+            self._set(expr.name, decision.decision, decision.meta_info)
+        elif isinstance(expr, RoleBegin):
+            self._role_begin(expr.role)
+        elif isinstance(expr, RoleEnd):
+            self._role_end(expr.role)
+        elif isinstance(expr, VarScopeBegin):
+            self._scopes[expr.name] = len(self.text_)
+        elif isinstance(expr, VarScopeEnd):
+            if expr.name not in self._scopes:
+                raise ValueError(f"var scope {expr.name!r} ends without a beginning")
+            self._set(expr.name, self.text_[self._scopes.pop(expr.name):], None)
+        elif isinstance(expr, _Fork):
+            self._fork(expr)
+        elif isinstance(expr, _Join):
+            self._join(expr)
+        else:
+            raise TypeError(f"cannot execute {expr!r}")
+
+    def _fill(self, text: str) -> None:
+        with self._changed:
+            self.text_ += text
+            self._changed.notify_all()
+
+    def _set(self, name: str | None, value, meta) -> None:
+        if name is None:
+            return
+        self.variables[name] = value
+        self.meta_info[name] = meta
+        event = self._item_events.get(name)
+        if event is not None:
+            event.set()
+
+    def _gen(self, gen: Gen) -> None:
+        params = {**self.defaults, **gen.params}
+        extra_stops = [s for s in self.chat_template.stop_str if s not in (params.get("stop") or ())]
+        if extra_stops:
+            params["stop"] = list(params.get("stop") or ()) + extra_stops
+        if not self.stream:
+            value, meta = self.backend.generate(self.text_, params)
+            self._fill(value)
+        else:
+            value, meta = "", {}
+            for piece, meta in self.backend.generate_stream(self.text_, params):
+                value += piece
+                if gen.name is not None:
+                    self._partial[gen.name] = value
+                self._fill(piece)
+        self._set(gen.name, value, meta)
+
+    def _role_begin(self, role: str) -> None:
+        if self.cur_role is not None:
+            raise ValueError(f"role {role!r} begins inside role {self.cur_role!r}; roles do not nest")
+        template = self.chat_template
+        if not self.messages_ and role != "system" and template.default_system_prompt:
+            self._role_begin("system")  # what the model's template puts before a conversation without one
+            self._fill(template.default_system_prompt)
+            self._role_end("system")
+        self._fill(template.get_prefix_and_suffix(role)[0])
+        self.cur_role, self.role_begin_pos = role, len(self.text_)
+
+    def _role_end(self, role: str) -> None:
+        if self.cur_role != role:
+            raise ValueError(f"{role}_end() without {role}_begin() (the current role is {self.cur_role!r})")
+        self.messages_.append({"role": role, "content": self.text_[self.role_begin_pos:]})
+        self.cur_role = None
+        self._fill(self.chat_template.get_prefix_and_suffix(role)[1])
+
+    def _fork(self, op: _Fork) -> None:
+        if op.hint and self.text_:
+            self.hint_meta = self.backend.cache_prefix(self.text_)
+        for child in op.children:
+            child.text_, child.fork_start = self.text_, len(self.text_)
+            child.messages_ = list(self.messages_)
+            child.cur_role, child.role_begin_pos = self.cur_role, self.role_begin_pos
+            child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
+            child._ready.set()
+
+    def _join(self, op: _Join) -> None:
+        for child in op.children:
+            child._queue.join()
+            if child.error_ is not None:
+                raise child.error_
+        if op.mode == "concate_and_append":
+            self._fill("".join(c.text_[c.fork_start:] for c in op.children))
+        for name in op.names:
+            values = [c.variables[name] for c in op.children if name in c.variables]
+            self._set(name, values, [c.meta_info.get(name) for c in op.children if name in c.variables])
+        for child in op.children:
+            child.end()
+
+
+class _PromptAPI:
+    """The sugar a prompt state offers on top of `+=` and `fork` (shared with the tracer's states)."""
+
+    def _role(self, name: str, expr):
+        if expr is not None:
+            self += role(name, expr)
+            return None
+        return self._role_scope(name)
+
+    @contextmanager
+    def _role_scope(self, role: str):
+        self += RoleBegin(role)
+        yield
+        self += RoleEnd(role)
+
+    def system(self, expr=None):
+        return self._role("system", expr)
+
+    def user(self, expr=None):
+        return self._role("user", expr)
+
+    def assistant(self, expr=None):
+        return self._role("assistant", expr)
+
+    @contextmanager
+    def var_scope(self, name: str):
+        self += VarScopeBegin(name)
+        yield
+        self += VarScopeEnd(name)
+
+    @contextmanager
+    def copy(self):
+        group = self.fork(1)
+        try:
+            yield group[0]
+        finally:
+            group.join()
+
+
+class ProgramState(_PromptAPI):
+    """The `s` of a program."""
+
+    def __init__(self, executor: StreamExecutor):
+        self.stream_executor = executor
+        self.ret_value = None
+
+    def __iadd__(self, other):
+        if other is None:
+            raise ValueError("tried to append None to a program state")
+        self.stream_executor.submit(as_expr(other), call_site())
+        return self
+
+    def __getitem__(self, name):
+        return self.stream_executor.get_var(name)
+
+    def __setitem__(self, name, value):
+        self.stream_executor.set_var(name, value)
+
+    def __contains__(self, name):
+        return name in self.stream_executor.variables
+
+    def get_var(self, name):
+        return self.stream_executor.get_var(name)
+
+    def set_var(self, name, value):
+        self.stream_executor.set_var(name, value)
+
+    def get_meta_info(self, name):
+        self.stream_executor.get_var(name)
+        return self.stream_executor.meta_info.get(name)
+
+    def fork(self, size: int = 1) -> "ProgramStateGroup":
+        hint = size > 1 and global_config.enable_frontend_hint
+        children = self.stream_executor.fork(size, hint, call_site())
+        return ProgramStateGroup([ProgramState(c) for c in children], self)
+
+    def _join(self, states, mode: str) -> None:
+        self.stream_executor.join([s.stream_executor for s in states], mode, call_site())
+
+    def sync(self) -> None:
+        self.stream_executor.sync()
+
+    def error(self):
+        self.sync()
+        return self.stream_executor.error_
+
+    def _raise_error(self) -> None:
+        error = self.error()
+        if error is not None:
+            raise error
+
+    def text(self) -> str:
+        self._raise_error()
+        return self.stream_executor.text_
+
+    def messages(self) -> list[dict]:
+        self._raise_error()
+        return list(self.stream_executor.messages_)
+
+    def text_iter(self, var_name: str | None = None):
+        """The prompt's (or one variable's) new text as it is produced; needs run(stream=True) to be gradual."""
+        exe = self.stream_executor
+        if not exe.stream:
+            yield self.text() if var_name is None else str(self.get_var(var_name))
+            return
+        pos = 0
+        while True:
+            with exe._changed:
+                current, done = exe.stream_view(var_name)
+                while len(current) <= pos and not done:
+                    exe._changed.wait()
+                    current, done = exe.stream_view(var_name)
+            if len(current) > pos:
+                yield current[pos:]
+                pos = len(current)
+            elif done:
+                break
+        if exe.error_ is not None:
+            raise exe.error_
+
+    def __repr__(self):
+        self.sync()
+        error = self.stream_executor.error_
+        return f"ProgramState({self.stream_executor.text_!r}" + (f", error={error!r})" if error else ")")
+
+
+class ProgramStateGroup:
+    """The states `fork` returns; `join` waits for them and brings their results back to the parent."""
+
+    def __init__(self, states: list, parent):
+        self.states = states
+        self.parent = parent
+
+    def __getitem__(self, i):
+        return self.states[i]
+
+    def __len__(self):
+        return len(self.states)
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def join(self, mode: str = "gather_variable") -> None:
+        """gather_variable: every variable the branches defined becomes a list on the parent;
+        concate_and_append: the branches' new text is appended to the parent's prompt."""
+        self.parent._join(self.states, mode)
+
+    def __iadd__(self, other):
+        for i, state in enumerate(self.states):
+            if callable(other):
+                state += other(i)
+            elif isinstance(other, (list, tuple)):
+                state += other[i]
+            else:
+                state += other
+        return self
+
+
+# -- running programs ---------------------------------------------------------------------------------------
+def run_program(function, backend, args: tuple, kwargs: dict, defaults: dict, stream: bool = False,
+                sync: bool = False) -> ProgramState:
+    executor = StreamExecutor(backend, defaults, stream)
+    state = ProgramState(executor)
+    kwargs = {**function.bind_arguments, **kwargs}
+    if stream:
+        def body():
+            try:
+                _call(function, state, args, kwargs, sync)
+            except BaseException as e:
+                executor.fail_from_program(e)
+
+        threading.Thread(target=body, name="sgjax-program", daemon=True).start()
+        return state
+    _call(function, state, args, kwargs, sync)
+    return state
+
+
+def _call(function, state: ProgramState, args, kwargs, sync: bool) -> None:
+    try:
+        state.ret_value = function.func(state, *args, **kwargs)
+    finally:
+        state.stream_executor.end()
+    if sync:
+        state.sync()
+
+
+def run_program_batch(function, backend, batch_kwargs: list[dict], defaults: dict, num_threads="auto",
+                      progress_bar: bool = False) -> list[ProgramState]:
+    """Run one program per argument dict in a thread pool; states come back in order. A program whose code
+    raised returns a state that raises the error where it is used (one bad input does not sink the batch)."""
+    if global_config.enable_precache_with_tracing and len(batch_kwargs) > 1:
+        from sgjax.lang.tracer import cache_common_prefix
+
+        cache_common_prefix(function, backend, batch_kwargs)
+    if num_threads == "auto":
+        num_threads = max(32, (os.cpu_count() or 1) * 16)
+    num_threads = max(1, min(int(num_threads), len(batch_kwargs)))
+
+    def one(kwargs):
+        try:
+            return run_program(function, backend, (), kwargs, defaults, sync=True)
+        except Exception as e:
+            executor = StreamExecutor(backend, defaults)
+            executor.fail_from_program(e)
+            executor.end()
+            return ProgramState(executor)
+
+    bar = None
+    if progress_bar:
+        import tqdm
+
+        bar = tqdm.tqdm(total=len(batch_kwargs))
+    with ThreadPoolExecutor(num_threads) as pool:
+        futures = [pool.submit(one, kw) for kw in batch_kwargs]
+        if bar is not None:
+            for f in futures:
+                f.add_done_callback(lambda _: bar.update())
+        states = [f.result() for f in futures]
+    if bar is not None:
+        bar.close()
+    return states
