@@ -117,6 +117,8 @@ class Engine:
         self._grammars = GrammarCache(max_entries=args.grammar_cache_size)
         self._vocabulary = None
         self._jumped_tokens = 0
+        self._sampled_tokens = 0
+        self.on_step = None  # called on the engine thread with each step's seconds (the server's histogram)
         # Benchmarks set a list here to get every prompt the engine was given (for the Theorem 3.1 optimum).
         self.request_log: list[list[int]] | None = None
         self._inbox: queue.Queue = queue.Queue()
@@ -142,12 +144,19 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
-        reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                           top_logprobs_num, rid, stream)
+        # Off the caller's event loop: tokenizing is fast, but compiling a new grammar takes 50-250 ms (JSON schema
+        # on SmolLM2's vocabulary), which would stall every other request of an HTTP server.
+        reqs, single = await asyncio.to_thread(self._make_requests, prompt, sampling_params, input_ids,
+                                               return_logprob, logprob_start_len, top_logprobs_num, rid, stream)
         if stream:
             return self._async_stream(reqs[0])
         results = await asyncio.gather(*(self._async_one(r) for r in reqs))
         return results[0] if single and len(results) == 1 else list(results)
+
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs and shutdown has not been asked for (the server's /health)."""
+        return not self._closed and self._thread.is_alive()
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
@@ -364,7 +373,10 @@ class Engine:
                     continue
                 t0 = time.perf_counter()
                 tokens, logprobs, top = self.runner.run(works)
-                self._step_seconds += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self._step_seconds += dt
+                if self.on_step is not None:
+                    self.on_step(dt)
                 for req in sched.commit(works, tokens, logprobs, top):
                     self._after_token(req)
             except Exception as e:  # a bug or a device error: fail what ran, keep serving
@@ -413,6 +425,7 @@ class Engine:
         if req.params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
+        self._sampled_tokens += 1
         token = req.output_ids[-1]
         if req.grammar is not None:
             req.fsm_state = req.grammar.next_state(req.fsm_state, token)
@@ -507,6 +520,7 @@ class Engine:
             "retractions": st.retractions, "steps": st.steps, "tree_seconds": st.tree_seconds,
             "step_seconds": self._step_seconds, "compiled_shapes": len(self.runner.shapes_seen),
             "traces": self.runner.traces, "jump_forward_tokens": self._jumped_tokens,
+            "generated_tokens": self._sampled_tokens + self._jumped_tokens,
             "grammar_cache": dataclasses.asdict(self._grammars.stats),
         }
 
