@@ -1,0 +1,188 @@
+"""Request bodies: raw bytes -> UTF-8 -> JSON -> a strict pydantic model, every failure an `ApiError` naming the field.
+
+Models are strict (no "5" -> 5, no 1 -> True), reject unknown keys and non-finite numbers, so handlers only see
+well-typed values. Value ranges that depend on the model (vocabulary, context, top-logprob cap) and the sampling
+parameters' own rules are checked later by `SamplingParams` and the engine, whose messages also name the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_BODY_BYTES = 32 << 20
+_MAX_DEPTH = 64  # JSON nesting; deeper bodies are refused before anything recurses over them
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list"}
+_FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+
+class ApiError(Exception):
+    """A request the server refuses; `message` starts with the offending field's name."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.kind = message, status, param, kind
+
+    def body(self) -> dict:
+        # OpenAI's error shape: the official client reads error.message; SGLang's clients read the same key.
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(f"body: larger than {MAX_BODY_BYTES} bytes", status=413)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(f"body: invalid UTF-8 at byte {e.start}", param="body") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise ApiError(f"body: malformed JSON: {e.msg} at line {e.lineno} column {e.colno}", param="body") from None
+    except (ValueError, RecursionError) as e:
+        raise ApiError(f"body: {e}", param="body") from None
+    if not isinstance(obj, dict):
+        raise ApiError(f"body: must be a JSON object, got {type(obj).__name__}", param="body")
+    _check_strings(obj, "", 0)
+    try:
+        return model.model_validate(obj, strict=True)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_strings(value, path: str, depth: int) -> None:
+    """JSON may spell lone surrogates (\\ud800) that no tokenizer can encode; refuse them here, naming the field."""
+    if depth > _MAX_DEPTH:
+        raise ApiError(f"{path or 'body'}: nested deeper than {_MAX_DEPTH} levels", param=path or "body")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(f"{path or 'body'}: invalid Unicode (a lone surrogate)", param=path or "body") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, path or "body", depth + 1)
+            _check_strings(v, f"{path}.{k}" if path else str(k), depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_strings(v, f"{path}.{i}" if path else str(i), depth + 1)
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    err = e.errors(include_url=False)[0]
+    # Union members and validators add their type names to the location; keep only field names and indices.
+    path = ".".join(str(p) for p in err["loc"]
+                    if isinstance(p, int) or (_FIELD.match(p) and p not in _TYPE_TAGS)) or "body"
+    if err["type"] == "extra_forbidden":
+        return ApiError(f"{path}: unknown parameter", param=path)
+    if err["type"] == "missing":
+        return ApiError(f"{path}: required", param=path)
+    got = repr(err.get("input"))
+    return ApiError(f"{path}: {err['msg']}, got {got[:80]}", param=path)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+# -- SGLang's /generate ----------------------------------------------------------------------------------------
+class GenerateRequest(Strict):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = None
+    stream: bool | None = None
+
+
+class AbortRequest(Strict):
+    rid: str
+
+
+# -- OpenAI ----------------------------------------------------------------------------------------------------
+class StreamOptions(Strict):
+    include_usage: bool | None = None
+
+
+class SglangExtras(Strict):
+    """SGLang's sampling extensions to the OpenAI requests (the openai client sends them via extra_body)."""
+
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    regex: str | None = None
+
+
+class OpenAIBase(SglangExtras):
+    model: str | None = None  # one model per server: any name is accepted, responses carry the served name
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = Field(default=None, ge=1, le=128)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(OpenAIBase):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool | None = None
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class JsonSchemaFormat(Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatCompletionRequest(OpenAIBase):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
