@@ -1,0 +1,280 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions over the engine.
+
+Requests map onto SamplingParams (max_tokens -> max_new_tokens, response_format's json_schema -> json_schema; SGLang's
+extras such as top_k, min_p and regex pass through). Prompts are templated and tokenized in a worker thread first,
+so that the prompt and max_tokens are checked against the context before anything is queued. Answers follow the
+shapes the official client parses: choices indexed prompt-major (n copies per prompt), finish_reason, logprobs, usage
+with prompt_tokens_details.cached_tokens; streams send chunks with deltas, then an optional usage chunk
+(stream_options.include_usage), then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import AsyncIterator
+
+from sgjax.engine.params import SamplingParams, SamplingParamsError
+from sgjax.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from sgjax.server.serving import Serving, Work, params_error
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses SamplingParams' (128, as SGLang)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated OpenAI request: the engine's Work plus what shaping the answer needs."""
+
+    work: Work
+    n: int
+    chat: bool
+    echo_texts: tuple[str, ...] | None = None  # completions with echo: each prompt's text
+    logprobs: int | None = None  # top logprobs per token; None: no logprobs
+    include_usage: bool = False
+
+
+# -- requests ---------------------------------------------------------------------------------------------------
+async def prepare_completion(serving: Serving, req: CompletionRequest) -> Prepared:
+    _need_tokenizer(serving)
+    if req.suffix:
+        raise ApiError("suffix: not supported", param="suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise ApiError("best_of: only best_of == n is supported", param="best_of")
+    ids, texts = await asyncio.to_thread(_completion_prompts, serving, req)
+    top = _top_logprobs(serving, req.logprobs, "logprobs")
+    echo = bool(req.echo)
+    params = _sampling(serving, req, ids, "prompt", req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, req.json_schema,
+                       {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"})
+    work = Work(params=(params,) * len(ids), ids=tuple(ids), return_logprob=req.logprobs is not None,
+                logprob_start_len=0 if echo and req.logprobs is not None else None, top_logprobs_num=top,
+                prompt_field="prompt", renames={"max_new_tokens": "max_tokens"})
+    return Prepared(work=work, n=params.n, chat=False, echo_texts=tuple(texts) if echo else None,
+                    logprobs=req.logprobs, include_usage=_include_usage(req))
+
+
+async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared:
+    _need_tokenizer(serving)
+    if req.tools:
+        raise ApiError("tools: tool calling is not supported", param="tools")
+    if req.tool_choice not in (None, "none"):
+        raise ApiError("tool_choice: tool calling is not supported (only 'none')", param="tool_choice")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
+    schema = _response_schema(req)
+    ids = await asyncio.to_thread(_chat_prompt, serving, req)
+    top = _top_logprobs(serving, req.top_logprobs, "top_logprobs")
+    max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    renames = {"max_new_tokens": max_field, "min_new_tokens": "min_tokens",
+               "json_schema": "response_format.json_schema.schema"}
+    params = _sampling(serving, req, [ids], "messages", asked, None, schema, renames, max_field)
+    work = Work(params=(params,), ids=(ids,), return_logprob=bool(req.logprobs), top_logprobs_num=top,
+                prompt_field="messages", renames=renames)
+    return Prepared(work=work, n=params.n, chat=True, logprobs=top if req.logprobs else None,
+                    include_usage=_include_usage(req))
+
+
+def _need_tokenizer(serving: Serving) -> None:
+    if serving.tokenizer is None:
+        raise ApiError("model: this server runs without a tokenizer (--skip-tokenizer-init); use /generate with "
+                       "input_ids", param="model")
+
+
+def _include_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _top_logprobs(serving: Serving, value: int | None, name: str) -> int:
+    cap = serving.engine.args.max_top_logprobs_num
+    if value is not None and value > cap:
+        raise ApiError(f"{name}: at most {cap}, got {value}", param=name)
+    return value or 0
+
+
+def _completion_prompts(serving: Serving, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt (text, texts, ids or lists of ids) and its text (for echo)."""
+    tok, p = serving.tokenizer, req.prompt
+    if isinstance(p, str):
+        p = [p]
+    if not p:
+        raise ApiError("prompt: the batch is empty", param="prompt")
+    if isinstance(p[0], str):
+        return [tok.encode(t) for t in p], list(p)
+    batch = [p] if isinstance(p[0], int) else p
+    vocab = serving.engine.model_config.vocab_size
+    for ids in batch:
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(f"prompt: token ids outside [0, {vocab}): {bad[:5]}", param="prompt")
+    return [list(ids) for ids in batch], [tok.decode(ids, skip_special_tokens=False) for ids in batch]
+
+
+def _chat_prompt(serving: Serving, req: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        messages.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
+    try:
+        text = serving.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - the template's own checks (role order, unknown roles) fail here
+        raise ApiError(f"messages: the chat template refused them: {e}", param="messages") from None
+    return serving.tokenizer.encode(text)
+
+
+def _response_schema(req: ChatCompletionRequest):
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        raise ApiError("response_format.type: json_object is not supported (any JSON object is not a regular "
+                       "language); give a json_schema", param="response_format.type")
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise ApiError("response_format.json_schema.schema: required for type json_schema",
+                       param="response_format.json_schema.schema")
+    return rf.json_schema.schema_
+
+
+def _sampling(serving: Serving, req, ids: list[list[int]], prompt_field: str, asked: int | None,
+              default: int | None, json_schema, renames: dict, max_field: str = "max_tokens") -> SamplingParams:
+    """SamplingParams of an OpenAI request. Unlike /generate (which clips, as SGLang's native API does), a
+    max_tokens that does not fit beside the prompt is an error, as in OpenAI's API."""
+    if req.logit_bias:
+        raise ApiError("logit_bias: not supported", param="logit_bias")
+    limit = serving.token_limit
+    longest = max(len(x) for x in ids)
+    for x in ids:
+        if not x:
+            raise ApiError(f"{prompt_field}: the prompt is empty (0 tokens)", param=prompt_field)
+        if len(x) >= limit:
+            raise ApiError(f"{prompt_field}: the prompt has {len(x)} tokens; at most {limit - 1} fit "
+                           f"({_limits(serving)})", param=prompt_field)
+    if asked is not None and longest + asked > limit:
+        raise ApiError(f"{max_field}: {asked} new tokens plus the prompt's {longest} exceed the limit of {limit} "
+                       f"tokens ({_limits(serving)})", param=max_field)
+    d = {"max_new_tokens": asked if asked is not None else default, "temperature": req.temperature,
+         "top_p": req.top_p, "n": req.n, "stop": req.stop, "presence_penalty": req.presence_penalty,
+         "frequency_penalty": req.frequency_penalty, "seed": req.seed, "top_k": req.top_k, "min_p": req.min_p,
+         "repetition_penalty": req.repetition_penalty, "min_new_tokens": req.min_tokens,
+         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+         "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim, "regex": req.regex,
+         "json_schema": json_schema}
+    try:
+        return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
+    except SamplingParamsError as e:
+        raise params_error(e, "", renames) from None
+
+
+def _limits(serving: Serving) -> str:
+    return f"context_length {serving.engine.context_length}, max_total_tokens {serving.engine.max_total_tokens}"
+
+
+# -- answers ----------------------------------------------------------------------------------------------------
+def response(serving: Serving, prep: Prepared, results: list[dict]) -> dict:
+    choices = []
+    for k, r in enumerate(results):
+        meta = r["meta_info"]
+        if prep.chat:
+            choice = {"index": k, "message": {"role": "assistant", "content": r["text"]},
+                      "logprobs": _chat_logprobs(serving, prep, meta, 0)}
+        else:
+            echo = prep.echo_texts[k // prep.n] if prep.echo_texts else ""
+            choice = {"index": k, "text": echo + r["text"],
+                      "logprobs": _completion_logprobs(serving, prep, meta, 0, True, 0)}
+        choices.append({**choice, **_finish(meta)})
+    return {**_head(serving, prep, uuid.uuid4().hex), "choices": choices, "usage": _usage(results, prep.n)}
+
+
+async def events(serving: Serving, prep: Prepared, merged: AsyncIterator) -> AsyncIterator[dict]:
+    """Stream chunks: text deltas of each choice as its engine stream grows (the engine's text is cumulative)."""
+    head = _head(serving, prep, uuid.uuid4().hex, chunk=True)
+    seen: dict[int, tuple[int, int, int]] = {}  # index -> (text chars, output logprobs, text offset) sent
+    finals: dict[int, dict] = {}
+    async for k, item in merged:
+        meta, text = item["meta_info"], item["text"]
+        first = k not in seen
+        sent_text, sent_lp, offset = seen.get(k, (0, 0, 0))
+        delta = text[sent_text:]
+        if prep.chat:
+            if first:
+                yield {**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
+            lp = _chat_logprobs(serving, prep, meta, sent_lp)
+        else:
+            if first and prep.echo_texts:
+                delta = prep.echo_texts[k // prep.n] + delta
+            lp = _completion_logprobs(serving, prep, meta, sent_lp, first, offset)
+        seen[k] = (len(text), len(meta.get("output_token_logprobs", ())),
+                   offset + sum(len(t) for t in lp["tokens"]) if lp and not prep.chat else offset)
+        finished = meta["finish_reason"] is not None
+        if not (delta or finished or _has_tokens(lp)):
+            continue
+        if prep.chat:
+            choice = {"index": k, "delta": {"content": delta} if delta else {}, "logprobs": lp}
+        else:
+            choice = {"index": k, "text": delta, "logprobs": lp}
+        reason = _finish(meta) if finished else {"finish_reason": None}
+        yield {**head, "choices": [{**choice, **reason}]}
+        if finished:
+            finals[k] = item
+    if prep.include_usage:
+        yield {**head, "choices": [], "usage": _usage([finals[k] for k in sorted(finals)], prep.n)}
+
+
+def _head(serving: Serving, prep: Prepared, rid: str, chunk: bool = False) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if prep.chat else "text_completion"
+    return {"id": ("chatcmpl-" if prep.chat else "cmpl-") + rid, "object": kind, "created": int(time.time()),
+            "model": serving.model_name}
+
+
+def _finish(meta: dict) -> dict:
+    reason = meta["finish_reason"] or {}
+    return {"finish_reason": reason.get("type"), "matched_stop": reason.get("matched")}
+
+
+def _usage(results: list[dict], n: int) -> dict:
+    """Each prompt's tokens count once, however many copies (n) were generated from it."""
+    metas = [r["meta_info"] for r in results]
+    groups = [metas[i:i + n] for i in range(0, len(metas), n)]
+    prompt = sum(g[0]["prompt_tokens"] for g in groups)
+    completion = sum(m["completion_tokens"] for m in metas)
+    cached = sum(max(m["cached_tokens"] for m in g) for g in groups)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _has_tokens(lp) -> bool:
+    return bool(lp and (lp.get("tokens") or lp.get("content")))
+
+
+def _completion_logprobs(serving: Serving, prep: Prepared, meta: dict, start: int, with_prompt: bool, offset: int):
+    """The completions shape (tokens, token_logprobs, top_logprobs, text_offset) of output tokens from `start`,
+    preceded by the prompt's when echoing."""
+    if prep.logprobs is None:
+        return None
+    entries = list(meta["output_token_logprobs"][start:])
+    tops = list(meta.get("output_top_logprobs", [None] * len(meta["output_token_logprobs"]))[start:])
+    if with_prompt and prep.echo_texts:
+        entries = list(meta["input_token_logprobs"]) + entries
+        tops = list(meta.get("input_top_logprobs", [None] * len(meta["input_token_logprobs"]))) + tops
+    tokens = [serving.token_piece(t)[0] for _, t, _ in entries]
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries],
+            "top_logprobs": [None if row is None else {serving.token_piece(t)[0]: lp for lp, t, _ in row}
+                             for row in tops] if prep.logprobs else None,
+            "text_offset": [offset + x for x in accumulate([0] + [len(t) for t in tokens[:-1]])] if tokens else []}
+
+
+def _chat_logprobs(serving: Serving, prep: Prepared, meta: dict, start: int):
+    if prep.logprobs is None:
+        return None
+    entries = meta["output_token_logprobs"][start:]
+    tops = meta.get("output_top_logprobs", [None] * len(meta["output_token_logprobs"]))[start:]
+
+    def one(lp, t):
+        text, raw = serving.token_piece(t)
+        return {"token": text, "logprob": lp, "bytes": list(raw)}
+
+    return {"content": [{**one(lp, t), "top_logprobs": [one(l2, t2) for l2, t2, _ in row or ()]}
+                        for (lp, t, _), row in zip(entries, tops)], "refusal": None}

@@ -1,0 +1,289 @@
+"""The HTTP layer's side of the engine: one `Work` per HTTP request, run whole or streamed, aborted when the client
+leaves, engine errors turned into `ApiError`s that name the API's field.
+
+Runs on the event loop. The engine validates, tokenizes and compiles grammars in a worker thread
+(`Engine.async_generate`) and steps in its own thread; here only results are reshaped, so a busy engine never delays
+/health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from sgjax.engine.engine import Engine, EngineError
+from sgjax.engine.params import SamplingParams, SamplingParamsError
+from sgjax.fsm import from_tokenizer
+from sgjax.server.metrics import Metrics
+from sgjax.server.protocol import ApiError
+
+log = logging.getLogger("sgjax.server")
+
+MAX_SUBREQUESTS = 1024  # prompts x n in one HTTP request
+
+
+@dataclass(frozen=True)
+class HttpArgs:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str | None = None
+    enable_metrics: bool = False
+    log_requests: bool = False
+    log_level: str = "info"
+    skip_server_warmup: bool = False
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one HTTP request asks of the engine: prompts (text or ids), one validated SamplingParams per prompt."""
+
+    params: tuple[SamplingParams, ...]
+    texts: tuple[str, ...] | None = None
+    ids: tuple[list[int], ...] | None = None
+    rids: tuple[str, ...] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    prompt_field: str = "text"  # the API's names, for error messages
+    params_field: str = ""  # prefix for sampling-parameter errors ("sampling_params" on /generate)
+    renames: dict = field(default_factory=dict)  # engine name -> API name ("max_new_tokens" -> "max_tokens")
+
+    @property
+    def prompts(self):
+        return self.texts if self.texts is not None else self.ids
+
+    def engine_kwargs(self) -> dict:
+        return {"return_logprob": self.return_logprob, "logprob_start_len": self.logprob_start_len,
+                "top_logprobs_num": self.top_logprobs_num}
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class Serving:
+    def __init__(self, engine: Engine, http: HttpArgs):
+        self.engine, self.http = engine, http
+        self.tokenizer = engine.tokenizer
+        self.metrics = Metrics()
+        engine.on_step = self.metrics.step_time.observe
+        path = engine.args.model_path or _default_path()
+        self.model_path = path
+        self.model_name = http.served_model_name or os.path.basename(path.rstrip("/")).removesuffix(".gguf")
+        self._stopper: threading.Thread | None = None
+        self._vocab = from_tokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self._pieces: dict[int, tuple[str, bytes]] = {}
+
+    # -- life cycle ------------------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self._stopper is None and self.engine.alive
+
+    def begin_shutdown(self) -> None:
+        """From the signal handler: stop the engine in the background. Its loop finishes every request with an
+        abort, so open streams end now and the HTTP server's graceful shutdown does not wait for them."""
+        if self._stopper is None:
+            self._stopper = threading.Thread(target=self.engine.shutdown, name="sgjax-shutdown")
+            self._stopper.start()
+
+    def finish_shutdown(self) -> None:
+        self.begin_shutdown()
+        self._stopper.join()
+
+    @property
+    def token_limit(self) -> int:
+        """A prompt plus its output must fit both the context and the KV pool."""
+        return min(self.engine.context_length, self.engine.max_total_tokens)
+
+    # -- running work ----------------------------------------------------------------------------------------
+    async def run(self, work: Work, receive) -> list[dict]:
+        """All prompts x n copies in one engine call (every prompt is validated before any is queued); the flat
+        list of results, prompt-major. Aborted when the client disconnects."""
+        self._check_size(work)
+        kind = "prompt" if work.texts is not None else "input_ids"
+        call = self.engine.async_generate(**{kind: list(work.prompts)}, sampling_params=list(work.params),
+                                          rid=list(work.rids) if work.rids else None, **work.engine_kwargs())
+        self._log_start(work)
+        results = await _until_disconnected(receive, self._engine_errors(call, work))
+        results = results if isinstance(results, list) else [results]
+        _raise_if_failed(results)
+        self._log_end(results)
+        return results
+
+    async def open_streams(self, work: Work) -> list[AsyncIterator[dict]]:
+        """One engine stream per prompt x copy (the engine streams one request at a time), all validated before
+        any is queued: an engine stream starts when first iterated. Copy j of a seeded prompt gets seed + j, as
+        the engine's own n does."""
+        self._check_size(work)
+        kind = "prompt" if work.texts is not None else "input_ids"
+        streams = []
+        for i, (prompt, params) in enumerate(zip(work.prompts, work.params)):
+            base = work.rids[i] if work.rids else None
+            for j in range(params.n):
+                seed = None if params.seed is None else (params.seed32 + j) % 2 ** 31
+                copy = dataclasses.replace(params, n=1, seed=seed)
+                rid = base if base is None or params.n == 1 else f"{base}-{j}"
+                call = self.engine.async_generate(**{kind: prompt}, sampling_params=copy, rid=rid, stream=True,
+                                                  **work.engine_kwargs())
+                streams.append(await self._engine_errors(call, work))
+        self._log_start(work)
+        return streams
+
+    async def merge(self, streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+        """(index, chunk) from all streams as they come. Leaving early (a disconnect cancels the consumer)
+        cancels every stream, and each one aborts its engine request."""
+        queue: asyncio.Queue = asyncio.Queue()
+        start = time.perf_counter()
+
+        async def pump(index: int, stream):
+            try:
+                first = True
+                async for item in stream:
+                    if first:
+                        self.metrics.ttft.observe(time.perf_counter() - start)
+                        first = False
+                    queue.put_nowait((index, item))
+                queue.put_nowait((index, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((index, e))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            open_ = len(tasks)
+            while open_:
+                index, item = await queue.get()
+                if item is None:
+                    open_ -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    if item["meta_info"]["finish_reason"] is not None:
+                        self._log_end([item])
+                    yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _check_size(self, work: Work) -> None:
+        total = sum(p.n for p in work.params)
+        if total > MAX_SUBREQUESTS:
+            raise ApiError(f"{work.prompt_field}: {total} generations (prompts x n) in one request; at most "
+                           f"{MAX_SUBREQUESTS}", param=work.prompt_field)
+
+    async def _engine_errors(self, call, work: Work):
+        try:
+            return await call
+        except SamplingParamsError as e:
+            raise params_error(e, work.params_field, work.renames) from None
+        except EngineError as e:
+            raise ApiError(str(e), status=503, kind="unavailable") from None
+        except ValueError as e:
+            if str(e).startswith("the prompt"):
+                raise ApiError(f"{work.prompt_field}: {e}", param=work.prompt_field) from None
+            raise params_error(e) from None
+
+    # -- helpers for the APIs --------------------------------------------------------------------------------
+    async def info(self) -> dict:
+        """The engine's server info, read between steps on the engine thread (a worker thread waits for it)."""
+        try:
+            return await asyncio.to_thread(self.engine.get_server_info)
+        except EngineError as e:
+            raise ApiError(str(e), status=503, kind="unavailable") from None
+
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """A token's own bytes and their text (U+FFFD where it holds part of a UTF-8 character): logprob entries."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            vocab = self._vocab.tokens if self._vocab is not None else ()
+            raw = vocab[token_id] if 0 <= token_id < len(vocab) else None
+            if raw is None:  # special tokens have no bytes in the FSM's vocabulary: their spelled-out text
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
+                piece = (text, text.encode())
+            else:
+                piece = (raw.decode("utf-8", errors="replace"), raw)
+            self._pieces[token_id] = piece
+        return piece
+
+    def _log_start(self, work: Work) -> None:
+        if self.http.log_requests:
+            prompts = [p if isinstance(p, str) else f"<{len(p)} ids>" for p in work.prompts]
+            log.info("request rids=%s prompts=%s params=%s", work.rids, [_clip(p) for p in prompts],
+                     [_clip(repr(p)) for p in work.params])
+
+    def _log_end(self, results: list[dict]) -> None:
+        if self.http.log_requests:
+            for r in results:
+                m = r["meta_info"]
+                log.info("finish rid=%s reason=%s prompt=%d completion=%d cached=%d text=%s", m["id"],
+                         m["finish_reason"], m["prompt_tokens"], m["completion_tokens"], m["cached_tokens"],
+                         _clip(r["text"]))
+
+
+def params_error(e: Exception, prefix: str = "", renames: dict | None = None) -> ApiError:
+    """The API's view of an engine error about a field ("temperature must be >= 0"): "field: message", the field
+    renamed to the API's ("max_new_tokens" -> "max_tokens") and, on /generate, under "sampling_params"."""
+    msg = str(e)
+    for old, new in (renames or {}).items():
+        if msg.startswith(old):
+            msg = new + msg[len(old):]
+            break
+    m = re.match(r"'?([A-Za-z_][\w.]*)'?(:?)\s*(.*)", msg, re.S)
+    if m is None:
+        return ApiError(f"{prefix}: {msg}" if prefix else msg, param=prefix or None)
+    name, colon, rest = m.groups()
+    if not colon and not rest.startswith("must "):
+        rest = msg  # the name is part of a sentence: keep it whole
+    param = f"{prefix}.{name}" if prefix else name
+    return ApiError(f"{param}: {rest}", param=param)
+
+
+def _raise_if_failed(results: list[dict]) -> None:
+    """An engine-side abort that carries a message (shut down, a failed step) is the answer's error; a plain abort
+    (/abort_request) is a result."""
+    for r in results:
+        reason = r["meta_info"]["finish_reason"] or {}
+        if reason.get("type") == "abort" and reason.get("message"):
+            if "shut down" in reason["message"]:
+                raise ApiError(reason["message"], status=503, kind="unavailable")
+            raise ApiError(reason["message"], status=500, kind="server_error")
+
+
+async def _until_disconnected(receive, coro):
+    """Run `coro` unless the client disconnects first; then cancel it (the engine aborts the requests of a
+    cancelled async_generate) and raise ClientDisconnected."""
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, gone):
+            if not t.done():
+                t.cancel()
+    if work in done:
+        return work.result()
+    await asyncio.gather(work, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+async def _wait_disconnect(receive) -> None:
+    # Once the body is read, the ASGI server's next message is the disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _clip(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _default_path() -> str:
+    from sgjax.model.paths import default_model_path
+
+    return default_model_path()
