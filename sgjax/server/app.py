@@ -1,0 +1,195 @@
+"""The FastAPI app: SGLang's native routes, the OpenAI routes, health, info, cache and metrics.
+
+Handlers read the raw body and parse it themselves (`protocol.parse_body`), so malformed JSON, invalid UTF-8, unknown
+and ill-typed fields all become 400s in one error shape whose message names the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from importlib import metadata
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from sgjax.engine.params import SamplingParams
+from sgjax.server import native_api, openai_api
+from sgjax.server.metrics import Metrics
+from sgjax.server.protocol import (AbortRequest, ApiError, ChatCompletionRequest, CompletionRequest, GenerateRequest,
+                                   parse_body)
+from sgjax.server.serving import ClientDisconnected, Serving, Work
+
+log = logging.getLogger("sgjax.server")
+
+GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+ROUTES = GENERATION_ROUTES + ("/v1/models", "/health", "/health_generate", "/get_model_info", "/get_server_info",
+                              "/flush_cache", "/abort_request", "/metrics")
+
+
+def build_app(serving: Serving) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.to_thread(serving.finish_shutdown)
+
+    app = FastAPI(title="sgjax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestMetrics, metrics=serving.metrics)
+    started = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request: Request, e: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it; 499 marks the abort in the request metrics
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return JSONResponse(ApiError(f"{request.url.path}: {e.detail}", status=e.status_code).body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("internal error on %s", request.url.path)
+        err = ApiError(f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    # -- generation ------------------------------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(request: Request):
+        req = parse_body(await request.body(), GenerateRequest)
+        work, single = native_api.generate_work(req)
+        texts = bool(req.return_text_in_logprobs)
+        if req.stream:
+            merged = serving.merge(await serving.open_streams(work))
+            return sse(native_api.generate_events(serving, merged, texts))
+        results = await serving.run(work, request.receive)
+        if texts:
+            results = [native_api.with_token_text(r, serving) for r in results]
+        return JSONResponse(results[0] if single else results)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_body(await request.body(), CompletionRequest)
+        return await _openai(request, await openai_api.prepare_completion(serving, req), bool(req.stream))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_body(await request.body(), ChatCompletionRequest)
+        return await _openai(request, await openai_api.prepare_chat(serving, req), bool(req.stream))
+
+    async def _openai(request: Request, prep: openai_api.Prepared, stream: bool):
+        if stream:
+            merged = serving.merge(await serving.open_streams(prep.work))
+            return sse(openai_api.events(serving, prep, merged))
+        results = await serving.run(prep.work, request.receive)
+        return JSONResponse(openai_api.response(serving, prep, results))
+
+    # -- state -----------------------------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": started,
+                                            "owned_by": "sgjax", "root": serving.model_path,
+                                            "max_model_len": serving.engine.context_length}]}
+
+    @app.get("/health")
+    async def health():
+        # Answered on the event loop without touching the engine thread: fast whatever the engine is doing.
+        return Response(status_code=200 if serving.healthy else 503)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request):
+        """Health through the whole engine: one token generated."""
+        work = Work(params=(SamplingParams(max_new_tokens=1, temperature=0.0),), ids=([0],), prompt_field="input_ids")
+        await serving.run(work, request.receive)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": serving.model_path, "tokenizer_path": serving.model_path, "is_generation": True,
+                "served_model_name": serving.model_name, "context_length": serving.engine.context_length}
+
+    @app.get("/get_server_info")
+    async def server_info():
+        info = await serving.info()
+        return {**info, "served_model_name": serving.model_name, "version": _version(),
+                "server_args": dataclasses.asdict(serving.engine.args), "http_args": dataclasses.asdict(serving.http)}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        if not await asyncio.to_thread(serving.engine.flush_cache):
+            raise ApiError("flush_cache: refused while requests are running or waiting (as SGLang)")
+        return {"success": True, "message": "Cache flushed."}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        req = parse_body(await request.body(), AbortRequest)
+        serving.engine.abort(req.rid)
+        return {"success": True}
+
+    if serving.http.enable_metrics:
+        @app.get("/metrics")
+        async def metrics():
+            text = serving.metrics.render(await serving.info())
+            return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events: `data: {json}` per event, then `data: [DONE]`. A client that disconnects cancels the
+    iteration (Starlette listens for the disconnect), and the cancellation aborts the engine requests."""
+    async def body():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+        except ApiError as e:
+            yield f"data: {json.dumps(e.body())}\n\n".encode()
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
+            log.exception("stream failed")
+            err = ApiError(f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error")
+            yield f"data: {json.dumps(err.body())}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class RequestMetrics:
+    """Pure ASGI middleware (Starlette's BaseHTTPMiddleware would wrap `receive` and hide disconnects): counts
+    answers by route and status, and times successful generation requests to their last byte."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [499]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"]
+            self.metrics.count_request(path if path in ROUTES else "other", status[0])
+            if path in GENERATION_ROUTES and status[0] == 200:
+                self.metrics.e2e_latency.observe(time.perf_counter() - start)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("sgjax")
+    except metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,74 @@
+"""Start the server: load the engine, warm it up, serve HTTP with uvicorn until SIGTERM or SIGINT.
+
+Shutdown on a signal: the engine stops first (in a background thread, so the signal handler returns at once); its
+loop finishes every running and waiting request with an abort, open streams send their last chunk and `[DONE]`,
+uvicorn's graceful shutdown then finds no busy connection, and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import socket
+import time
+
+import uvicorn
+
+from sgjax.engine.engine import Engine, ServerArgs
+from sgjax.server.app import build_app
+from sgjax.server.serving import HttpArgs, Serving
+
+log = logging.getLogger("sgjax.server")
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, serving: Serving):
+        super().__init__(config)
+        self.serving = serving
+
+    def handle_exit(self, sig, frame) -> None:
+        self.serving.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+
+def serve(server_args: ServerArgs, http: HttpArgs) -> None:
+    logging.basicConfig(level=http.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _check_port(http.host, http.port)  # fail before the model loads, not after
+    signal.signal(signal.SIGTERM, _exit_while_loading)
+    t0 = time.perf_counter()
+    kwargs = {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args) if f.name != "model_path"}
+    engine = Engine(server_args.model_path, **kwargs)
+    serving = Serving(engine, http)
+    if not http.skip_server_warmup:
+        _warm_up(engine)
+    log.info("engine ready in %.1f s: %s, pool %d tokens, context %d", time.perf_counter() - t0, serving.model_name,
+             engine.max_total_tokens, engine.context_length)
+    config = uvicorn.Config(build_app(serving), host=http.host, port=http.port, log_level=http.log_level,
+                            access_log=http.log_requests, timeout_graceful_shutdown=10)
+    # After its graceful shutdown uvicorn restores the previous handlers and raises the signal again; a no-op
+    # handler there lets the process end normally, with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    _Server(config, serving).run()
+
+
+def _exit_while_loading(sig, frame):
+    raise SystemExit(0)
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise SystemExit(f"cannot listen on {host}:{port}: {e}") from None
+
+
+def _warm_up(engine: Engine) -> None:
+    """One short request compiles (or loads from the persistent cache) the first prefill and decode steps, so the
+    first client does not pay for them; the cache is flushed after."""
+    ids = engine.tokenizer.encode("Hello") if engine.tokenizer is not None else [1, 2, 3]
+    engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0.0})
+    engine.flush_cache()
