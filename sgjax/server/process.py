@@ -1,0 +1,64 @@
+"""`sgjax serve` in a child process on a free loopback port: for tests and benchmarks that need the real server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """Starts `python -m sgjax.cli serve --port <free> *flags`; output goes to a log file (kept when it fails)."""
+
+    def __init__(self, *flags: str, env: dict | None = None, cwd: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="sgjax-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "sgjax.cli", "serve", "--port", str(self.port), *flags],
+                                     cwd=cwd, env={**os.environ, **(env or {})}, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_text()}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then the exit status (killed after `timeout`, so a hung shutdown shows as -9, not a hang)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log_text(self, tail: int = 6000) -> str:
+        with open(self.log.name) as f:
+            return f.read()[-tail:]
+
+    def remove_log(self) -> None:
+        self.log.close()
+        os.unlink(self.log.name)
