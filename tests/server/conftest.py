@@ -1,0 +1,72 @@
+"""The real server in a subprocess (`python -m sgjax.cli serve`) on a free loopback port, with the real SmolLM2 and
+the tests' persistent compilation cache, shared by the whole session; helpers to read SSE streams and check leaks."""
+
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from sgjax.server.process import ServerProcess
+
+# The engine tests' settings: the same pool and step shapes, so the compilation cache they fill serves the server.
+SMALL_FLAGS = ["--max-total-tokens", "4096", "--chunked-prefill-size", "96", "--max-running-requests", "8"]
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def start_server(*flags: str) -> ServerProcess:
+    """The server with the tests' CPU platform and persistent compilation cache (every compile is kept)."""
+    import jax
+
+    env = {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return ServerProcess(*flags, env=env, cwd=REPO).wait_ready()
+
+
+@pytest.fixture(scope="session")
+def server():
+    srv = start_server(*SMALL_FLAGS, "--enable-metrics")
+    yield srv
+    rc = srv.stop()
+    assert rc == 0, f"server exit status {rc} after SIGTERM:\n{srv.log_text()}"
+    srv.remove_log()
+
+
+@pytest.fixture(scope="session")
+def url(server) -> str:
+    return server.url
+
+
+@pytest.fixture(scope="session")
+def client(url):
+    with httpx.Client(base_url=url, timeout=120) as c:
+        yield c
+
+
+def sse_events(lines) -> list:
+    """The `data:` payloads of an SSE stream, JSON-decoded, with the final "[DONE]" kept as a string."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return events
+
+
+def wait_idle(client: httpx.Client, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.get("/get_server_info").json()
+        if info["running_requests"] == info["waiting_requests"] == 0 or time.monotonic() > deadline:
+            return info
+
+
+def assert_no_leak(client: httpx.Client) -> None:
+    info = wait_idle(client)
+    assert info["running_requests"] == info["waiting_requests"] == 0, info
+    assert info["protected_pages"] == 0, info
+    assert info["free_pages"] + info["evictable_pages"] == info["num_pages"], info
