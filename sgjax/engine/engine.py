@@ -123,6 +123,7 @@ class Engine:
         self.request_log: list[list[int]] | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._step_seconds = 0.0
+        self._detokenize_seconds = 0.0
         self._closed = False
         if args.precompile if args.precompile is not None else platform != "cpu":
             self._precompile()
@@ -448,7 +449,9 @@ class Engine:
             reason = {"type": "stop", "matched": token}
         elif may_stop and token in p.stop_token_ids:
             reason = {"type": "stop", "matched": token}
+        t0 = time.perf_counter()
         safe, matched = req.stops.feed(req.decoder.push(new_tokens)) if req.decoder is not None else ("", None)
+        self._detokenize_seconds += time.perf_counter() - t0  # host time between steps (docs/server.md)
         req.text += safe
         if matched is not None and may_stop and reason is None:
             reason = {"type": "stop", "matched": matched}
@@ -518,7 +521,8 @@ class Engine:
             "running_requests": len(s.running), "waiting_requests": len(s.waiting),
             "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens, "cache_hit_rate": s.hit_rate,
             "retractions": st.retractions, "steps": st.steps, "tree_seconds": st.tree_seconds,
-            "step_seconds": self._step_seconds, "compiled_shapes": len(self.runner.shapes_seen),
+            "step_seconds": self._step_seconds, "detokenize_seconds": self._detokenize_seconds,
+            "compiled_shapes": len(self.runner.shapes_seen),
             "traces": self.runner.traces, "jump_forward_tokens": self._jumped_tokens,
             "generated_tokens": self._sampled_tokens + self._jumped_tokens,
             "grammar_cache": dataclasses.asdict(self._grammars.stats),
