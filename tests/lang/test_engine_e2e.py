@@ -214,8 +214,10 @@ def test_run_batch_under_greedy_equals_running_one_by_one(backend):
     args = [{"question": q} for q in ("What do bees make?", "What is frozen water?", "Which animal barks?",
                                       "What is the opposite of hot?")]
     batch = qa.run_batch(args, backend=backend, temperature=0, num_threads=4)
-    one_by_one = [qa.run(backend=backend, temperature=0, **a) for a in args]
-    assert [s.text() for s in batch] == [s.text() for s in one_by_one]
+    one_by_one = []
+    for a in args:  # run returns while the program's stream still runs: wait, so that nothing overlaps
+        one_by_one.append(qa.run(backend=backend, temperature=0, **a).text())
+    assert [s.text() for s in batch] == one_by_one
 
 
 def test_engine_errors_name_the_program_line(backend):
