@@ -5,6 +5,7 @@ model and prints the outputs, the compiler-mode graph of the program and the cac
 
     make run            # set-up + this script
     .venv/bin/python examples/essay_judge.py --model-path /path/to/model.gguf --max-new-tokens 48
+    .venv/bin/python examples/essay_judge.py --no-frontend-hint     # the paper's ablation
 """
 
 import argparse
@@ -58,7 +59,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="per gen (the JSON answer gets 64)")
+    parser.add_argument("--no-frontend-hint", action="store_true", help="forks do not send the shared prefix first")
     args = parser.parse_args()
+    sgl.global_config.enable_frontend_hint = not args.no_frontend_hint
 
     t0 = time.perf_counter()
     runtime = sgl.Runtime(args.model_path, max_total_tokens=8192)
@@ -76,7 +79,7 @@ def main():
         if state["off_topic"] == "yes":
             continue
         for dim, judgment in zip(DIMENSIONS, state["judgments"]):
-            print(f"  {dim}: {judgment.strip()}")
+            print(f"  {dim}: {' '.join(judgment.split())}")
         print(f"  summary: {state['summary'].strip()}\n  grade: {state['grade'].strip()}")
         output = state["output"]
         print(f"  output: {output}  (valid JSON: {_is_json(output)})")
