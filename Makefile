@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/python examples/essay_judge.py
 
 test: setup
 	$(BIN)/python -m pytest -q
