@@ -130,6 +130,38 @@ def test_fork_branches_see_the_parent_and_not_each_other(engine, backend):
     assert state.text() == tok.apply_chat_template(base, add_generation_prompt=False)
 
 
+def test_role_forms_var_scope_copy_and_appending_join(engine, backend):
+    @sgl.function
+    def program(s):
+        s += sgl.system_begin() + "Be brief." + sgl.system_end()
+        with s.user():
+            with s.var_scope("request"):
+                s += "Name a fruit."
+        s += sgl.assistant_begin() + sgl.gen("fruit", max_tokens=4) + sgl.assistant_end()
+        with s.copy() as c:
+            c += sgl.user("Its color?") + sgl.assistant(sgl.gen("color", max_tokens=4))
+        forks = s.fork(2)
+        forks += [sgl.user("A vegetable?") + sgl.assistant(sgl.gen("v", max_tokens=4)),
+                  sgl.user("A nut?") + sgl.assistant(sgl.gen("v", max_tokens=4))]
+        forks.join("concate_and_append")
+        return c, forks
+
+    state = program.run(backend=backend, temperature=0)
+    copy, forks = state.ret_value
+    assert state["request"] == "Name a fruit."
+    assert copy["fruit"] == state["fruit"]  # the copy starts from the parent ...
+    assert [m["content"] for m in copy.messages()[3:]] == ["Its color?", copy["color"]]
+    assert "Its color?" not in state.text()  # ... and does not write into it
+    # The parent gets both branches' turns appended, in order, as the template renders them.
+    render = engine.tokenizer.apply_chat_template
+    base = state.messages()
+    assert [m["role"] for m in base] == ["system", "user", "assistant"]
+    turns = [render(base + [{"role": "user", "content": q}, {"role": "assistant", "content": f["v"]}],
+                    add_generation_prompt=False) for q, f in zip(["A vegetable?", "A nut?"], forks)]
+    head = render(base, add_generation_prompt=False)
+    assert state.text() == head + "".join(t[len(head):] for t in turns)
+
+
 def _branch_cached_tokens(backend, nonce):
     @sgl.function
     def questions(s):
