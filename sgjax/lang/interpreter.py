@@ -105,6 +105,8 @@ class StreamExecutor:
         events = {name: threading.Event() for name in (variable_names(expr) if names is None else names)}
         self._events.update(events)
         self._queue.put((expr, where, events))
+        if not global_config.enable_parallelism:
+            self._queue.join()
 
     def get_var(self, name: str):
         event = self._events.get(name)

@@ -307,3 +307,40 @@ def test_many_programs_do_not_leave_threads_behind():
     while threading.active_count() > before and time.time() < deadline:
         time.sleep(0.01)
     assert threading.active_count() <= before
+
+
+class _ConcurrencyBackend(FakeBackend):
+    """Counts how many generate calls run at the same time."""
+
+    def __init__(self):
+        super().__init__()
+        self.active = self.peak = 0
+
+    def generate(self, text, params):
+        with self._lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        time.sleep(0.05)
+        with self._lock:
+            self.active -= 1
+        return super().generate(text, params)
+
+
+def test_without_frontend_parallelism_calls_run_one_at_a_time(monkeypatch):
+    @sgl.function
+    def program(s):
+        s += "prefix "
+        forks = s.fork(3)
+        for f in forks:
+            f += sgl.gen("g")
+        s += "after " + sgl.gen("h")
+
+    backend = _ConcurrencyBackend()
+    program.run(backend=backend).sync()
+    assert backend.peak >= 3  # the branches (and the parent's next gen) run at once
+
+    monkeypatch.setattr(global_config, "enable_parallelism", False)
+    backend = _ConcurrencyBackend()
+    state = program.run(backend=backend)
+    assert backend.kinds() == ["cache_prefix", "generate", "generate", "generate", "generate"]  # run waited
+    assert backend.peak == 1 and state["h"]
