@@ -6,6 +6,7 @@ import asyncio
 import json
 import statistics
 import time
+from contextlib import aclosing
 
 import httpx
 
@@ -16,53 +17,53 @@ NEW = 8
 DISTINCT = PROMPTS[5:13]
 
 
-async def stream_generate(http, prompt, leave_after):
-    """A /generate stream: its events, checked to be cumulative; stops reading after `leave_after` events."""
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": NEW, "temperature": 0}, "stream": True}
-    events, done = [], 0
-    async with http.stream("POST", "/generate", json=body) as r:
+async def sse(http, route, body):
+    """The decoded events of an SSE stream; [DONE] must come once, last. Closing it early (aclosing) closes the
+    connection mid-stream: the client leaves."""
+    done = 0
+    async with http.stream("POST", route, json=body) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
-            if not line:
-                continue
             payload = line.removeprefix("data: ")
             if payload == "[DONE]":
                 done += 1
-                continue
-            assert done == 0, "an event after [DONE]"
-            event = json.loads(payload)
+            elif payload:
+                assert done == 0, "an event after [DONE]"
+                yield json.loads(payload)
+    assert done == 1
+
+
+async def stream_generate(http, prompt, leave_after):
+    """A /generate stream's final text, its events checked to be cumulative; None when leaving after
+    `leave_after` events."""
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": NEW, "temperature": 0}, "stream": True}
+    events = []
+    async with aclosing(sse(http, "/generate", body)) as stream:
+        async for event in stream:
             if events:
                 assert events[-1]["meta_info"]["finish_reason"] is None, "an event after the final one"
                 assert event["text"].startswith(events[-1]["text"])
                 assert event["output_ids"][:len(events[-1]["output_ids"])] == events[-1]["output_ids"]
             events.append(event)
             if len(events) == leave_after:
-                return None  # leaving the block closes the connection mid-stream
-    assert done == 1
+                return None
     return events[-1]["text"]
 
 
 async def stream_completion(http, prompt, leave_after):
     """An OpenAI completions stream: the concatenated deltas (a duplicated or lost chunk would change them)."""
     body = {"model": "m", "prompt": prompt, "max_tokens": NEW, "temperature": 0, "stream": True}
-    text, chunks, done, finished = "", 0, 0, 0
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if not line:
-                continue
-            payload = line.removeprefix("data: ")
-            if payload == "[DONE]":
-                done += 1
-                continue
-            choice = json.loads(payload)["choices"][0]
+    text, chunks, finished = "", 0, 0
+    async with aclosing(sse(http, "/v1/completions", body)) as stream:
+        async for event in stream:
+            choice = event["choices"][0]
             assert finished == 0, "a chunk after the final one"
             text += choice["text"]
             finished += choice["finish_reason"] is not None
             chunks += 1
             if chunks == leave_after:
                 return None
-    assert done == 1 and finished == 1
+    assert finished == 1
     return text
 
 
