@@ -237,6 +237,10 @@ class Engine:
         except (GrammarError, RegexError) as e:
             field_name = "regex" if params.regex is not None else "json_schema"
             raise SamplingParamsError(f"{field_name}: {e}") from None
+        except (TypeError, ValueError, AttributeError, KeyError) as e:
+            # An ill-typed keyword ({"anyOf": 3}, "maxLength": "x") trips the schema compiler before its own checks:
+            # still the request's mistake, not the engine's.
+            raise SamplingParamsError(f"json_schema: invalid schema ({type(e).__name__}: {e})") from None
 
     def _tokens(self, text, ids) -> list[int]:
         if text is not None:
