@@ -8,6 +8,7 @@ parameters' own rules are checked later by `SamplingParams` and the engine, whos
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Literal
 
@@ -40,7 +41,7 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     except UnicodeDecodeError as e:
         raise ApiError(f"body: invalid UTF-8 at byte {e.start}", param="body") from None
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except json.JSONDecodeError as e:
         raise ApiError(f"body: malformed JSON: {e.msg} at line {e.lineno} column {e.colno}", param="body") from None
     except (ValueError, RecursionError) as e:
@@ -56,6 +57,13 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
 
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses as inf
+        raise ValueError(f"the number {text} is out of range")
+    return value
 
 
 def _check_strings(value, path: str, depth: int) -> None:

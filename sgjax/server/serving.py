@@ -214,9 +214,10 @@ class Serving:
 
     def _log_start(self, work: Work) -> None:
         if self.http.log_requests:
-            prompts = [p if isinstance(p, str) else f"<{len(p)} ids>" for p in work.prompts]
-            log.info("request rids=%s prompts=%s params=%s", work.rids, [_clip(p) for p in prompts],
-                     [_clip(repr(p)) for p in work.params])
+            prompts = [_clip(p) if isinstance(p, str) else f"<{len(p)} ids>" for p in work.prompts]
+            params = [{f.name: getattr(p, f.name) for f in dataclasses.fields(p)
+                       if getattr(p, f.name) != f.default} for p in work.params]  # what the request changed
+            log.info("request rids=%s prompts=%s params=%s", list(work.rids) if work.rids else None, prompts, params)
 
     def _log_end(self, results: list[dict]) -> None:
         if self.http.log_requests:
