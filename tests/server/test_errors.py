@@ -22,6 +22,11 @@ LONG = list(range(100, 4200))  # past the 4096-token pool
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}}, "sampling_params.json_schema"),
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": {"type": "object", "not": {}}}},
      "sampling_params.json_schema"),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": {"anyOf": 3}}}, "sampling_params.json_schema"),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": {"type": "object", "properties": []}}},
+     "sampling_params.json_schema"),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": {"type": "integer", "minimum": "a"}}},
+     "sampling_params.json_schema"),
     ("/generate", {"text": "hi", "sampling_params": [{}, {}]}, "sampling_params"),
     ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"top_k": 0}]}, "sampling_params.1.top_k"),
     ("/generate", {"text": "hi", "stream": "yes"}, "stream"),
@@ -64,6 +69,9 @@ LONG = list(range(100, 4200))  # past the 4096-token pool
     ("/v1/chat/completions", {"model": "m", "messages": [HI], "seed": 1.5}, "seed"),
     ("/v1/chat/completions", {"model": "m", "messages": [HI], "response_format": {"type": "json_schema"}},
      "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"model": "m", "messages": [HI], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": 5}}}},
+     "response_format.json_schema.schema"),
     ("/abort_request", {}, "rid"),
 ])
 def test_bad_requests_name_the_field(client, route, body, field):
@@ -80,6 +88,7 @@ def test_bad_requests_name_the_field(client, route, body, field):
     (b'{"text": "\xff\xfe"}', "invalid UTF-8"),
     (b'{"text": "\\ud800"}', "lone surrogate"),
     (b'{"text": "hi", "sampling_params": {"temperature": NaN}}', "NaN"),
+    (b'{"text": "hi", "sampling_params": {"json_schema": {"type": "integer", "maximum": 1e400}}}', "1e400"),
     (b'["text"]', "JSON object"),
     (b"[" * 100000 + b"]" * 100000, "body"),
     (b"", "malformed JSON"),
@@ -125,9 +134,11 @@ SAMPLING = ["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "st
             "json_schema", "seed", "frequency_penalty", "ignore_eos", "min_new_tokens", "skip_special_tokens"]
 scalars = (st.none() | st.booleans() | st.integers(-(2 ** 64), 2 ** 64) | st.integers(-3, 40)
            | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+# Keys of messages, response formats and JSON schemas too, so nested values reach the template and the schema compiler.
+KEYS = SAMPLING + ["role", "content", "type", "text", "json_schema", "schema", "properties", "items", "anyOf",
+                   "required", "enum", "maxLength", "minimum", "$ref", "include_usage"]
 values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=3)
-                      | st.dictionaries(st.text(max_size=8) | st.sampled_from(SAMPLING + ["role", "content", "type"]),
-                                        kids, max_size=3), max_leaves=8)
+                      | st.dictionaries(st.text(max_size=8) | st.sampled_from(KEYS), kids, max_size=3), max_leaves=8)
 
 
 @st.composite

@@ -1,4 +1,5 @@
-"""SIGTERM shuts the server down cleanly: an open stream ends with an abort and [DONE], the process exits with 0."""
+"""A second server with other flags: --served-model-name, no --enable-metrics, --log-requests; then SIGTERM shuts it
+down cleanly: an open stream ends with an abort and [DONE], the process exits with 0."""
 
 import json
 import signal
@@ -9,13 +10,16 @@ import httpx
 from tests.server.conftest import SMALL_FLAGS, start_server
 
 
-def test_sigterm_ends_streams_and_exits_0():
-    srv = start_server(*SMALL_FLAGS, "--skip-server-warmup")
+def test_flags_then_sigterm_ends_streams_and_exits_0():
+    srv = start_server(*SMALL_FLAGS, "--skip-server-warmup", "--served-model-name", "tiny", "--log-requests")
     try:
+        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == "tiny"
+        assert httpx.get(srv.url + "/metrics").status_code == 404  # only with --enable-metrics
+
         events, first = [], threading.Event()
 
         def client():
-            body = {"text": "Once upon a time", "stream": True,
+            body = {"text": "Once upon a time", "stream": True, "rid": "long-one",
                     "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
             with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
                 for line in r.iter_lines():
@@ -35,4 +39,6 @@ def test_sigterm_ends_streams_and_exits_0():
     last = json.loads(events[-2])
     assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": "engine shut down"}
     assert 0 < last["meta_info"]["completion_tokens"] < 3000
+    log = srv.log_text()
+    assert "request rids=['long-one']" in log and "finish rid=long-one" in log and '"POST /generate' in log
     srv.remove_log()
