@@ -100,6 +100,23 @@ def test_bodies_that_are_not_json_objects(client, raw, message):
         assert r.json()["error"]["message"].startswith(("body:", "text:")) and message in r.json()["error"]["message"]
 
 
+def test_a_body_over_the_limit_is_413(client):
+    from sgjax.server.protocol import MAX_BODY_BYTES
+
+    r = client.post("/generate", json={"text": "x" * (MAX_BODY_BYTES + 1)})
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("body:")
+
+
+def test_openai_routes_need_a_tokenizer():
+    from types import SimpleNamespace
+
+    from sgjax.server.openai_api import _need_tokenizer
+    from sgjax.server.protocol import ApiError
+
+    with pytest.raises(ApiError, match="skip-tokenizer-init"):
+        _need_tokenizer(SimpleNamespace(tokenizer=None))
+
+
 def test_unknown_route_and_method_are_4xx_json(client):
     r = client.get("/nope")
     assert r.status_code == 404 and "/nope" in r.json()["error"]["message"]

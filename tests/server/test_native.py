@@ -151,6 +151,8 @@ def test_abort_request_by_rid(client, url):
     t.start()
     while client.get("/get_server_info").json()["running_requests"] == 0:
         time.sleep(0.05)
+    refused = client.post("/flush_cache")  # as SGLang: not while requests run
+    assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("flush_cache:")
     assert client.post("/abort_request", json={"rid": "to-abort"}).json()["success"] is True
     t.join(60)
     out = result["r"].json()
@@ -174,19 +176,25 @@ def test_metrics_in_prometheus_format(client):
     before = scrape()
     out = client.post("/generate", json={"text": PROMPTS[11], "sampling_params": {"max_new_tokens": 5,
                                                                                    "ignore_eos": True}}).json()
+    with client.stream("POST", "/generate", json={"text": "Hi", "stream": True,
+                                                  "sampling_params": {"max_new_tokens": 1}}) as r:
+        r.read()
     after = scrape()
     kinds = {"sgjax:num_requests": "counter", "sgjax:prompt_tokens": "counter", "sgjax:generation_tokens": "counter",
              "sgjax:cached_tokens": "counter", "sgjax:num_queue_reqs": "gauge", "sgjax:num_running_reqs": "gauge",
              "sgjax:cache_hit_rate": "gauge", "sgjax:step_time_seconds": "histogram",
-             "sgjax:e2e_request_latency_seconds": "histogram"}
+             "sgjax:e2e_request_latency_seconds": "histogram", "sgjax:time_to_first_token_seconds": "histogram",
+             "sgjax:token_usage": "gauge", "sgjax:num_retractions": "counter"}
     for name, kind in kinds.items():
         assert after[name].type == kind, name
     meta = out["meta_info"]
-    assert value(after, "sgjax:generation_tokens_total") - value(before, "sgjax:generation_tokens_total") == 5
+    assert value(after, "sgjax:generation_tokens_total") - value(before, "sgjax:generation_tokens_total") == 5 + 1
     assert value(after, "sgjax:prompt_tokens_total") - value(before, "sgjax:prompt_tokens_total") == \
-        meta["prompt_tokens"]
+        meta["prompt_tokens"] + 1  # "Hi" is one token
     assert value(after, "sgjax:num_requests_total", endpoint="/generate", status="200") == \
-        value(before, "sgjax:num_requests_total", endpoint="/generate", status="200") + 1
+        value(before, "sgjax:num_requests_total", endpoint="/generate", status="200") + 2
+    for name in ("sgjax:e2e_request_latency_seconds_count", "sgjax:time_to_first_token_seconds_count"):
+        assert value(after, name) - value(before, name) == (2 if "e2e" in name else 1), name
     assert value(after, "sgjax:num_running_reqs") == value(after, "sgjax:num_queue_reqs") == 0
     steps = value(after, "sgjax:step_time_seconds_count") - value(before, "sgjax:step_time_seconds_count")
     assert steps >= 5  # one prefill, four decodes at least
