@@ -173,8 +173,8 @@ def main() -> None:
     if url is None:
         from sgjax.server.process import ServerProcess
 
-        env = {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".jax_cache")),
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+        cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".jax_cache"))
+        env = {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
         server = ServerProcess(*shlex.split(args.server_args), env=env, cwd=REPO).wait_ready()
         url = server.url
     try:
