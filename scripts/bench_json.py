@@ -220,19 +220,9 @@ def main():
 
 def dump_tokenizer(path: str) -> None:
     """SmolLM2's tokenizer as an HF directory (tokenizer.json + config): the GPU image cannot read GGUF."""
-    from sgjax.model.tokenizer import load_tokenizer
+    from sgjax.model.tokenizer import load_tokenizer, save_hf_dir
 
-    tok = load_tokenizer(None)
-    os.makedirs(path, exist_ok=True)
-    tok.hf.save(os.path.join(path, "tokenizer.json"))
-    token = tok.hf.id_to_token
-    cfg = {"eos_token": token(tok.eos_token_id), "chat_template": tok.chat_template, "add_bos_token": tok.add_bos}
-    if tok.bos_token_id is not None:
-        cfg["bos_token"] = token(tok.bos_token_id)
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump(cfg, f)
-    with open(os.path.join(path, "config.json"), "w") as f:  # only so the directory resolves as a model path
-        json.dump({"model_type": "llama", "eos_token_id": list(tok.eos_token_ids)}, f)
+    save_hf_dir(load_tokenizer(None), path)
     print(f"wrote {path}")
 
 

@@ -9,6 +9,9 @@ import sys
 # (ServerArgs field, argparse options). Every engine setting has a flag (tests/server/test_cli.py checks it).
 ENGINE_FLAGS = [
     ("model_path", dict(help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct)")),
+    ("load_format", dict(choices=["auto", "dummy"],
+                         help="auto: the checkpoint's weights; dummy: random weights of the HF directory's "
+                              "config.json (serving benchmarks of large shapes)")),
     ("dtype", dict(choices=["float32", "bfloat16"],
                    help="weights and KV cache dtype (default: float32 on CPU, bfloat16 on accelerators)")),
     ("page_size", dict(type=int, help="tokens per KV page; the radix cache matches whole pages")),

@@ -30,9 +30,9 @@ from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.fsm import GrammarCache, GrammarError, RegexError, from_tokenizer
 from sgjax.kernels import default_backend
 from sgjax.model.loader import load_model
-from sgjax.model.config import ModelConfig
+from sgjax.model.config import ModelConfig, config_from_hf_dir
 from sgjax.model.tokenizer import Tokenizer, load_tokenizer
-from sgjax.model.weights import Weights
+from sgjax.model.weights import Weights, dummy_weights
 
 log = logging.getLogger("sgjax.engine")
 
@@ -42,6 +42,9 @@ class ServerArgs:
     """Engine settings, with SGLang's names (the paper's ablations are switches here)."""
 
     model_path: str | None = None
+    # auto: the checkpoint's weights; dummy: random weights of the checkpoint's config (an HF directory's
+    # config.json), with its tokenizer: serving benchmarks of large shapes where the weights are not at hand.
+    load_format: str = "auto"
     dtype: str | None = None  # float32 | bfloat16; default: float32 on CPU, bfloat16 on accelerators
     page_size: int = 16
     max_total_tokens: int | None = None  # KV pool size; default: mem_fraction_static of free device memory
@@ -81,7 +84,9 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs):
         """Load a model (None: the default SmolLM2) and start serving. kwargs: ServerArgs fields."""
         args = ServerArgs.from_kwargs(model_path, kwargs)
-        cfg, weights = _load_model_cached(args.model_path, _dtype(args))
+        if args.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
+        cfg, weights = _load_model_cached(args.model_path, _dtype(args), args.load_format)
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model_path)
         self._start(args, cfg, weights, tokenizer)
 
@@ -544,11 +549,17 @@ def _dtype(args: ServerArgs) -> str:
     return args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
 
 
-def _load_model_cached(path, dtype):
+def _load_model_cached(path, dtype, load_format="auto"):
     """Weights are immutable arrays: engines in one process (tests, ablation sweeps) share one copy."""
-    key = (path, dtype)
+    key = (path, dtype, load_format)
     if key not in _MODELS:
-        _MODELS[key] = load_model(path, dtype)
+        if load_format == "dummy":
+            if path is None or not os.path.isdir(path):
+                raise ValueError(f"load_format 'dummy' needs an HF directory with config.json, got {path!r}")
+            cfg = config_from_hf_dir(path, dtype)
+            _MODELS[key] = cfg, dummy_weights(cfg)
+        else:
+            _MODELS[key] = load_model(path, dtype)
     return _MODELS[key]
 
 

@@ -189,3 +189,19 @@ def _compile_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
                                                                                   ensure_ascii=ensure_ascii)
     return env.from_string(source)
+
+
+def save_hf_dir(tok: Tokenizer, path: str, config: dict | None = None) -> None:
+    """Write `tok` as an HF directory (tokenizer.json, tokenizer_config.json) that load_tokenizer reads back, with
+    `config` as config.json (default: a stub naming only the model type and EOS ids, so the directory resolves
+    as a model path). Machines without the gguf package and dummy-weight servers use such directories."""
+    os.makedirs(path, exist_ok=True)
+    tok.hf.save(os.path.join(path, "tokenizer.json"))
+    token = tok.hf.id_to_token
+    cfg = {"eos_token": token(tok.eos_token_id), "chat_template": tok.chat_template, "add_bos_token": tok.add_bos}
+    if tok.bos_token_id is not None:
+        cfg["bos_token"] = token(tok.bos_token_id)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config or {"model_type": "llama", "eos_token_id": list(tok.eos_token_ids)}, f)

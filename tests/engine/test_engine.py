@@ -249,3 +249,25 @@ def test_flush_cache(engine):
     assert engine.flush_cache()
     info = engine.get_server_info()
     assert info["evictable_pages"] == 0 and info["free_pages"] == info["num_pages"]
+
+
+def test_dummy_load_format_serves_text_with_the_directorys_config_and_tokenizer(smollm2, tmp_path):
+    """load_format='dummy' (sgjax serve --load-format dummy): random weights of config.json's shapes, the
+    directory's tokenizer; what the H200 serving benchmark runs when the weights cannot travel."""
+    from sgjax.model.tokenizer import save_hf_dir
+
+    _, _, tok = smollm2
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": tok.vocab_size,
+              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "eos_token_id": list(tok.eos_token_ids)}
+    save_hf_dir(tok, str(tmp_path), config)
+    with Engine(str(tmp_path), load_format="dummy", max_total_tokens=1024) as eng:
+        assert eng.model_config.num_layers == 2 and eng.model_config.hidden_size == 64
+        out = eng.generate("Hello there", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert out["meta_info"]["completion_tokens"] == 6 and isinstance(out["text"], str)
+        assert out["meta_info"]["prompt_tokens"] == len(tok.encode("Hello there"))
+    with pytest.raises(ValueError, match="load_format"):
+        Engine(str(tmp_path), load_format="npz")
+    with pytest.raises(ValueError, match="config.json"):
+        Engine(None, load_format="dummy")
