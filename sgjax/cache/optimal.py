@@ -55,3 +55,36 @@ def optimal_hit_rate(
     if total == 0:
         return 0.0
     return 1.0 - optimal_computed_tokens(seqs, page_size, extra_keys) / total
+
+
+def optimal_prompt_tokens_with_outputs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                                       page_size: int = 1) -> int:
+    """The Theorem 3.1 minimum for LM programs, where later prompts extend earlier requests' outputs.
+
+    A program's next call sends back what an earlier call decoded (a fork after a gen, the next turn of a chat), so
+    those tokens' KV was computed by decoding and a cache can serve them to the later prompt without any prefill.
+    Every page-aligned prefix of the prompts must still be computed once, unless it ends inside a request's decoded
+    tokens (prompt + output without its last token, whose KV is never computed); partial tail pages always are.
+    Prefixes are keyed by a chained hash per page, so the cost is linear in the tokens."""
+    S = page_size
+
+    def page_keys(seq):
+        key = None
+        for k in range(len(seq) // S):
+            key = hash((key, tuple(seq[k * S:(k + 1) * S])))
+            yield k + 1, key
+
+    decoded: set = set()
+    for p, o in zip(prompts, outputs):
+        full = [int(t) for t in p] + [int(t) for t in o[:-1]]
+        decoded.update(key for pages, key in page_keys(full) if pages * S > len(p))
+    seen: set = set()
+    computed = 0
+    for p in prompts:
+        ids = [int(t) for t in p]
+        for pages, key in page_keys(ids):
+            if key not in seen and key not in decoded:
+                computed += S
+            seen.add(key)
+        computed += len(ids) % S
+    return computed

@@ -124,8 +124,9 @@ class Engine:
         self._jumped_tokens = 0
         self._sampled_tokens = 0
         self.on_step = None  # called on the engine thread with each step's seconds (the server's histogram)
-        # Benchmarks set a list here to get every prompt the engine was given (for the Theorem 3.1 optimum).
-        self.request_log: list[list[int]] | None = None
+        # Benchmarks set a list here to get every request the engine was given, with its output once finished
+        # (for the Theorem 3.1 optimum).
+        self.request_log: list[Req] | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._step_seconds = 0.0
         self._detokenize_seconds = 0.0
@@ -224,7 +225,7 @@ class Engine:
         if stream and len(reqs) != 1:
             raise ValueError("stream=True takes one prompt with n == 1")
         if self.request_log is not None:
-            self.request_log.extend(r.input_ids for r in reqs)
+            self.request_log.extend(reqs)
         return reqs, single
 
     def _grammar(self, params: SamplingParams):
