@@ -1,14 +1,20 @@
 """The interface between the interpreter and a model.
 
-The interpreter keeps each prompt state as text and asks a backend for four things: generate a continuation
-(`generate`, `generate_stream`), warm the prefix cache with a prompt (`cache_prefix`: the fork hint and the
-batch pre-cache), and pick one of several continuations (`select`). Everything else (tokenization, the cache,
-batching) stays behind it. Implementations: `EngineBackend` (the in-process Engine); `RuntimeEndpoint` (HTTP to
-`sgjax serve`) and `OpenAI` (API speculative execution) come next and implement the same methods.
+The interpreter keeps each prompt state as text (and, for chat models, as messages) and asks a backend for four
+things: generate a continuation (`generate`, `generate_stream`, and `speculate` for API speculative execution),
+warm the prefix cache with a prompt (`cache_prefix`: the fork hint and the batch pre-cache), and pick one of several
+continuations (`select`). Everything else (tokenization, the cache, batching) stays behind it. Implementations:
+`EngineBackend` (the in-process Engine), `RuntimeEndpoint` (HTTP to `sgjax serve`), `OpenAI` (the official client,
+against OpenAI or any OpenAI-compatible server).
+
+A prompt is the state's text, or, for a backend with `is_chat_model`, the list of the state's finished messages
+(`{"role", "content"}` dicts, OpenAI's format): a chat API answers with a new assistant message, so the interpreter
+calls a chat backend only where the current assistant message is still empty (or, with API speculative execution,
+matches the message's fixed text in the reply; see `sgjax/lang/speculative.py`).
 
 `select` has a default built on two lower-level calls, `tokenize` and `prompt_logprobs`, so a backend that can
-score prompts (the engine, the native HTTP server) only implements those; a backend that cannot (OpenAI chat
-models) overrides `select` itself.
+score prompts (the engine, the native HTTP server) only implements those; a backend that cannot (OpenAI) overrides
+`select` itself.
 
 Sampling parameters travel as a dict with SGLang's names (`max_new_tokens`, `stop`, `temperature`, `regex`,
 `json_schema`, ... see `ir.GEN_PARAMS`), holding only what the program set; `return_logprob`,
@@ -17,36 +23,49 @@ Sampling parameters travel as a dict with SGLang's names (`max_new_tokens`, `sto
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 from sgjax.lang.chat_template import PLAIN, ChatTemplate
 from sgjax.lang.choices import ChoicesDecision, ChoicesMethod
 
+# What a gen generates at most when neither it nor the run sets max_tokens: SGLang's default and the Engine's.
+# Backends whose API has another default (OpenAI completions: 16) send this one, so a program means the same
+# everywhere, and API speculative execution knows where a gen would have stopped.
+DEFAULT_MAX_NEW_TOKENS = 128
+
 
 class Backend:
     chat_template: ChatTemplate = PLAIN
-    is_chat_model = False  # True: the model takes messages, not text (OpenAI chat), see docs/lang.md
+    is_chat_model = False  # True: prompts are message lists, answers whole assistant messages (OpenAI chat)
 
     def get_chat_template(self) -> ChatTemplate:
         return self.chat_template
 
     # -- what every backend implements -------------------------------------------------------------------
-    def generate(self, text: str, params: dict) -> tuple[str, dict]:
-        """Continue `text`; returns the new text and the request's meta info (cached_tokens, finish_reason...)."""
+    def generate(self, prompt, params: dict) -> tuple[str, dict]:
+        """Continue `prompt` (text, or messages for a chat model); returns the new text and the request's meta
+        info (prompt_tokens, cached_tokens, completion_tokens, finish_reason: {"type": "stop" | "length", ...})."""
         raise NotImplementedError
 
-    def generate_stream(self, text: str, params: dict) -> Iterator[tuple[str, dict]]:
-        """Continue `text`, yielding (new piece, meta info so far); by default one piece."""
-        yield self.generate(text, params)
+    def generate_stream(self, prompt, params: dict) -> Iterator[tuple[str, dict]]:
+        """Continue `prompt`, yielding (new piece, meta info so far); by default one piece."""
+        yield self.generate(prompt, params)
+
+    def speculate(self, prompt, params: dict) -> tuple[str, dict, list[int] | None]:
+        """The call of API speculative execution (`params` has no stop strings and a larger max_new_tokens): the
+        reply, its meta info, and the end offset in the reply of each output token, or None when the backend
+        does not report tokens (then a gen answered from the reply cannot be checked against its max_tokens)."""
+        text, meta = self.generate(prompt, params)
+        return text, meta, None
 
     def cache_prefix(self, text: str) -> dict:
         """Make `text` a cached prefix before requests that extend it arrive (a prefill-only request on a
         runtime with a prefix cache; nothing on one without). Returns the request's meta info."""
         return {}
 
-    def select(self, text: str, choices: list[str], method: ChoicesMethod) -> ChoicesDecision:
-        """Pick one of `choices` as the continuation of `text`."""
-        return select_by_prompt_logprobs(self, text, choices, method)
+    def select(self, prompt, choices: list[str], method: ChoicesMethod) -> ChoicesDecision:
+        """Pick one of `choices` as the continuation of `prompt`."""
+        return select_by_prompt_logprobs(self, prompt, choices, method)
 
     # -- what the default select needs -------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -74,6 +93,28 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def logprobs_by_start(input_ids: list[list[int]], starts: list[int],
+                      score: Callable[[list[list[int]], int], list[list[float | None]]]) -> list[list[float | None]]:
+    """`prompt_logprobs` for a runtime that takes one logprob_start_len per call: one batched `score(ids, start)`
+    per distinct start, rows put back in the callers' order."""
+    rows: list = [None] * len(input_ids)
+    for start in sorted(set(starts)):
+        idx = [i for i, s in enumerate(starts) if s == start]
+        for i, row in zip(idx, score([input_ids[i] for i in idx], start)):
+            rows[i] = row
+    return rows
+
+
+def decoded_token_ends(tokenizer, output_ids: list[int], text: str) -> list[int]:
+    """The end offset in `text` of each output token (for `speculate`): the length of the decoded prefix, clipped
+    to the text."""
+    ends, last = [], 0
+    for k in range(1, len(output_ids) + 1):
+        last = max(last, min(len(tokenizer.decode(output_ids[:k])), len(text)))
+        ends.append(last)
+    return ends
 
 
 def select_by_prompt_logprobs(backend: Backend, text: str, choices: list[str],

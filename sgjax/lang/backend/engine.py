@@ -7,7 +7,7 @@ one).
 
 from __future__ import annotations
 
-from sgjax.lang.backend.base import Backend
+from sgjax.lang.backend.base import Backend, decoded_token_ends, logprobs_by_start
 from sgjax.lang.chat_template import from_tokenizer
 from sgjax.lang.ir import LOGPROB_PARAMS
 
@@ -32,6 +32,11 @@ class EngineBackend(Backend):
             sent = len(chunk["text"])
             yield piece, chunk["meta_info"]
 
+    def speculate(self, text, params):
+        sampling, extra = _split(params)
+        out = self.engine.generate(text, sampling, **extra)
+        return out["text"], out["meta_info"], decoded_token_ends(self.engine.tokenizer, out["output_ids"], out["text"])
+
     def cache_prefix(self, text):
         return self.engine.generate(text, {"max_new_tokens": 0})["meta_info"]
 
@@ -39,15 +44,12 @@ class EngineBackend(Backend):
         return self.engine.tokenizer.encode(text)
 
     def prompt_logprobs(self, input_ids, starts):
-        # The engine takes one logprob_start_len per call: one batched call per distinct start.
-        rows: list = [None] * len(input_ids)
-        for start in sorted(set(starts)):
-            idx = [i for i, s in enumerate(starts) if s == start]
-            outs = self.engine.generate(input_ids=[input_ids[i] for i in idx], sampling_params={"max_new_tokens": 0},
-                                        return_logprob=True, logprob_start_len=start)
-            for i, out in zip(idx, outs):
-                rows[i] = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]]
-        return rows
+        def score(ids, start):
+            outs = self.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                        logprob_start_len=start)
+            return [[lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]] for out in outs]
+
+        return logprobs_by_start(input_ids, starts, score)
 
     def get_server_info(self):
         return self.engine.get_server_info()
