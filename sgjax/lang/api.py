@@ -51,7 +51,9 @@ def get_server_info(backend=None) -> dict:
 
 # -- programs -----------------------------------------------------------------------------------------------
 def function(func: Callable | None = None, *, num_api_spec_tokens: int | None = None):
-    """`@sgl.function` turns `def program(s, ...)` into a Function you can run, batch and trace."""
+    """`@sgl.function` turns `def program(s, ...)` into a Function you can run, batch and trace.
+    `num_api_spec_tokens=N`: API speculative execution, a gen's call continues N tokens past its stop and later
+    gens are matched in that text (sgjax/lang/speculative.py)."""
     if func is not None:
         return Function(func, num_api_spec_tokens=num_api_spec_tokens)
     return lambda f: Function(f, num_api_spec_tokens=num_api_spec_tokens)
@@ -75,6 +77,7 @@ class Function:
         self.func = func
         self.name = func.__name__
         self.num_api_spec_tokens = num_api_spec_tokens
+        self._check_spec()
         self.bind_arguments = dict(bind_arguments or {})
         self.arg_names = [p.name for p in params[1:]]
         self.defaults = {p.name: p.default for p in params[1:] if p.default is not inspect.Parameter.empty}
@@ -86,16 +89,18 @@ class Function:
         return Function(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
 
     def _check_spec(self):
-        if self.num_api_spec_tokens is not None:
-            raise NotImplementedError("num_api_spec_tokens (API speculative execution) needs the OpenAI backend, "
-                                      "which is not built yet")
+        n = self.num_api_spec_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"num_api_spec_tokens (API speculative execution) is a number of tokens >= 1, got {n!r}")
 
     def run(self, *args, stream: bool = False, backend=None, **kwargs):
         """Run the program once; returns its state (`state["x"]`, `state.text()`). Keyword arguments named like
         sampling parameters (max_new_tokens, temperature, stop, ...) are defaults for every gen."""
         from sgjax.lang.interpreter import run_program
 
-        self._check_spec()
+        if stream and self.num_api_spec_tokens is not None:
+            raise ValueError(f"{self.name}: API speculative execution (num_api_spec_tokens) reads later gens out of "
+                             f"one whole reply, so the program cannot stream; run it with stream=False")
         sampling, program_kwargs = _split_run_kwargs(kwargs)
         return run_program(self, _backend(backend), args, program_kwargs, sampling, stream=stream)
 
@@ -103,7 +108,6 @@ class Function:
         """Run the program once per argument dict (or tuple of positional arguments), in parallel threads."""
         from sgjax.lang.interpreter import run_program_batch
 
-        self._check_spec()
         unknown = set(sampling) - set(GEN_PARAMS)
         if unknown:
             raise TypeError(f"run_batch: unknown argument(s) {sorted(unknown)}; program arguments go in batch_kwargs")

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from sgjax.lang import speculative
 from sgjax.lang.global_config import global_config
 from sgjax.lang.ir import (Constant, ExprList, Gen, RoleBegin, RoleEnd, Select, VarScopeBegin, VarScopeEnd, as_expr,
                            role, variable_names)
@@ -69,10 +70,13 @@ class _Join:
 
 
 class StreamExecutor:
-    def __init__(self, backend, defaults: dict, stream: bool = False, root: "StreamExecutor | None" = None):
+    def __init__(self, backend, defaults: dict, stream: bool = False, root: "StreamExecutor | None" = None,
+                 num_api_spec_tokens: int | None = None):
         self.backend = backend
         self.defaults = defaults  # the run's sampling parameters; a gen's own override them
         self.stream = stream
+        self.num_api_spec_tokens = num_api_spec_tokens  # API speculative execution (speculative.py); None: off
+        self.spec_reply: speculative.Reply | None = None  # the last speculative call's reply
         self.chat_template = backend.get_chat_template()
         self.root = root or self
         self.text_ = ""
@@ -126,7 +130,8 @@ class StreamExecutor:
     def fork(self, size: int, hint: bool, where: str) -> list["StreamExecutor"]:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"fork takes a number of branches >= 1, got {size!r}")
-        children = [StreamExecutor(self.backend, self.defaults, self.stream, root=self.root) for _ in range(size)]
+        children = [StreamExecutor(self.backend, self.defaults, self.stream, root=self.root,
+                                   num_api_spec_tokens=self.num_api_spec_tokens) for _ in range(size)]
         self.root._descendants.extend(children)
         self.submit(_Fork(children, hint), where)
         return children
@@ -229,7 +234,7 @@ class StreamExecutor:
         elif isinstance(expr, Gen):
             self._gen(expr)
         elif isinstance(expr, Select):
-            decision = self.backend.select(self.text_, list(expr.choices), expr.method)
+            decision = self.backend.select(self._prompt(f"select({expr.name!r})"), list(expr.choices), expr.method)
             self._fill(decision.decision)
             self._set(expr.name, decision.decision, decision.meta_info)
         elif isinstance(expr, RoleBegin):
@@ -268,17 +273,66 @@ class StreamExecutor:
         extra_stops = [s for s in self.chat_template.stop_str if s not in (params.get("stop") or ())]
         if extra_stops:
             params["stop"] = list(params.get("stop") or ()) + extra_stops
-        if not self.stream:
-            value, meta = self.backend.generate(self.text_, params)
-            self._fill(value)
-        else:
+        if self.stream:
             value, meta = "", {}
-            for piece, meta in self.backend.generate_stream(self.text_, params):
+            for piece, meta in self.backend.generate_stream(self._prompt(repr(gen)), params):
                 value += piece
                 if gen.name is not None:
                     self._partial[gen.name] = value
                 self._fill(piece)
+        else:
+            if self.num_api_spec_tokens and speculative.speculable(params):
+                value, meta = self._gen_speculative(gen, params)
+            else:
+                value, meta = self.backend.generate(self._prompt(repr(gen)), params)
+            self._fill(value)
         self._set(gen.name, value, meta)
+
+    def _prompt(self, what: str):
+        """What the backend continues: the text, or for a chat model the finished messages, which it answers with
+        a new assistant message; so the current assistant message must still be empty."""
+        if not self.backend.is_chat_model:
+            return self.text_
+        if self.cur_role != "assistant":
+            raise ValueError(f"{what}: a chat model answers with an assistant message, so gen and select must be "
+                             f"inside assistant(...); here the current role is {self.cur_role!r}")
+        if self.text_[self.role_begin_pos:]:
+            raise ValueError(f"{what}: a chat model starts a new assistant message on every call, so gen and select "
+                             f"must come first in theirs; this one follows "
+                             f"{self.text_[self.role_begin_pos:][:60]!r}"
+                             + ("" if self.num_api_spec_tokens else "; with @sgl.function(num_api_spec_tokens=N) "
+                                "later gens of a message are matched in the reply to its first"))
+        return list(self.messages_)
+
+    def _gen_speculative(self, gen: Gen, params: dict) -> tuple[str, dict]:
+        """API speculative execution (speculative.py): answer from the last reply, else call, continuing past the
+        gen's stop. A chat model's reply begins where the assistant message does, so it must repeat the message's
+        fixed text; a completion model's begins here."""
+        miss = None
+        if self.spec_reply is not None:
+            got = speculative.answer(self.spec_reply, self.text_, params)
+            if isinstance(got, speculative.Answer):
+                return got.value, {"speculative": "hit", "completion_tokens": got.tokens,
+                                   "finish_reason": got.finish_reason, "miss": None}
+            miss = got
+        if self.backend.is_chat_model:
+            if self.cur_role != "assistant":
+                self._prompt(repr(gen))  # raises: not in an assistant message
+            anchor, prompt = self.role_begin_pos, list(self.messages_)
+        else:
+            anchor, prompt = len(self.text_), self.text_
+        call = speculative.call_params(params, self.num_api_spec_tokens)
+        text, meta, ends = self.backend.speculate(prompt, call)
+        self.spec_reply = speculative.make_reply(anchor, text, meta, ends, call)
+        got = speculative.answer(self.spec_reply, self.text_, params)
+        if isinstance(got, speculative.Answer):
+            return got.value, {"speculative": "call", "completion_tokens": got.tokens,
+                               "finish_reason": got.finish_reason, "miss": miss, "call": {**meta, "text": text}}
+        self.spec_reply = None
+        # The reply cannot answer (it does not repeat a chat message's fixed text, or its end is unknown): the
+        # gen's own call, where there is one.
+        value, meta = self.backend.generate(self._prompt(f"{gen!r} (speculation failed: {got})"), params)
+        return value, {**meta, "speculative": "fallback", "miss": got}
 
     def _role_begin(self, role: str) -> None:
         if self.cur_role is not None:
@@ -306,6 +360,7 @@ class StreamExecutor:
             child.messages_ = list(self.messages_)
             child.cur_role, child.role_begin_pos = self.cur_role, self.role_begin_pos
             child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
+            child.spec_reply = self.spec_reply
             child._ready.set()
 
     def _join(self, op: _Join) -> None:
@@ -483,7 +538,7 @@ class ProgramStateGroup:
 # -- running programs ---------------------------------------------------------------------------------------
 def run_program(function, backend, args: tuple, kwargs: dict, defaults: dict, stream: bool = False,
                 sync: bool = False) -> ProgramState:
-    executor = StreamExecutor(backend, defaults, stream)
+    executor = StreamExecutor(backend, defaults, stream, num_api_spec_tokens=function.num_api_spec_tokens)
     state = ProgramState(executor)
     kwargs = {**function.bind_arguments, **kwargs}
     if stream:
