@@ -8,6 +8,8 @@ _LAZY = {
     "Runtime": "sgjax.lang.backend.engine",
     "EngineBackend": "sgjax.lang.backend.engine",
     "Backend": "sgjax.lang.backend.base",
+    "RuntimeEndpoint": "sgjax.lang.backend.runtime_endpoint",
+    "OpenAI": "sgjax.lang.backend.openai",
     "global_config": "sgjax.lang.global_config",
     "ProgramError": "sgjax.lang.interpreter",
     "ProgramState": "sgjax.lang.interpreter",
