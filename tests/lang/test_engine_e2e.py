@@ -14,6 +14,7 @@ import pytest
 import sgjax as sgl
 from sgjax.lang.global_config import global_config
 from sgjax.lang.interpreter import ProgramError
+from tests.lang.conftest import assert_streams_as_a_whole_run
 
 PAGE = 16  # the engine's page size: the radix cache matches whole pages
 STORY = ("The lighthouse keeper climbed the stairs every evening at dusk. He cleaned the lens, lit the lamp and "
@@ -225,15 +226,7 @@ def test_constrained_gens_match_their_regex_and_schema(backend):
 
 
 def test_streaming_from_the_engine(backend):
-    @sgl.function
-    def poem(s):
-        s += sgl.user("Write a line about the moon.")
-        s += sgl.assistant(sgl.gen("line", max_tokens=10))
-
-    state = poem.run(backend=backend, temperature=0, stream=True)
-    chunks = list(state.text_iter("line"))
-    assert len(chunks) > 1
-    assert "".join(chunks) == state["line"] == poem.run(backend=backend, temperature=0)["line"]
+    assert_streams_as_a_whole_run(backend)
 
 
 def test_run_batch_under_greedy_equals_running_one_by_one(backend):

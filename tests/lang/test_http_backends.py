@@ -13,6 +13,7 @@ import sgjax as sgl
 from sgjax.lang.backend.runtime_endpoint import ServerError
 from sgjax.lang.interpreter import ProgramError
 from sgjax.server.process import free_port
+from tests.lang.conftest import assert_streams_as_a_whole_run
 from tests.server.conftest import start_server
 
 # The settings of the tests' in-process engine (conftest.py), so the server runs the same compiled steps.
@@ -91,15 +92,7 @@ def test_runtime_endpoint_runs_a_program_as_the_in_process_engine_does(endpoint,
 
 
 def test_runtime_endpoint_streams_server_sent_events(endpoint):
-    @sgl.function
-    def line(s):
-        s += sgl.user("Write a line about the moon.")
-        s += sgl.assistant(sgl.gen("line", max_tokens=10))
-
-    state = line.run(backend=endpoint, temperature=0, stream=True)
-    chunks = list(state.text_iter("line"))
-    assert len(chunks) > 1
-    assert "".join(chunks) == state["line"] == line.run(backend=endpoint, temperature=0)["line"]
+    state = assert_streams_as_a_whole_run(endpoint)
     assert state.get_meta_info("line")["completion_tokens"] == 10
 
 
@@ -194,21 +187,14 @@ def test_completion_select_scores_the_choices_as_the_runtime_does(completions, e
 
 
 def test_completion_streaming_and_usage(completions):
-    @sgl.function
-    def story(s):
-        s += "Once upon a time" + sgl.gen("next", max_tokens=8)
-
-    whole = story.run(backend=completions, temperature=0)
-    whole.sync()
-    prompt_tokens = whole.get_meta_info("next")["prompt_tokens"]
     completions.usage.reset()
-    state = story.run(backend=completions, temperature=0, stream=True)
-    chunks = list(state.text_iter("next"))
-    assert len(chunks) > 1 and "".join(chunks) == whole["next"]
-    assert state.get_meta_info("next")["finish_reason"] == {"type": "length"}
-    # the stream's usage chunk is counted like a whole answer's usage
-    assert completions.usage.snapshot() == {"calls": 1, "prompt_tokens": prompt_tokens, "completion_tokens": 8,
-                                            "cached_tokens": 0}
+    state = assert_streams_as_a_whole_run(completions)
+    state.sync()
+    whole = completions.usage.snapshot()  # the run without streaming
+    assert whole["calls"] == 2 and whole["completion_tokens"] == 2 * 10
+    assert state.get_meta_info("line")["finish_reason"] == {"type": "length"}
+    # the stream's usage chunk counts like a whole answer's usage
+    assert whole["prompt_tokens"] == 2 * state.get_meta_info("line")["prompt_tokens"]
 
 
 def test_constraints_and_logprobs_reach_the_api(completions, chat):
