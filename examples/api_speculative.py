@@ -64,6 +64,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default=None, help="an OpenAI-compatible API (default: start sgjax serve)")
     parser.add_argument("--model", default=None, help="the model name (default: the served model)")
+    parser.add_argument("--model-path", default=None,
+                        help="without --base-url: the model sgjax serve loads (default: bundled SmolLM2)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-passages", type=int, default=8)
     parser.add_argument("--spec-tokens", type=int, default=32, help="num_api_spec_tokens")
@@ -76,7 +78,8 @@ def main():
         from sgjax.server.process import ServerProcess
 
         print("starting sgjax serve (SmolLM2) ...", flush=True)
-        server = ServerProcess("--max-total-tokens", "8192", "--max-running-requests", "8").wait_ready()
+        model_flags = ["--model-path", args.model_path] if args.model_path else []
+        server = ServerProcess("--max-total-tokens", "8192", "--max-running-requests", "8", *model_flags).wait_ready()
         base_url = server.url + "/v1"
     try:
         if model is None:

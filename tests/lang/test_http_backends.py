@@ -259,8 +259,9 @@ def test_chat_speculation_reads_a_whole_card_from_one_reply(chat, endpoint):
         s += sgl.user("Bob is a chef. He is 40. Fill in his card.")
         s += sgl.assistant("Name: Bob\nJob: chef\nAge: 40")
         s += sgl.user(person + " Fill in the card.")
-        s += sgl.assistant("Name:" + sgl.gen("name", stop="\n", max_tokens=6) + "\nJob:"
-                           + sgl.gen("job", stop="\n", max_tokens=6) + "\nAge:" + sgl.gen("age", stop="\n", max_tokens=6))
+        s += sgl.assistant("Name:" + sgl.gen("name", stop="\n", max_tokens=6)
+                           + "\nJob:" + sgl.gen("job", stop="\n", max_tokens=6)
+                           + "\nAge:" + sgl.gen("age", stop="\n", max_tokens=6))
 
     person = "Alice is a pilot. She is 31."
     native = sgl.function(card).run(person, backend=endpoint, temperature=0)  # one request per gen, on the text

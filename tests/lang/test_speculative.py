@@ -66,7 +66,8 @@ class ScriptedModel(Backend):
 
 def extraction(s, job_label="Job:"):
     s += CONTEXT
-    s += "Name:" + sgl.gen("name", stop="\n", max_tokens=10) + "\n" + job_label + sgl.gen("job", stop="\n", max_tokens=10)
+    s += "Name:" + sgl.gen("name", stop="\n", max_tokens=10)
+    s += "\n" + job_label + sgl.gen("job", stop="\n", max_tokens=10)
     s += "\nAge:" + sgl.gen("age", stop="\n", max_tokens=10)
 
 

@@ -69,7 +69,8 @@ class RuntimeEndpoint(Backend):
         try:
             with self.client.stream("POST", "/generate", json=body) as r:
                 if r.status_code != 200:
-                    raise ServerError(f"{self.base_url}/generate answered {r.status_code}: {_message(r.read().decode())}")
+                    reason = _message(r.read().decode())
+                    raise ServerError(f"{self.base_url}/generate answered {r.status_code}: {reason}")
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
