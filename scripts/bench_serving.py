@@ -143,6 +143,10 @@ async def idle_health(url: str, n: int = 100) -> dict:
 
 # -- main -----------------------------------------------------------------------------------------------------------
 def build_workload(args) -> dict:
+    if args.workload_file:  # bench_engine.py --dump-workload: token ids, for machines without the data or tokenizer
+        with open(args.workload_file) as f:
+            wl = json.load(f)["workloads"]["sharegpt"]
+        return {**wl, "requests": wl["requests"][:args.num_prompts]}
     from bench_engine import sharegpt_workload
 
     from sgjax.model.tokenizer import load_tokenizer
@@ -160,6 +164,8 @@ def main() -> None:
     ap.add_argument("--max-output-len", type=int, default=32, help="output tokens at most")
     ap.add_argument("--seed", type=int, default=1, help="Poisson arrivals")
     ap.add_argument("--health-probe", action="store_true", help="poll /health every 50 ms during each rate")
+    ap.add_argument("--workload-file", default=None,
+                    help="the sharegpt workload of a `bench_engine.py --dump-workload` file instead of building it")
     ap.add_argument("--tag", default="", help="a label stored with the rows (e.g. the machine)")
     ap.add_argument("--out", default=None, help="JSON lines (appended)")
     args = ap.parse_args()

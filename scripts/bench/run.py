@@ -1,0 +1,289 @@
+"""The paper's benchmark programs on sgjax, with the Figure 8c ablations and an HF transformers baseline.
+
+    python scripts/bench/run.py --quick                      # every workload, small sizes (CI smoke test)
+    python scripts/bench/run.py --workloads mmlu,hellaswag --num-programs 64
+    python scripts/bench/run.py --dummy llama3-8b --tokenizer DIR --baseline none   # GPU throughput runs
+
+For each workload and configuration a fresh engine (same weights, same pool) runs the batch with many frontend
+threads (throughput) and then a few programs one at a time (latency). The baseline runs the same programs one
+call at a time on HF transformers (torch), without any cache. Rows go to a JSON lines file, plots to PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib
+import json
+import os
+import shlex
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+WORKLOADS = ("mmlu", "hellaswag", "tree_of_thought", "skeleton_of_thought", "llm_judge", "json_decode",
+             "multi_turn_short", "multi_turn_long", "react", "rag")
+
+# The smoke test's ablation: the cache; the full runs add the rest of Figure 8c.
+QUICK_CONFIGS = "full,no_cache"
+
+
+# workload -> (module, program, score function or None): what a dumped workload file needs besides its data
+PROGRAMS = {
+    "mmlu": ("mmlu", "few_shot_mmlu", "score"),
+    "hellaswag": ("hellaswag", "few_shot_hellaswag", "score"),
+    "tree_of_thought": ("tree_of_thought", "tree_search", "score"),
+    "skeleton_of_thought": ("skeleton_of_thought", "skeleton_of_thought", None),
+    "llm_judge": ("llm_judge", "multi_dimension_judge", None),
+    "json_decode": ("json_decode", "json_extract", "score"),
+    "multi_turn_short": ("multi_turn_chat", "multi_turn", None),
+    "multi_turn_long": ("multi_turn_chat", "multi_turn", None),
+    "react": ("react", "react_agent", "contains_gold"),
+    "rag": ("rag", "rag", "contains_gold"),
+}
+
+
+def build_workload(name: str, n: int, quick: bool):
+    if name.startswith("multi_turn"):
+        return importlib.import_module("multi_turn_chat").build(n, quick, long=name.endswith("long"))
+    return importlib.import_module(name).build(n, quick)
+
+
+def load_workload(entry: dict):
+    """A workload from a --dump-workloads file: its data from the file, its program and score from the module."""
+    from workload import Workload
+
+    module_name, program, score = PROGRAMS[entry["name"]]
+    module = importlib.import_module(module_name)
+    return Workload(entry["name"], getattr(module, program), entry["arguments"], entry["labels"],
+                    getattr(module, score) if score else None, entry["description"])
+
+
+class EngineRunner:
+    """One configuration of sgjax: an engine with the config's server args and the frontend switches."""
+
+    def __init__(self, make_engine, config: harness.Config, threads: int, gen_cap: int | None = None):
+        import sgjax.lang.global_config as gc
+        from sgjax.lang.backend.engine import EngineBackend
+
+        self.engine = make_engine(**config.engine)
+        self.backend = EngineBackend(self.engine)
+        if gen_cap:
+            self.backend.generate = _capped(self.backend.generate, gen_cap)
+            self.backend.generate_stream = _capped(self.backend.generate_stream, gen_cap)
+        self.config, self.threads, self.gc = config, threads, gc.global_config
+        self.page_size = self.engine.args.page_size
+
+    def run_batch(self, program, arguments, threads):
+        self.gc.enable_frontend_hint = self.config.hint
+        self.gc.enable_parallelism = self.config.parallel
+        return program.run_batch(arguments, backend=self.backend,
+                                 num_threads=min(threads, self.threads) if self.config.parallel else 1)
+
+    def reset(self):
+        self.engine.flush_cache()
+        self.engine.request_log = []
+
+    def counters(self):
+        return self.engine.get_server_info()
+
+    def requests(self):
+        """(prompt, output) token lists of every request the engine was given since reset()."""
+        return [(r.input_ids, r.output_ids) for r in self.engine.request_log or []]
+
+    def close(self):
+        self.engine.check_invariants()
+        self.engine.shutdown()
+        self.engine = self.backend = None
+        gc.collect()  # the next config's engine allocates its own pool: free this one first
+        self.gc.enable_frontend_hint = True
+        self.gc.enable_parallelism = True
+
+
+def _capped(generate, cap: int):
+    """A backend call with max_new_tokens at most `cap` (--gen-cap: shorter runs, the same for every config)."""
+    def call(text, params):
+        return generate(text, {**params, "max_new_tokens": min(params.get("max_new_tokens", 128), cap)})
+
+    return call
+
+
+class BaselineRunner:
+    page_size = 1
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def run_batch(self, program, arguments, threads):
+        return program.run_batch(arguments, backend=self.backend, num_threads=1)  # one call at a time
+
+    def reset(self):
+        pass
+
+    def counters(self):
+        return None
+
+    def requests(self):
+        return []
+
+    def close(self):
+        pass
+
+
+def engine_factory(args):
+    """make_engine(**server_args) over weights loaded once, and the model path for the HF baseline."""
+    from sgjax.engine.engine import Engine
+
+    common = {"max_running_requests": args.max_running_requests, "max_total_tokens": args.max_total_tokens,
+              "page_size": args.page_size}
+    common = {k: v for k, v in common.items() if v is not None}
+    if args.dummy:
+        from sgjax.model.config import llama3_8b_config
+        from sgjax.model.tokenizer import load_tokenizer
+        from sgjax.model.weights import dummy_weights
+
+        tok = load_tokenizer(args.tokenizer)
+        # Llama-3-8B's shapes with the tokenizer's vocabulary, so every sampled id decodes to text.
+        cfg = dataclasses.replace(llama3_8b_config(args.dtype or "bfloat16"), vocab_size=tok.vocab_size)
+        weights = dummy_weights(cfg)
+        return (lambda **kw: Engine.from_weights(cfg, weights, tok, **common, **kw)), None
+    from sgjax.model.paths import default_model_path
+
+    path = args.model_path or default_model_path()
+    return (lambda **kw: Engine(path, **common, **kw)), path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes: every workload in a few minutes on 2 CPUs")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--configs", default=None,
+                    help=f"comma-separated of {', '.join(harness.CONFIGS)} (default: all; --quick: {QUICK_CONFIGS})")
+    ap.add_argument("--baseline", default="hf", help="hf (transformers, one call at a time) or none")
+    ap.add_argument("--hf-device", default="cpu", help="torch device of the HF baseline (cpu, cuda)")
+    ap.add_argument("--num-programs", type=int, default=None, help="programs per workload (default 2 quick, 64)")
+    ap.add_argument("--latency-programs", type=int, default=None, help="run one at a time (default 0 quick, 8)")
+    ap.add_argument("--gen-cap", type=int, default=None,
+                    help="cap every gen's max_new_tokens (all sgjax configs alike; shorter GPU runs)")
+    ap.add_argument("--threads", type=int, default=64, help="frontend threads for the batch runs")
+    ap.add_argument("--model-path", default=None, help="GGUF or HF directory (default: the bundled SmolLM2)")
+    ap.add_argument("--dummy", default=None, help="llama3-8b: random weights with --tokenizer's vocabulary")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory or GGUF for --dummy")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--max-total-tokens", type=int, default=None)
+    ap.add_argument("--max-running-requests", type=int, default=None)
+    ap.add_argument("--dump-workloads", default=None,
+                    help="build the workloads, write their data to this JSON file and exit (for machines without "
+                         "the datasets)")
+    ap.add_argument("--workload-file", default=None, help="run the workloads of a --dump-workloads file")
+    ap.add_argument("--out", default="/tmp/bench_programs.jsonl", help="JSON lines (appended)")
+    ap.add_argument("--plots", default=None, help="directory for the PNG figures (default: next to --out)")
+    ap.add_argument("--plot-only", default=None, help="draw the figures of this JSON lines file and exit")
+    args = ap.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            write_plots([json.loads(line) for line in f], args.plots or os.path.dirname(os.path.abspath(args.plot_only)))
+        return
+    n = args.num_programs or (2 if args.quick else 64)
+    latency_n = args.latency_programs if args.latency_programs is not None else (0 if args.quick else 8)
+    names = [w for w in args.workloads.split(",") if w]
+    config_names = args.configs or (QUICK_CONFIGS if args.quick else ",".join(harness.CONFIGS))
+    unknown = [c for c in config_names.split(",") if c and c not in harness.CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown config(s) {unknown}; known: {', '.join(harness.CONFIGS)}")
+    configs = [harness.CONFIGS[c] for c in config_names.split(",") if c]
+    for w in names:
+        if w not in WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
+    command = shlex.join([os.path.basename(sys.executable), *sys.argv])
+    if args.dump_workloads:
+        with open(args.dump_workloads, "w") as f:
+            json.dump({"command": command, "workloads": [build_workload(w, n, args.quick).to_json() for w in names]}, f)
+        print(f"wrote {len(names)} workloads to {args.dump_workloads}")
+        return
+    stored = {}
+    if args.workload_file:
+        with open(args.workload_file) as f:
+            stored = {e["name"]: e for e in json.load(f)["workloads"]}
+    make_engine, hf_path = engine_factory(args)
+    baseline = None
+    if args.baseline == "hf":
+        if hf_path is None:
+            raise SystemExit("--baseline hf needs real weights (not --dummy)")
+        from hf_backend import HFBackend, load_hf_model
+        from sgjax.model.tokenizer import load_tokenizer
+
+        import torch
+
+        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        baseline = BaselineRunner(HFBackend(load_hf_model(hf_path, args.hf_device, dtype), load_tokenizer(hf_path),
+                                            args.hf_device))
+        if args.gen_cap:
+            baseline.backend.generate = _capped(baseline.backend.generate, args.gen_cap)
+
+    rows, t_start = [], time.perf_counter()
+    for name in names:
+        wl = load_workload(stored[name]) if name in stored else build_workload(name, n, args.quick)
+        print(f"== {name}: {len(wl.arguments)} programs ({wl.description})", flush=True)
+        for config in configs:
+            runner = EngineRunner(make_engine, config, args.threads, args.gen_cap)
+            try:
+                if not args.quick:  # an untimed pass compiles the step shapes this config's batches take
+                    runner.run_batch(wl.program, wl.arguments[:config.max_programs], args.threads)
+                part = wl.subset(config.max_programs) if config.max_programs else wl
+                row = harness.measure(part, runner, args.threads, latency_n)
+            finally:
+                runner.close()
+            rows.append({"workload": name, "config": config.name, **row})
+            harness.write_jsonl(rows[-1:], args.out + ".partial")  # survives a timeout later in the run
+            print(f"  {config.name}: {row['programs_per_s']:.3f} prog/s, hit {row.get('hit_rate', 0):.3f} "
+                  f"(opt {row.get('optimal_hit_rate') or 0:.3f}), acc {row['accuracy']}", flush=True)
+        if baseline is not None:
+            # the labelled single-call workloads run in full, so accuracy can be compared program by program
+            k = len(wl.arguments) if name in ("mmlu", "hellaswag") else max(latency_n, 1)
+            row = harness.measure(wl.subset(k), baseline, 1, 0)
+            row["latency_s"] = row["batch_s"] / row["programs"]
+            row["prompt_tokens"] = baseline.backend.prompt_tokens
+            rows.append({"workload": name, "config": "hf_baseline", **row})
+            harness.write_jsonl(rows[-1:], args.out + ".partial")
+            print(f"  hf_baseline: {row['programs_per_s']:.3f} prog/s", flush=True)
+    harness.add_ratios(rows, "hf_baseline")
+    harness.agreement(rows, "hf_baseline")
+    meta = {"command": command, "quick": args.quick, "model": args.dummy or args.model_path or "smollm2-135m",
+            "platform": _platform(), "total_s": time.perf_counter() - t_start}
+    for r in rows:
+        r.update(meta)
+    harness.write_jsonl(rows, args.out)
+    harness.print_table(rows)
+    plots_dir = args.plots or os.path.dirname(os.path.abspath(args.out))
+    write_plots(rows, plots_dir)
+    print(f"wrote {len(rows)} rows to {args.out}; total {meta['total_s']:.0f} s")
+    print(f"command: {command}")
+
+
+def write_plots(rows: list[dict], plots_dir: str) -> None:
+    try:
+        import plots
+    except ImportError as e:  # the GPU image has no matplotlib: plot later with --plot-only
+        print(f"no plots ({e}); run: python scripts/bench/run.py --plot-only ROWS.jsonl --plots DIR")
+        return
+    os.makedirs(plots_dir, exist_ok=True)
+    title = f"{rows[0]['model']} on {rows[0]['platform']}"
+    plots.throughput_figure(rows, os.path.join(plots_dir, "bench_programs_throughput.png"), title)
+    plots.hit_rate_figure(rows, os.path.join(plots_dir, "bench_programs_hit_rate.png"), title)
+    print(f"plots in {plots_dir}")
+
+
+def _platform() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The paper's programs and the serving benchmark on the lent H200 (docs/bench.md). That machine has jax, torch and
+# transformers but not this package, gguf, accelerate, the datasets or SmolLM2, and a call carries at most 64 MiB,
+# so the caller prepares (see docs/bench.md, "On the H200"):
+#   out/gpuA: wheels/ (gguf, accelerate), smoltok/ (tokenizer dir), workloads.json (run.py --dump-workloads),
+#             bench_workload.json (bench_engine.py --dump-workload), smol.part_a (first half of the SmolLM2 GGUF)
+#   out/gpuB: the same small files and smol.part_b, smol.sha256
+# Stage a (first call) runs dummy Llama-3-8B and keeps part a in /tmp; stage b (the next call, same machine)
+# joins the GGUF and runs the real SmolLM2 with the HF baseline.  Usage: bash scripts/h200_bench.sh a|b
+set -euo pipefail
+stage=$1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+IN=out/gpu${stage^^}
+rm -rf /tmp/p && mkdir -p /tmp/p /tmp/whl && cp -r sgjax /tmp/p/ && cp -r kernels /tmp/p/sgjax/kernels
+for w in "$IN"/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/whl; done
+export PYTHONPATH=/tmp/p:/tmp/whl:$PWD/scripts JAX_PLATFORMS=cuda HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
+REPO=$PWD
+ln -sfn "$REPO/kernels" "$REPO/sgjax/kernels"  # this copy of the checkout imports as the installed package would
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUT/gpu_$stage.txt"
+if [ "$stage" = a ]; then
+  cp "$IN/smol.part_a" /tmp/smol.part_a
+  python3 - <<'PY'
+import json
+from sgjax.model.tokenizer import load_tokenizer, save_hf_dir
+tok = load_tokenizer("out/gpuA/smoltok")
+# Llama-3-8B's shapes with SmolLM2's vocabulary, so every sampled id decodes (dummy weights)
+save_hf_dir(tok, "/tmp/llama8b", {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": tok.vocab_size,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "eos_token_id": list(tok.eos_token_ids)})
+PY
+  timeout 400 python3 scripts/bench/run.py --dummy llama3-8b --tokenizer "$IN/smoltok" --workload-file \
+    "$IN/workloads.json" --baseline none --gen-cap 64 --latency-programs 1 --max-total-tokens 131072 --out "$OUT/programs_llama8b.jsonl" \
+    --plots "$OUT/llama8b" > "$OUT/programs_llama8b.log" 2>&1 || echo "programs exit $?" >> "$OUT/programs_llama8b.log"
+  # from /tmp: `python -m sgjax.cli` (the server) must not find the checkout's sgjax/ (no kernels) first
+  cd /tmp && timeout 150 python3 "$REPO/scripts/bench_serving.py" --workload-file "$REPO/$IN/bench_workload.json" --num-prompts 128 \
+    --request-rates 8,32,inf --max-output-len 128 --tag h200-dummy-llama3-8b \
+    --server-args "--model-path /tmp/llama8b --load-format dummy --max-running-requests 128 --max-total-tokens 131072" \
+    --out "$OUT/serving_llama8b.jsonl" > "$OUT/serving_llama8b.log" 2>&1 || echo "serving exit $?" >> "$OUT/serving_llama8b.log"
+  cd "$REPO"
+else
+  cat /tmp/smol.part_a "$IN/smol.part_b" > /tmp/smollm2.gguf
+  echo "$(cat "$IN/smol.sha256")  /tmp/smollm2.gguf" | sha256sum -c > "$OUT/sha.txt"
+  timeout 540 python3 scripts/bench/run.py --model-path /tmp/smollm2.gguf --dtype float32 --hf-device cuda --max-total-tokens 131072 \
+    --workload-file "$IN/workloads.json" --gen-cap 64 --latency-programs 1 --out "$OUT/programs_smollm2.jsonl" \
+    --plots "$OUT/smollm2" > "$OUT/programs_smollm2.log" 2>&1 || echo "programs exit $?" >> "$OUT/programs_smollm2.log"
+fi
