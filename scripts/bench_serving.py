@@ -187,7 +187,8 @@ def main() -> None:
         info = httpx.get(url + "/get_server_info", timeout=60).json()
         # Warm-up outside the measurement: the first steps of each shape compile (or load from the persistent cache).
         asyncio.run(run_rate(url, wl["warmup"], math.inf, args.seed, False))
-        common = {"workload": "sharegpt", "num_prompts": len(reqs), "max_prompt_len": args.max_prompt_len,
+        common = {"workload": "sharegpt", "num_prompts": len(reqs),
+                  "max_prompt_len": max(len(r["input_ids"]) for r in reqs),
                   "max_output_len": args.max_output_len, "tag": args.tag, "command": command,
                   "config": {k: info["server_args"][k] for k in (
                       "page_size", "max_total_tokens", "max_running_requests", "chunked_prefill_size",
