@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
             if default is not None and default is not False and "default" not in help_:
                 help_ += f" (default: {default})"
             group.add_argument("--" + name.replace("_", "-"), dest=name, default=default, **{**options, "help": help_})
+    # Data parallelism (sgjax/router, docs/router.md): `serve --dp-size N --router-policy P` and `sgjax router`.
+    from sgjax.router.launch import add_dp_flags, add_router_command
+
+    add_dp_flags(serve)
+    add_router_command(commands)
     return parser
 
 
@@ -93,7 +98,11 @@ def split_args(ns: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if ns.command == "serve":
+    if ns.command == "router" or getattr(ns, "dp_size", 1) > 1:
+        from sgjax.router.launch import main as router_main
+
+        router_main(ns)
+    elif ns.command == "serve":
         from sgjax.server.launch import serve
 
         serve(*split_args(ns))

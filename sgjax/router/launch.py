@@ -1,0 +1,254 @@
+"""`sgjax router --worker-urls ...` (front running servers) and `sgjax serve --dp-size N` (start N worker servers,
+then front them): the flags, the worker processes, and the router's uvicorn.
+
+Workers are `python -m sgjax.cli serve` children on free loopback ports with the launcher's engine flags. With
+several GPUs each gets its own (CUDA_VISIBLE_DEVICES=i); on CPU they are just N processes sharing the cores. The
+router listens on --host/--port once every worker answers /health. SIGTERM or SIGINT: the workers get SIGTERM first
+(each ends its open streams with an abort, so the router's relays end too), uvicorn shuts down, the launcher waits
+for the workers and exits with status 0. Workers also get SIGTERM if the launcher itself dies (Linux
+PR_SET_PDEATHSIG), so no worker outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import uvicorn
+
+from sgjax.router.policy import POLICIES, make_policy
+
+log = logging.getLogger("sgjax.router")
+
+WORKER_START_TIMEOUT = 1800.0  # a first start on a GPU compiles the step shapes
+# HTTP flags the workers share with the launcher (host and port are the router's own).
+_WORKER_HTTP_FLAGS = ("served_model_name", "enable_metrics", "log_requests", "log_level", "skip_server_warmup")
+
+
+# -- flags (sgjax/cli.py calls these two) ----------------------------------------------------------------------
+def add_dp_flags(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("data parallel (docs/router.md)")
+    group.add_argument("--dp-size", type=int, default=1,
+                       help="worker servers behind a cache-aware router; 1 serves from this process alone "
+                            "(default: 1)")
+    group.add_argument("--router-policy", choices=POLICIES, default="cache_aware",
+                       help="with --dp-size > 1: how the router picks a worker (default: cache_aware)")
+
+
+def add_router_command(commands) -> None:
+    p = commands.add_parser(
+        "router", help="the data-parallel router in front of running sgjax servers",
+        description="Forward /generate and the OpenAI routes to one of several `sgjax serve` workers, by prefix "
+                    "affinity (cache_aware) or load; /flush_cache to all; /get_server_info adds them up.")
+    p.add_argument("--worker-urls", nargs="+", required=True, metavar="URL", help="the workers' base URLs")
+    p.add_argument("--policy", "--router-policy", dest="router_policy", choices=POLICIES, default="cache_aware",
+                   help="how a worker is picked (default: cache_aware)")
+    p.add_argument("--cache-threshold", type=float, default=0.5,
+                   help="cache_aware: least matched share of the prompt that routes by affinity (default: 0.5)")
+    p.add_argument("--balance-abs-threshold", type=float, default=32,
+                   help="cache_aware: in-flight difference above which (with the relative one) the least-loaded "
+                        "worker is used (default: 32)")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.0001,
+                   help="cache_aware: in-flight ratio above which (with the absolute one) the least-loaded worker "
+                        "is used (default: 1.0001)")
+    p.add_argument("--health-check-interval", type=float, default=5.0,
+                   help="seconds between /health probes of the workers; 0: only on demand (default: 5)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on (default: 30000)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.add_argument("--log-requests", action="store_true", help="HTTP access lines")
+
+
+def main(ns: argparse.Namespace) -> None:
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.command == "router":
+        policy = make_policy(ns.router_policy, cache_threshold=ns.cache_threshold,
+                             balance_abs_threshold=ns.balance_abs_threshold,
+                             balance_rel_threshold=ns.balance_rel_threshold) \
+            if ns.router_policy == "cache_aware" else make_policy(ns.router_policy)
+        _check_port(ns.host, ns.port)
+        _for_exit_status_0()
+        run_router(ns.worker_urls, policy, ns.host, ns.port, ns.log_level, ns.log_requests,
+                   health_interval=ns.health_check_interval)
+    else:
+        serve_dp(ns)
+
+
+# -- the router ------------------------------------------------------------------------------------------------
+class _RouterServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self.on_exit()
+        super().handle_exit(sig, frame)
+
+
+def run_router(urls, policy, host, port, log_level="info", log_requests=False, pids=None, on_exit=lambda: None,
+               health_interval: float = 5.0) -> None:
+    from sgjax.router.app import build_router_app
+    from sgjax.router.proxy import Router
+
+    router = Router(list(urls), policy, pids=pids, health_interval=health_interval)
+    config = uvicorn.Config(build_router_app(router), host=host, port=port, log_level=log_level,
+                            access_log=log_requests, timeout_graceful_shutdown=10)
+    _RouterServer(config, on_exit).run()
+
+
+def _for_exit_status_0() -> None:
+    # uvicorn restores the previous handlers after its graceful shutdown and raises the signal again: no-op handlers
+    # let the process end normally, with status 0 (as sgjax/server/launch.py).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+
+
+# -- the workers -----------------------------------------------------------------------------------------------
+def serve_dp(ns: argparse.Namespace) -> None:
+    if ns.dp_size < 2:
+        raise SystemExit(f"--dp-size must be >= 2 here, got {ns.dp_size}")
+    _check_port(ns.host, ns.port)
+    flags = worker_flags(ns)
+    gpus = visible_gpus()
+    if 0 < len(gpus) < ns.dp_size:
+        log.warning("%d workers share %d GPU(s): lower --mem-fraction-static or --max-total-tokens so their pools "
+                    "fit together", ns.dp_size, len(gpus))
+
+    def stop_now(sig, frame):
+        raise SystemExit(0)
+
+    # Until uvicorn runs, and again when it re-raises the signal after its graceful shutdown: leave through the
+    # `finally`, which stops the workers, with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_now)
+    workers: list[WorkerProcess] = []
+    try:
+        for i in range(ns.dp_size):
+            env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if len(gpus) > 1 else {}
+            workers.append(WorkerProcess(flags, env))
+            log.info("worker %d: %s (pid %d%s)", i, workers[-1].url, workers[-1].proc.pid,
+                     f", GPU {env['CUDA_VISIBLE_DEVICES']}" if env else "")
+        wait_ready(workers)
+        policy = make_policy(ns.router_policy)
+        run_router([w.url for w in workers], policy, ns.host, ns.port, ns.log_level, ns.log_requests,
+                   pids=[w.proc.pid for w in workers], on_exit=lambda: [w.terminate() for w in workers])
+    finally:
+        stop_workers(workers)
+
+
+def worker_flags(ns: argparse.Namespace) -> list[str]:
+    """The launcher's engine flags (and shared HTTP ones) as a worker's command line: the values that differ from
+    `sgjax serve`'s defaults."""
+    from sgjax.cli import ENGINE_FLAGS, HTTP_FLAGS, build_parser
+
+    defaults = build_parser().parse_args(["serve"])
+    options = dict(ENGINE_FLAGS + HTTP_FLAGS)
+    out = []
+    for name in [n for n, _ in ENGINE_FLAGS] + list(_WORKER_HTTP_FLAGS):
+        value, flag = getattr(ns, name), "--" + name.replace("_", "-")
+        if value == getattr(defaults, name):
+            continue
+        action = options[name].get("action")
+        if action == "store_true":
+            out.append(flag)
+        elif action is argparse.BooleanOptionalAction:
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def visible_gpus() -> list[str]:
+    """Device ids for CUDA_VISIBLE_DEVICES: the ones already visible, else nvidia-smi's; none on CPU."""
+    if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
+
+
+class WorkerProcess:
+    """One `python -m sgjax.cli serve` on a free loopback port; its output goes to the launcher's."""
+
+    def __init__(self, flags: list[str], env: dict | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "sgjax.cli", "serve", "--host", "127.0.0.1",
+                                      "--port", str(self.port), *flags], env={**os.environ, **(env or {})},
+                                     preexec_fn=_die_with_parent)
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+
+def wait_ready(workers: list[WorkerProcess], timeout: float = WORKER_START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(workers)
+    while pending:
+        for w in list(pending):
+            if w.proc.poll() is not None:
+                raise SystemExit(f"worker {w.url} exited with status {w.proc.returncode} while starting")
+            try:
+                if httpx.get(w.url + "/health", timeout=2).status_code == 200:
+                    pending.remove(w)
+                    log.info("worker %s ready", w.url)
+            except httpx.TransportError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise SystemExit(f"workers not ready after {timeout:.0f} s: {[w.url for w in pending]}")
+        if pending:
+            time.sleep(0.5)
+
+
+def stop_workers(workers: list[WorkerProcess], timeout: float = 60.0) -> None:
+    """SIGTERM to all at once, then wait; a worker still running after `timeout` is killed."""
+    for w in workers:
+        w.terminate()
+    deadline = time.monotonic() + timeout
+    for w in workers:
+        try:
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("worker %s did not stop in %.0f s: killed", w.url, timeout)
+            w.proc.kill()
+            w.proc.wait()
+        if w.proc.returncode not in (0, -signal.SIGTERM):
+            log.warning("worker %s exited with status %s", w.url, w.proc.returncode)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies, whatever kills it (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise SystemExit(f"cannot listen on {host}:{port}: {e}") from None
