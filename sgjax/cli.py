@@ -36,7 +36,11 @@ ENGINE_FLAGS = [
     ("max_top_logprobs_num", dict(type=int, help="largest top_logprobs_num (logprobs, top_logprobs) a request "
                                                  "may ask for")),
     ("precompile", dict(action=argparse.BooleanOptionalAction,
-                        help="compile the decode buckets at start (default: on accelerators only)")),
+                        help="compile the common step shapes at start (default: on accelerators only)")),
+    ("step_buckets", dict(choices=["fine", "coarse"],
+                          help="step-shape ladder: fine fits requests, logits rows and top-logprobs to each batch "
+                               "(cheap CPU compiles), coarse derives them from the token count (fewer shapes where "
+                               "a compile costs seconds); default: fine on CPU, coarse on accelerators")),
     ("random_seed", dict(type=int, help="seed of the seeds given to requests that bring none")),
     ("skip_tokenizer_init", dict(action="store_true", help="no tokenizer: /generate takes input_ids and answers "
                                                            "output_ids only; the OpenAI routes are refused")),

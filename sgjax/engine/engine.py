@@ -25,7 +25,7 @@ import numpy as np
 from sgjax.engine.detokenize import IncrementalDecoder, StopMatcher
 from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.engine.request import Req
-from sgjax.engine.runner import Runner, bucket
+from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.fsm import GrammarCache, GrammarError, RegexError, from_tokenizer
 from sgjax.kernels import default_backend
@@ -58,7 +58,10 @@ class ServerArgs:
     attention_backend: str | None = None  # ref | pallas; default by platform
     context_length: int | None = None
     max_top_logprobs_num: int = 20
-    precompile: bool | None = None  # compile the decode buckets at start; default: on accelerators only
+    precompile: bool | None = None  # compile the common step shapes at start; default: on accelerators only
+    # Step-shape ladder: fine (R, L, K fitted to each batch: CPU, where compiles are cheap) or coarse (the shape
+    # follows the token count: accelerators, where a compile costs seconds); default by platform.
+    step_buckets: str | None = None
     random_seed: int = 0
     skip_tokenizer_init: bool = False  # input_ids in, output_ids out, no text (dummy-weight benchmarks)
     disable_jump_forward: bool = False  # decode forced grammar text token by token (same output, more steps)
@@ -101,6 +104,8 @@ class Engine:
 
     def _start(self, args: ServerArgs, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None) -> None:
         platform = jax.devices()[0].platform
+        if args.step_buckets not in (None, "fine", "coarse"):
+            raise ValueError(f"step_buckets must be 'fine' or 'coarse', got {args.step_buckets!r}")
         if args.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
         self.args, self.model_config, self.tokenizer = args, cfg, tokenizer
@@ -116,7 +121,9 @@ class Engine:
         self.runner = Runner(cfg, weights, num_pages=num_pages, page_size=args.page_size,
                              max_context=self.context_length,
                              attention=args.attention_backend or default_backend(platform),
-                             max_top_logprobs=args.max_top_logprobs_num)
+                             max_top_logprobs=args.max_top_logprobs_num,
+                             coarse=None if args.step_buckets is None else args.step_buckets == "coarse",
+                             max_reqs=args.max_running_requests)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self._seeds = np.random.default_rng(args.random_seed)
         self._grammars = GrammarCache(max_entries=args.grammar_cache_size)
@@ -510,14 +517,13 @@ class Engine:
             req.sink(req, "", True)
 
     def _precompile(self) -> None:
-        """Decode buckets of every request count up to max_running_requests, at the widest page table."""
-        width = self.runner._width(self.runner.max_pages)
-        r = 4
-        while True:
-            self.runner.precompile([(bucket(r, 16), r, width)])
-            if r >= self.args.max_running_requests:
-                break
-            r *= 2
+        """The step shapes most traffic takes (Runner.start_shapes), at the widest page table. A step holds at
+        most a prefill chunk plus one decode row per running request."""
+        t0 = time.perf_counter()
+        shapes = self.runner.start_shapes(self.args.chunked_prefill_size + self.args.max_running_requests)
+        threads = 1 if self.runner.platform == "cpu" else max(1, min(len(shapes), (os.cpu_count() or 2) // 2))
+        self.runner.precompile(shapes, threads)
+        log.info("precompiled %d step shapes in %.1f s (%d threads)", len(shapes), time.perf_counter() - t0, threads)
 
     def _server_info(self) -> dict:
         s, a, c = self.scheduler, self.scheduler.allocator, self.scheduler.cache

@@ -5,9 +5,18 @@ per-row sampling parameters, floats bit-cast) and returning only the sampled tok
 one host->device and one device->host transfer and never syncs inside. The KV pool is donated.
 
 Shapes come from buckets (powers of two): tokens T, requests R, logits rows L, page-table width P (the `ref`
-backend reads every page-table entry, so P follows the longest live context; the Pallas kernels read only
-`kv_lens` pages, so P is fixed there), penalty history W (0 unless a request uses penalties) and top-logprobs K.
-Everything else is an array, so a steady workload compiles nothing new.
+backend reads every page-table entry, so under the fine ladder P follows the longest live context; the Pallas
+kernels read only `kv_lens` pages, so P is fixed there), penalty history W (0 unless a request uses penalties), top-logprobs K and
+mask words. Everything else is an array, so a steady workload compiles nothing new.
+
+Two bucket ladders (`Buckets`). `fine` (CPU) sizes R, L and K to the batch: a CPU compile is cheap (the layers
+are scanned) and padding costs CPU time. `coarse` (accelerators) makes the shape a function of T alone plus
+two switches: R = min(T, max requests), L = R or T (only when prompt logprobs outnumber R), K = the maximum
+always, mask words = 0 or the whole vocabulary. A GPU compile costs seconds (layers are unrolled there, see
+docs/architecture.md), and programs submit asynchronously, so the fine ladder met new (T, R, L, K) combinations
+in the middle of timed runs; the coarse one has at most 4 shapes per T, and the common ones (L = R, no mask)
+are compiled at start. Padding costs little there: empty requests are empty kernel programs, and L = R
+rows of the LM head are small next to T rows of the layers.
 """
 
 from __future__ import annotations
@@ -34,6 +43,37 @@ def bucket(n: int, minimum: int, factor: int = 2) -> int:
     while b < n:
         b *= factor
     return b
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """How a batch's sizes round up to a compiled shape (see the module docstring)."""
+
+    coarse: bool
+    max_reqs: int  # the most requests a step can hold (coarse: R's ceiling)
+    max_top_logprobs: int
+
+    def reqs(self, num_tokens: int, num_reqs: int) -> int:
+        if not self.coarse:
+            return bucket(num_reqs, 4)
+        return max(min(num_tokens, bucket(self.max_reqs, 4)), bucket(num_reqs, 4))
+
+    def logits(self, num_rows: int, num_reqs: int, num_tokens: int) -> int:
+        if not self.coarse:
+            return bucket(max(num_rows, 1), num_reqs)
+        return num_reqs if num_rows <= num_reqs else num_tokens
+
+    def top(self, wanted: int) -> int:
+        if self.coarse:  # top-k of 20 over the vocabulary costs next to nothing on an accelerator
+            return self.max_top_logprobs
+        return bucket(min(wanted, self.max_top_logprobs), 1) if wanted else 0
+
+    def tokens_ladder(self, max_tokens: int) -> list[int]:
+        """Every T bucket up to the one holding max_tokens (what precompilation walks)."""
+        out = [16]
+        while out[-1] < max_tokens:
+            out.append(out[-1] * 2)
+        return out
 
 
 @dataclass(frozen=True)
@@ -71,9 +111,11 @@ def jitted_step(cfg: ModelConfig, attention: str):
 
 class Runner:
     def __init__(self, cfg: ModelConfig, weights: Weights, *, num_pages: int, page_size: int, max_context: int,
-                 attention: str, max_top_logprobs: int = 20):
+                 attention: str, max_top_logprobs: int = 20, coarse: bool | None = None, max_reqs: int = 64):
         self.cfg, self.page_size, self.attention = cfg, page_size, attention
         self.platform = jax.devices()[0].platform
+        coarse = self.platform != "cpu" if coarse is None else coarse
+        self.buckets = Buckets(coarse=coarse, max_reqs=max_reqs, max_top_logprobs=max_top_logprobs)
         self.weights = for_platform(weights, self.platform)
         self.max_pages = -(-max_context // page_size)
         self.max_top_logprobs = max_top_logprobs
@@ -95,7 +137,7 @@ class Runner:
         return self.step.counter.traces
 
     def _width(self, pages: int) -> int:
-        if self.attention == "pallas":
+        if self.attention == "pallas" or self.buckets.coarse:
             return self.max_pages
         return min(bucket(pages, 16), self.max_pages)
 
@@ -121,10 +163,11 @@ class Runner:
             if w.sample:
                 logits_rows.append(t + len(w.tokens) - 1)
             t += len(w.tokens)
-        num_reqs = bucket(len(works), 4)
-        num_logits = bucket(max(len(logits_rows), 1), num_reqs)
+        num_tokens = bucket(t, 16)
+        num_reqs = self.buckets.reqs(num_tokens, len(works))
+        num_logits = self.buckets.logits(len(logits_rows), num_reqs, num_tokens)
         width = self._width(max(len(p) for p in tables))
-        batch = build_batch(chunks, kv_lens, [p[:width] for p in tables], self.page_size, bucket(t, 16), num_reqs,
+        batch = build_batch(chunks, kv_lens, [p[:width] for p in tables], self.page_size, num_tokens, num_reqs,
                             width, logits_rows=logits_rows, num_logits=num_logits)
         rows, history, top_k = self._sampling_rows(works, num_logits, sample_rows, prompt_rows)
         masks = self._masks(works, num_logits, sample_rows)
@@ -153,8 +196,8 @@ class Runner:
         histories = {id(w): _history(w.req, vocab) for w in penalised}
         # A coarse ladder: the history length varies with every prompt, and each width is a compilation.
         width = bucket(max(map(len, histories.values())), 64, factor=4) if histories else 0
-        top = max((w.req.top_logprobs_num for w in works if w.req.return_logprob), default=0)
-        top = bucket(min(top, self.max_top_logprobs), 1) if top else 0
+        wanted = max((w.req.top_logprobs_num for w in works if w.req.return_logprob), default=0)
+        top = self.buckets.top(wanted)
         rows = default_rows(num_logits, width)
         needs_filter = False
         for w, srow, prows in zip(works, sample_rows, prompt_rows):
@@ -178,6 +221,7 @@ class Runner:
             if h is not None:
                 rows["history"][srow, :len(h)] = h
         rows["needs_filter"] = np.asarray(int(needs_filter), np.int32)
+        rows["needs_top"] = np.asarray(int(wanted > 0), np.int32)
         return rows, width, top
 
     def _unpack_results(self, works, sample_rows, prompt_rows, tokens, logprobs, top_ids, top_lps):
@@ -197,17 +241,64 @@ class Runner:
             out_top.append(tops(srow, w.req) if srow >= 0 else None)
         return out_tokens, out_lps, out_top
 
-    def precompile(self, shapes: list[tuple[int, int, int]]) -> None:
-        """Compile (tokens, requests, page width) buckets ahead of traffic with a dummy batch on the null page."""
-        for num_tokens, num_reqs, width in shapes:
-            batch = build_batch([[0]], [1], [[0]], self.page_size, num_tokens, num_reqs, width)
-            rows = default_rows(num_reqs, 0)
-            rows["needs_filter"] = np.asarray(0, np.int32)
-            shape = StepShape(BatchShape.of(batch), 0, 0)
-            out, self.pool = self.step(self.weights, self.pool, jnp.asarray(np.concatenate([pack(batch),
-                                                                                       pack_sampling(rows)])), shape)
-            jax.block_until_ready(out.tokens)
-            self.shapes_seen.add(shape)
+    def start_shapes(self, max_tokens: int) -> list[StepShape]:
+        """The shapes worth compiling at start, at the widest page table. Coarse: every shape the ladder can take
+        without penalties, for every T up to max_tokens (a step's most tokens): L = R or T, with and without a
+        mask. Fine: the decode buckets (one token per request) up to the most requests."""
+        width = self._width(self.max_pages)
+        b = self.buckets
+        if not b.coarse:
+            out, r = [], 4
+            while True:
+                out.append(StepShape(BatchShape(bucket(r, 16), r, width, r), 0, 0))
+                if r >= b.max_reqs:
+                    return out
+                r *= 2
+        words = -(-self.cfg.vocab_size // 32)
+        out = []
+        for t in b.tokens_ladder(max_tokens):
+            r = b.reqs(t, 1)
+            for logits in sorted({r, t}):
+                out += [StepShape(BatchShape(t, r, width, logits), 0, b.top(0), mask) for mask in (0, words)]
+        return out
+
+    def precompile(self, shapes: list[StepShape], threads: int = 1) -> None:
+        """Compile step shapes ahead of traffic, `threads` at a time (XLA compiles outside the GIL: on a GPU host
+        most of a shape's ~9 s overlaps with the others'). Lowering with the live arrays fills jit's own cache,
+        so traffic of these shapes neither traces nor compiles again."""
+        todo = [s for s in shapes if s not in self.shapes_seen]
+
+        def compile_one(shape):
+            buffer = jax.ShapeDtypeStruct(self._dummy_buffer(shape).shape, jnp.int32)
+            self.step.lower(self.weights, self.pool, buffer, shape).compile()
+            return shape
+
+        if threads <= 1:
+            done = map(compile_one, todo)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(threads, thread_name_prefix="sgjax-compile") as ex:
+                done = list(ex.map(compile_one, todo))
+        self.shapes_seen.update(done)
+
+    def _dummy_buffer(self, shape: StepShape) -> np.ndarray:
+        """A step buffer of `shape`: one one-token request on the null page, every row unconstrained."""
+        b = shape.batch
+        batch = build_batch([[0]], [1], [[0]], self.page_size, b.num_tokens, b.num_reqs, b.pages_per_req,
+                            num_logits=b.num_logits)
+        rows = default_rows(b.num_logits, shape.history)
+        rows["needs_filter"] = np.asarray(0, np.int32)
+        parts = [pack(batch), pack_sampling(rows)]
+        if shape.mask_words:
+            parts.append(np.full(b.num_logits * shape.mask_words, -1, np.int32))
+        return np.concatenate(parts)
+
+    def run_dummy(self, shape: StepShape):
+        """One step of `shape` on the dummy buffer (compiles it the first time); returns the sampled tokens."""
+        out, self.pool = self.step(self.weights, self.pool, jnp.asarray(self._dummy_buffer(shape)), shape)
+        self.shapes_seen.add(shape)
+        return out.tokens
 
 
 def _uses_penalties(p) -> bool:

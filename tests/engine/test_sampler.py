@@ -172,7 +172,7 @@ def test_pack_unpack_round_trip():
     assert int(batch.needs_filter) == 1  # rows use top-k/top-p/min-p: set even though rows said 0
     assert int(unpack_sampling(pack_sampling(default_rows(L, W)), L, W).needs_filter) == 0
     empty = unpack_sampling(pack_sampling(default_rows(3, 0)), 3, 0)
-    assert empty.history.shape == (3, 0) and sampling_size(3, 0) == 31
+    assert empty.history.shape == (3, 0) and sampling_size(3, 0) == 32  # 10 fields x 3 rows + 2 flags
 
 
 def test_logprobs_and_top_logprobs_are_raw_log_softmax():
@@ -189,6 +189,12 @@ def test_logprobs_and_top_logprobs_are_raw_log_softmax():
     assert out.top_ids.dtype == np.int32 and out.tokens.dtype == np.int32
     none = run(rows, logits, k=0)
     assert none.top_ids.shape == (L, 0) and none.top_logprobs.shape == (L, 0)
+    # K stays in the shape, but a batch that wants no top logprobs skips the top-k (and gets zeros)
+    rows["needs_top"] = np.array(0, np.int32)
+    skipped = run(rows, logits)
+    assert skipped.top_ids.shape == (L, K) and not skipped.top_ids.any() and not skipped.top_logprobs.any()
+    np.testing.assert_array_equal(skipped.tokens, out.tokens)
+    np.testing.assert_array_equal(skipped.logprobs, out.logprobs)
 
 
 def test_sampling_frequencies_match_the_distribution():
@@ -231,7 +237,7 @@ def test_same_seed_same_token_whatever_the_batch():
     big_rows["target"][::5] = 3
     pos = rng.permutation(16)[:L]
     for name in rows:
-        if name != "needs_filter":
+        if name not in ("needs_filter", "needs_top"):
             big_rows[name][pos] = rows[name]
     big_logits[pos] = logits
     crowd = run(big_rows, big_logits)

@@ -1,0 +1,96 @@
+"""Step-shape discipline: with the coarse ladder (the accelerators' default) a batch of asynchronous programs (gen,
+select with prompt logprobs, regex masks, forks, top logprobs) takes only shapes from a small set that follows the
+token count, the start-up precompilation holds the common ones, and a second batch with other arguments compiles
+nothing new."""
+
+import itertools
+
+import pytest
+
+import sgjax as sgl
+from sgjax.engine.engine import Engine
+from sgjax.engine.runner import Buckets, StepShape
+from sgjax.lang.backend.engine import EngineBackend
+
+# The coarse ladder fixes the page-table width at the context's pages: a short context keeps the CPU's `ref`
+# attention (which reads every entry) cheap.
+SMALL = dict(max_total_tokens=4096, chunked_prefill_size=48, max_running_requests=8, context_length=512)
+TOPICS = ["the sea", "a mountain", "winter", "a city at night", "an old library", "the desert", "a garden",
+          "a train station", "the moon", "a forest", "a bridge", "rain"]
+
+
+@sgl.function
+def program(s, topic, question):
+    s += "Topic: " + topic + ". Say something short about it.\n"
+    s += "Note: " + sgl.gen("note", max_tokens=6, stop="\n") + "\n"
+    s += question + " " + sgl.select("mood", choices=["calm", "busy", "sad and very quiet"]) + "\n"
+    s += "A year: " + sgl.gen("year", max_tokens=6, regex=r"1[89][0-9]{2}") + "\n"
+    s += "One word: " + sgl.gen("word", max_tokens=3, return_logprob=True, top_logprobs_num=2) + "\n"
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f += f"Idea {i}: " + sgl.gen("idea", max_tokens=4 + 3 * i)
+    forks.join()
+
+
+def arguments(topics, question):
+    return [{"topic": t, "question": question} for t in topics]
+
+
+def allowed_shapes(runner) -> set[StepShape]:
+    """Every shape the coarse ladder can produce without penalties: per token bucket, L in {R, T}, K the maximum,
+    mask words in {0, whole vocabulary}, one page-table width."""
+    b: Buckets = runner.buckets
+    words = -(-runner.cfg.vocab_size // 32)
+    widths = {runner.max_pages}
+    out = set()
+    for t in b.tokens_ladder(SMALL["chunked_prefill_size"] + SMALL["max_running_requests"]):
+        r = b.reqs(t, 1)
+        for logits, top, mask, width in itertools.product({r, t}, (b.max_top_logprobs,), (0, words), widths):
+            out.add(runner_shape(t, r, width, logits, top, mask))
+    return out
+
+
+def runner_shape(t, r, width, logits, top, mask) -> StepShape:
+    from sgjax.model.batch import BatchShape
+
+    return StepShape(BatchShape(num_tokens=t, num_reqs=r, pages_per_req=width, num_logits=logits), 0, top, mask)
+
+
+@pytest.fixture(scope="module")
+def coarse_engine(smollm2):
+    with Engine(step_buckets="coarse", precompile=True, **SMALL) as eng:
+        yield eng
+
+
+def test_coarse_ladder_is_precompiled_and_async_batches_compile_nothing(coarse_engine):
+    runner = coarse_engine.runner
+    allowed = allowed_shapes(runner)
+    assert len(allowed) <= 4 * len(runner.buckets.tokens_ladder(56))
+    assert runner.shapes_seen == allowed  # start-up compiled every shape the ladder can take (no penalties)
+    traces = coarse_engine.get_server_info()["traces"]
+    backend = EngineBackend(coarse_engine)
+
+    states = program.run_batch(arguments(TOPICS[:6], "Which mood fits?"), backend=backend, num_threads=6,
+                               temperature=0)
+    assert all(s["mood"] in ("calm", "busy", "sad and very quiet") for s in states)
+    assert all(s["year"].startswith(("18", "19")) for s in states)
+    assert all(s.get_meta_info("word")["output_top_logprobs"][0] for s in states)
+    coarse_engine.flush_cache()
+    program.run_batch(arguments(TOPICS[6:], "What mood does this place have, in one word?"), backend=backend,
+                      num_threads=6, temperature=0)
+    new = sorted(runner.shapes_seen - allowed, key=str)
+    assert runner.shapes_seen == allowed, f"steps took shapes outside the ladder: {new}"
+    assert coarse_engine.get_server_info()["traces"] == traces, "async program batches compiled new step shapes"
+
+
+def test_coarse_and_fine_ladders_give_the_same_greedy_programs(coarse_engine, smollm2):
+    args = arguments(TOPICS[:2], "Which mood fits?")
+    coarse = program.run_batch(args, backend=EngineBackend(coarse_engine), num_threads=1, temperature=0)
+    with Engine(step_buckets="fine", **SMALL) as eng:
+        fine = program.run_batch(args, backend=EngineBackend(eng), num_threads=1, temperature=0)
+    assert [s.text() for s in coarse] == [s.text() for s in fine]
+
+
+def test_step_buckets_must_be_known(smollm2):
+    with pytest.raises(ValueError, match="step_buckets"):
+        Engine(step_buckets="huge", **SMALL)
