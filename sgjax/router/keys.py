@@ -55,7 +55,3 @@ def _messages(messages) -> PromptKey | None:
             content = json.dumps(content)
         parts.append(f"<{m.get('role')}>{content}\x1e")  # \x1e: a separator no message text is likely to hold
     return ("text", "".join(parts))
-
-
-def key_chars(key: PromptKey | None) -> int:
-    return len(key[1]) if key and key[0] == "text" else 0

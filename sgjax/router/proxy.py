@@ -25,7 +25,7 @@ import httpx
 from starlette.responses import Response, StreamingResponse
 
 from sgjax.router.keys import prompt_key
-from sgjax.router.policy import Policy, WorkerView
+from sgjax.router.policy import Policy, WorkerView, least_loaded
 from sgjax.server.protocol import MAX_BODY_BYTES, ApiError
 
 log = logging.getLogger("sgjax.router")
@@ -127,14 +127,18 @@ class Router:
         self.policy.forget(w.url)  # down or restarted: its cache is gone either way
 
     # -- choosing --------------------------------------------------------------------------------------------
-    async def pick(self, key, tried: dict[str, str]) -> Worker:
+    async def pick(self, key, tried: dict[str, str], use_policy: bool = True) -> Worker:
+        """The policy's worker among the healthy ones not tried yet; without the policy (read-only routes, which
+        must not move a round-robin turn or count as decisions), the least loaded."""
         candidates = [w for w in self.workers.values() if w.healthy and w.url not in tried]
         if not candidates and not tried:
             await self.probe_all()  # all marked down: one may be back before the next health round
             candidates = [w for w in self.workers.values() if w.healthy]
         if not candidates:
             raise ApiError(self.none_left(tried), status=503, kind="unavailable")
-        return self.workers[self.policy.select([w.view() for w in candidates], key).url]
+        views = [w.view() for w in candidates]
+        url = self.policy.select(views, key).url if use_policy else least_loaded(views).url
+        return self.workers[url]
 
     def none_left(self, tried: dict[str, str]) -> str:
         why = {w.url: w.last_error or "down" for w in self.workers.values()}
@@ -211,7 +215,7 @@ class Router:
         """A read-only route any worker answers the same (/v1/models, /get_model_info, /health_generate)."""
         tried: dict[str, str] = {}
         while True:
-            w = await self.pick(None, tried)
+            w = await self.pick(None, tried, use_policy=False)
             try:
                 r = await self.client.get(w.url + path)
             except httpx.TransportError as e:

@@ -35,6 +35,8 @@ class FakeWorker:
             return httpx.Response(200, json={"max_total_tokens": 1000, "prompt_tokens": self.prompt_tokens,
                                              "cached_tokens": self.cached_tokens, "running_requests": 0,
                                              "waiting_requests": 0, "name": self.name})
+        if path == "/get_model_info":
+            return httpx.Response(200, json={"model_path": "m"})
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]})
         if path == "/flush_cache":
@@ -250,3 +252,14 @@ def test_oversized_body_is_413(fleet):
         assert r.status_code == 413 and "body: larger than" in r.json()["error"]["message"]
         assert client.get("/nope").status_code == 404
         assert workers[A].requests == workers[B].requests == []
+
+
+def test_read_only_routes_do_not_move_the_policy(fleet):
+    workers, make = fleet
+    client, router = make()
+    with client:
+        assert client.post("/generate", json={"text": "1"}).headers[WORKER_HEADER] == A
+        for route in ("/v1/models", "/get_model_info", "/get_server_info", "/health"):
+            client.get(route)
+        assert client.post("/generate", json={"text": "2"}).headers[WORKER_HEADER] == B  # still B's turn
+        assert router.workers[A].dispatched == router.workers[B].dispatched == 1
