@@ -1,12 +1,12 @@
 """`sgjax router --worker-urls ...` (front running servers) and `sgjax serve --dp-size N` (start N worker servers,
 then front them): the flags, the worker processes, and the router's uvicorn.
 
-Workers are `python -m sgjax.cli serve` children on free loopback ports with the launcher's engine flags. With
-several GPUs each gets its own (CUDA_VISIBLE_DEVICES=i); on CPU they are just N processes sharing the cores. The
-router listens on --host/--port once every worker answers /health. SIGTERM or SIGINT: the workers get SIGTERM first
+Workers are `sgjax serve` children (`python -m sgjax.router.worker serve`) on free loopback ports with the
+launcher's engine flags. With several GPUs each gets its own (CUDA_VISIBLE_DEVICES=i); on CPU they are just N
+processes sharing the cores. The router listens on --host/--port once every worker answers /health. SIGTERM or SIGINT: the workers get SIGTERM first
 (each ends its open streams with an abort, so the router's relays end too), uvicorn shuts down, the launcher waits
-for the workers and exits with status 0. Workers also get SIGTERM if the launcher itself dies (Linux
-PR_SET_PDEATHSIG), so no worker outlives it.
+for the workers and exits with status 0. A worker also kills itself within a second if the launcher is killed
+outright (worker.py), so no worker outlives it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import httpx
 import uvicorn
 
 from sgjax.router.policy import POLICIES, make_policy
+from sgjax.router.worker import LAUNCHER_PID_ENV
 
 log = logging.getLogger("sgjax.router")
 
@@ -180,14 +181,15 @@ def visible_gpus() -> list[str]:
 
 
 class WorkerProcess:
-    """One `python -m sgjax.cli serve` on a free loopback port; its output goes to the launcher's."""
+    """One `sgjax serve` (through `sgjax.router.worker`, which ends it if the launcher dies) on a free loopback
+    port; its output goes to the launcher's."""
 
     def __init__(self, flags: list[str], env: dict | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "sgjax.cli", "serve", "--host", "127.0.0.1",
-                                      "--port", str(self.port), *flags], env={**os.environ, **(env or {})},
-                                     preexec_fn=_die_with_parent)
+        env = {**os.environ, **(env or {}), LAUNCHER_PID_ENV: str(os.getpid())}
+        self.proc = subprocess.Popen([sys.executable, "-m", "sgjax.router.worker", "serve", "--host", "127.0.0.1",
+                                      "--port", str(self.port), *flags], env=env)
 
     def terminate(self) -> None:
         if self.proc.poll() is None:
@@ -214,29 +216,27 @@ def wait_ready(workers: list[WorkerProcess], timeout: float = WORKER_START_TIMEO
 
 
 def stop_workers(workers: list[WorkerProcess], timeout: float = 60.0) -> None:
-    """SIGTERM to all at once, then wait; a worker still running after `timeout` is killed."""
-    for w in workers:
-        w.terminate()
+    """SIGTERM to all at once, again every few seconds while any runs (a worker still loading its model can lose
+    one: the server's loading-time handler raises SystemExit, which is swallowed when the signal lands in a garbage
+    collector callback), then SIGKILL for any still running after `timeout`."""
     deadline = time.monotonic() + timeout
-    for w in workers:
+    while True:
+        running = [w for w in workers if w.proc.poll() is None]
+        if not running or time.monotonic() > deadline:
+            break
+        for w in running:
+            w.terminate()
         try:
-            w.proc.wait(max(0.0, deadline - time.monotonic()))
+            running[0].proc.wait(min(5.0, max(0.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
+            pass
+    for w in workers:
+        if w.proc.poll() is None:
             log.warning("worker %s did not stop in %.0f s: killed", w.url, timeout)
             w.proc.kill()
             w.proc.wait()
         if w.proc.returncode not in (0, -signal.SIGTERM):
             log.warning("worker %s exited with status %s", w.url, w.proc.returncode)
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the launcher dies, whatever kills it (Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _free_port(host: str = "127.0.0.1") -> int:

@@ -70,3 +70,34 @@ def test_a_taken_port_fails_before_any_worker_starts():
         r = subprocess.run([sys.executable, "-m", "sgjax.cli", "serve", "--dp-size", "2", "--port", str(port)],
                            capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+
+
+def test_a_worker_dies_with_its_launcher():
+    """The watchdog of sgjax.router.worker: a child whose parent is killed outright kills itself (even when the
+    parent dies before the child's watch starts: the launcher's pid comes in the environment)."""
+    import os
+    import signal
+    import time
+
+    parent_code = ("import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+                   "'from sgjax.router.worker import watch_parent; import time; watch_parent(interval=0.1); "
+                   "time.sleep(120)'], env={**os.environ, 'SGJAX_LAUNCHER_PID': str(os.getpid())}); "
+                   "print(p.pid, flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while not _dead(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _dead(child):
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived its killed parent")
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.split()[1] == "Z" for line in f if line.startswith("State:"))  # a zombie is dead
+    except FileNotFoundError:
+        return True
