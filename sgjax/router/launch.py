@@ -3,10 +3,10 @@ then front them): the flags, the worker processes, and the router's uvicorn.
 
 Workers are `sgjax serve` children (`python -m sgjax.router.worker serve`) on free loopback ports with the
 launcher's engine flags. With several GPUs each gets its own (CUDA_VISIBLE_DEVICES=i); on CPU they are just N
-processes sharing the cores. The router listens on --host/--port once every worker answers /health. SIGTERM or SIGINT: the workers get SIGTERM first
-(each ends its open streams with an abort, so the router's relays end too), uvicorn shuts down, the launcher waits
-for the workers and exits with status 0. A worker also kills itself within a second if the launcher is killed
-outright (worker.py), so no worker outlives it.
+processes sharing the cores. The router listens on --host/--port once every worker answers /health. SIGTERM or
+SIGINT: the workers get SIGTERM first (each ends its open streams with an abort, so the router's relays end too),
+uvicorn shuts down, the launcher waits for the workers and exits with status 0. A worker also kills itself within a
+second if the launcher is killed outright (worker.py), so no worker outlives it.
 """
 
 from __future__ import annotations
