@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import time
@@ -36,6 +37,7 @@ def serve(server_args: ServerArgs, http: HttpArgs) -> None:
     logging.basicConfig(level=http.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_port(http.host, http.port)  # fail before the model loads, not after
     signal.signal(signal.SIGTERM, _exit_while_loading)
+    log.info("loading the engine: %s", server_args.model_path or "the default SmolLM2")
     t0 = time.perf_counter()
     kwargs = {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args) if f.name != "model_path"}
     engine = Engine(server_args.model_path, **kwargs)
@@ -54,7 +56,11 @@ def serve(server_args: ServerArgs, http: HttpArgs) -> None:
 
 
 def _exit_while_loading(sig, frame):
-    raise SystemExit(0)
+    # Nothing is served yet, so nothing can be lost. A SystemExit raised here could be swallowed (Python ignores
+    # exceptions raised inside a garbage-collector callback) or wait for the precompile threads to finish their
+    # shapes (seconds each on a GPU): end the process now.
+    log.info("signal %d while loading: exiting", sig)
+    os._exit(0)
 
 
 def _check_port(host: str, port: int) -> None:

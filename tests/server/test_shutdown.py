@@ -42,3 +42,27 @@ def test_flags_then_sigterm_ends_streams_and_exits_0():
     log = srv.log_text()
     assert "request rids=['long-one']" in log and "finish rid=long-one" in log and '"POST /generate' in log
     srv.remove_log()
+
+
+def test_sigterm_while_loading_exits_0_at_once():
+    import os
+    import time
+
+    import jax
+
+    from sgjax.server.process import ServerProcess
+
+    env = {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1",
+           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
+    srv = ServerProcess(*SMALL_FLAGS, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    deadline = time.monotonic() + 120
+    while "loading the engine" not in srv.log_text() and time.monotonic() < deadline:
+        assert srv.proc.poll() is None, srv.log_text()
+        time.sleep(0.05)
+    assert "loading the engine" in srv.log_text()
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 0, srv.log_text()
+    assert time.monotonic() - t0 < 10
+    assert "Uvicorn running" not in srv.log_text()  # it never served
+    srv.remove_log()
