@@ -2,7 +2,8 @@
 # The paper's programs and the serving benchmark on the lent H200 (docs/bench.md). That machine has jax, torch and
 # transformers but not this package, gguf, accelerate, the datasets or SmolLM2, and a call carries at most 64 MiB,
 # so the caller prepares (see docs/bench.md, "On the H200"):
-#   out/gpuA: wheels/ (gguf, accelerate), smoltok/ (tokenizer dir), workloads.json (run.py --dump-workloads),
+#   out/gpuA: wheels/ (gguf, accelerate, and fastapi, uvicorn, pydantic, httpx, opentelemetry-api with their
+#             dependencies for the server; py3.12 manylinux, see docs/server.md), smoltok/ (tokenizer dir), workloads.json (run.py --dump-workloads),
 #             bench_workload.json (bench_engine.py --dump-workload), smol.part_a (first half of the SmolLM2 GGUF)
 #   out/gpuB: the same small files and smol.part_b, smol.sha256
 # Stage a (first call) runs dummy Llama-3-8B and keeps part a in /tmp; stage b (the next call, same machine)
@@ -32,13 +33,13 @@ save_hf_dir(tok, "/tmp/llama8b", {
     "num_key_value_heads": 8, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
     "eos_token_id": list(tok.eos_token_ids)})
 PY
-  timeout 400 python3 scripts/bench/run.py --dummy llama3-8b --tokenizer "$IN/smoltok" --workload-file \
+  timeout 330 python3 scripts/bench/run.py --num-programs 16 --dummy llama3-8b --tokenizer "$IN/smoltok" --workload-file \
     "$IN/workloads.json" --baseline none --gen-cap 64 --latency-programs 1 --max-total-tokens 131072 --out "$OUT/programs_llama8b.jsonl" \
     --plots "$OUT/llama8b" > "$OUT/programs_llama8b.log" 2>&1 || echo "programs exit $?" >> "$OUT/programs_llama8b.log"
   # from /tmp: `python -m sgjax.cli` (the server) must not find the checkout's sgjax/ (no kernels) first
-  cd /tmp && timeout 150 python3 "$REPO/scripts/bench_serving.py" --workload-file "$REPO/$IN/bench_workload.json" --num-prompts 128 \
+  cd /tmp && timeout 180 python3 "$REPO/scripts/bench_serving.py" --workload-file "$REPO/$IN/bench_workload.json" --num-prompts 128 \
     --request-rates 8,32,inf --max-output-len 128 --tag h200-dummy-llama3-8b \
-    --server-args "--model-path /tmp/llama8b --load-format dummy --max-running-requests 128 --max-total-tokens 131072" \
+    --server-args "--model-path /tmp/llama8b --load-format dummy --max-running-requests 64 --max-total-tokens 131072" \
     --out "$OUT/serving_llama8b.jsonl" > "$OUT/serving_llama8b.log" 2>&1 || echo "serving exit $?" >> "$OUT/serving_llama8b.log"
   cd "$REPO"
 else
@@ -48,3 +49,5 @@ else
     --workload-file "$IN/workloads.json" --gen-cap 64 --latency-programs 1 --out "$OUT/programs_smollm2.jsonl" \
     --plots "$OUT/smollm2" > "$OUT/programs_smollm2.log" 2>&1 || echo "programs exit $?" >> "$OUT/programs_smollm2.log"
 fi
+# a call brings back at most 8 files: one archive per stage
+cd "$OUT" && tar czf "/tmp/results_$stage.tgz" . && rm -rf "${OUT:?}"/* && mv "/tmp/results_$stage.tgz" "$OUT/"

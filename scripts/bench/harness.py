@@ -39,23 +39,32 @@ CONFIGS = {
 }
 
 
-def measure(workload, runner, threads: int, latency_programs: int) -> dict:
+def measure(workload, runner, threads: int, latency_programs: int, repeats: int = 1) -> dict:
     """Time the batch and one-at-a-time runs of `workload` on `runner` (a frontend over one engine or a baseline).
 
     runner: .run_batch(program, arguments, threads) -> states; .reset() (flush the cache, start a request
-    log); .counters() -> {prompt_tokens, cached_tokens} or None; .requests() -> [(prompt ids, output ids)]."""
+    log); .counters() -> {prompt_tokens, cached_tokens} or None; .requests() -> [(prompt ids, output ids)].
+    With repeats > 1 the batch runs that many times from a cold cache and the median time counts: a GPU batch
+    takes a fraction of a second, where one run's noise (threads starting, a first tokenization) is large. The
+    counters come from the last run."""
     args = workload.arguments
-    runner.reset()
-    before = runner.counters()
-    t0 = time.perf_counter()
-    states = runner.run_batch(workload.program, args, threads)
-    batch_s = time.perf_counter() - t0
-    after = runner.counters()
+    times, first = [], None
+    for _ in range(max(1, repeats)):
+        runner.reset()
+        before = runner.counters()
+        first = first or before
+        t0 = time.perf_counter()
+        states = runner.run_batch(workload.program, args, threads)
+        times.append(time.perf_counter() - t0)
+        after = runner.counters()
     requests = runner.requests()
+    batch_s = statistics.median(times)
     row = {"programs": len(args), "batch_s": batch_s, "programs_per_s": len(args) / batch_s}
+    if len(times) > 1:
+        row["batch_s_runs"] = times
     if before is not None:
         # steps compiled inside the timed run: a nonzero count means compile time is in the numbers
-        row["compiles"] = after.get("traces", 0) - before.get("traces", 0)
+        row["compiles"] = after.get("traces", 0) - first.get("traces", 0)  # over every timed run
         prompt_tokens = after["prompt_tokens"] - before["prompt_tokens"]
         cached = after["cached_tokens"] - before["cached_tokens"]
         row.update(prompt_tokens=prompt_tokens, cached_tokens=cached,

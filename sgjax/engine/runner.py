@@ -6,17 +6,18 @@ one host->device and one device->host transfer and never syncs inside. The KV po
 
 Shapes come from buckets (powers of two): tokens T, requests R, logits rows L, page-table width P (the `ref`
 backend reads every page-table entry, so under the fine ladder P follows the longest live context; the Pallas
-kernels read only `kv_lens` pages, so P is fixed there), penalty history W (0 unless a request uses penalties), top-logprobs K and
-mask words. Everything else is an array, so a steady workload compiles nothing new.
+kernels read only `kv_lens` pages, so P is fixed there), penalty history W (0 unless a request uses penalties),
+top-logprobs K and mask words. Everything else is an array, so a steady workload compiles nothing new.
 
-Two bucket ladders (`Buckets`). `fine` (CPU) sizes R, L and K to the batch: a CPU compile is cheap (the layers
-are scanned) and padding costs CPU time. `coarse` (accelerators) makes the shape a function of T alone plus
-two switches: R = min(T, max requests), L = R or T (only when prompt logprobs outnumber R), K = the maximum
-always, mask words = 0 or the whole vocabulary. A GPU compile costs seconds (layers are unrolled there, see
-docs/architecture.md), and programs submit asynchronously, so the fine ladder met new (T, R, L, K) combinations
-in the middle of timed runs; the coarse one has at most 4 shapes per T, and the common ones (L = R, no mask)
-are compiled at start. Padding costs little there: empty requests are empty kernel programs, and L = R
-rows of the LM head are small next to T rows of the layers.
+Two bucket ladders (`Buckets`). `fine` (CPU) sizes R, L, K and P to the batch: a CPU compile is cheap (the
+layers are scanned) and padding costs CPU time. `coarse` (accelerators) makes the shape a function of T alone
+plus two switches: R = min(T, max requests), L = R or T (T only when prompt logprobs outnumber R), K the maximum
+always (a runtime flag skips the top-k when no row wants it), P the whole context, mask words 0 or the whole
+vocabulary. A GPU compile costs about 9 s (the layers are unrolled there, see docs/architecture.md) and programs
+submit asynchronously, so the fine ladder met new (T, R, L, K) combinations in the middle of timed runs. The
+coarse ladder has at most 4 shapes per T, all compiled at start, in parallel threads. Its padding is cheap on the
+H200 (`scripts/probe_step_compile.py`): 3 decode rows of SmolLM2's shapes take 2.46 ms as (T, R, L) = (16, 16,
+16) against 2.34 ms fitted (16, 4, 4); Llama-3-8B's 7.38 against 7.11 ms.
 """
 
 from __future__ import annotations
