@@ -66,15 +66,18 @@ def _block(x, pool, w, index, batch: StepBatch, cfg: ModelConfig, attention, inv
     return x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down, pool
 
 
-def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, attention):
+def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, attention, input_embeds=None):
     """Returns (logits f32[B, V] for the rows in batch.logits_idx, the updated pool).
+
+    input_embeds ([T, D], optional) replaces the token-embedding lookup, e.g. a prompt with image features merged
+    in at its placeholder rows (vision.merge_image_features).
 
     Stacked layers (a LayerWeights with a leading layer axis) are scanned: compile time does not grow
     with depth. A tuple of per-layer LayerWeights is unrolled: on the GPU, scanning slices (copies) each
     layer's weights before its matmuls, which tripled weight traffic at decode (docs/architecture.md).
     """
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-    x = weights.embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
+    x = (weights.embed[batch.input_ids] if input_embeds is None else input_embeds).astype(jnp.dtype(cfg.dtype))
     block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, inv_freq=inv_freq)
     if isinstance(weights.layers, (tuple, list)):
         for i, w in enumerate(weights.layers):
