@@ -68,6 +68,35 @@ def test_config_and_names(llava):
         assert V.canonical_name(old) == new
 
 
+@pytest.mark.parametrize("style", ["llava-hf", "in-memory"])
+def test_loads_other_tensor_name_styles(llava, tmp_path, style):
+    """llava-hf's `vision_tower.vision_model.*` names and transformers' in-memory `model.*` names load the same."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    path, _, loaded = llava
+    with safe_open(f"{path}/model.safetensors", framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+
+    def rename(k):
+        if style == "llava-hf":
+            return k.replace("vision_tower.", "vision_tower.vision_model.", 1)
+        if k.startswith("language_model.model."):
+            return "model.language_model." + k[len("language_model.model."):]
+        return k[len("language_model."):] if k.startswith("language_model.lm_head") else "model." + k
+
+    renamed = {rename(k): v for k, v in tensors.items()}
+    assert len(renamed) == len(tensors) and set(renamed) != set(tensors)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    shutil.copy(f"{path}/config.json", tmp_path / "config.json")
+    again = V.load_llava_dir(str(tmp_path))
+    assert again[0] == loaded[0] and again[2] == loaded[2]
+    for a, b in zip(jax.tree.leaves(again[1:]), jax.tree.leaves(loaded[1:])):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("layer,strategy", [(-2, "default"), (-1, "full"), (1, "default")])
 def test_image_features_match_hf(llava, layer, strategy):
     path, hf, (_, _, vcfg, _) = llava
@@ -134,6 +163,7 @@ def test_preprocess_matches_clip_image_processor(llava):
 
     _, _, (_, _, vcfg, _) = llava
     rng = np.random.default_rng(3)
+    worst = 0.0
     for size, shape in [(32, (41, 57)), (32, (90, 33)), (224, (300, 401)), (224, (224, 224)), (32, (20, 25))]:
         cfg = dataclasses.replace(vcfg, image_size=size, patch_size=size // 4)
         proc = CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
@@ -143,6 +173,8 @@ def test_preprocess_matches_clip_image_processor(llava):
             ref = proc(inp, return_tensors="np")["pixel_values"][0]
             assert ours.shape == ref.shape == (3, size, size)
             np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=0)
+            worst = max(worst, float(np.abs(ours - ref).max()))
+    print(f"preprocess max abs error {worst:.1e}")
 
 
 def test_merge_image_features_two_images():
@@ -156,3 +188,24 @@ def test_merge_image_features_two_images():
     np.testing.assert_array_equal(out, expect)
     # no placeholders: the embeddings pass through unchanged
     np.testing.assert_array_equal(V.merge_image_features(embeds, ids, feats, 99), embeds)
+
+
+def test_llava15_style_config_reads_transformers_defaults():
+    """llava-1.5's config.json leaves most fields at the transformers defaults; we read what transformers reads."""
+    d = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
+         "projector_hidden_act": "gelu", "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+         "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                           "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                           "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+         "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+                         "model_type": "llama", "rms_norm_eps": 1e-05, "vocab_size": 32064}}
+    vcfg, tcfg = V.vision_config_from_hf(d), V.text_config_from_llava(d)
+    hf = LlavaConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    assert (vcfg.num_image_tokens, vcfg.layers_used, vcfg.hidden_act) == (576, 23, hf.vision_config.hidden_act)
+    assert vcfg.layer_norm_eps == hf.vision_config.layer_norm_eps
+    t = hf.text_config
+    assert (tcfg.hidden_size, tcfg.num_layers, tcfg.num_heads, tcfg.num_kv_heads, tcfg.intermediate_size,
+            tcfg.vocab_size) == (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads,
+                                 t.intermediate_size, 32064)
+    with pytest.raises(V.UnsupportedModelError):
+        V.vision_config_from_hf({**d, "vision_feature_layer": [-2, -5]})
