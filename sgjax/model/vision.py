@@ -327,6 +327,8 @@ def merge_image_features(input_embeds, input_ids, image_features, image_token_in
     them, so the shapes are static and the function jits. Callers give exactly one feature row per placeholder
     (images concatenated in prompt order, features.reshape(-1, D)); extra feature rows are ignored.
     """
+    if image_features.shape[0] == 0:  # no images: nothing to gather from (static, so no trace-time branch issue)
+        return input_embeds
     mask = input_ids == image_token_index
     rows = jnp.clip(jnp.cumsum(mask.astype(jnp.int32)) - 1, 0, image_features.shape[0] - 1)
     return jnp.where(mask[:, None], image_features[rows].astype(input_embeds.dtype), input_embeds)

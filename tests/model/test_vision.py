@@ -188,6 +188,7 @@ def test_merge_image_features_two_images():
     np.testing.assert_array_equal(out, expect)
     # no placeholders: the embeddings pass through unchanged
     np.testing.assert_array_equal(V.merge_image_features(embeds, ids, feats, 99), embeds)
+    np.testing.assert_array_equal(V.merge_image_features(embeds, ids, feats[:0], 99), embeds)
 
 
 def test_llava15_style_config_reads_transformers_defaults():
