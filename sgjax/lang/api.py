@@ -8,7 +8,8 @@ from typing import Callable
 from sgjax.lang.backend.base import Backend
 from sgjax.lang.choices import ChoicesMethod, token_length_normalized
 from sgjax.lang.global_config import global_config
-from sgjax.lang.ir import GEN_PARAMS, RoleBegin, RoleEnd, Select, make_gen, role
+from sgjax.lang.ir import GEN_PARAMS, Image, RoleBegin, RoleEnd, Select, make_gen, role
+from sgjax.lang.media import encode_image, sample_frames
 
 
 # -- backends -----------------------------------------------------------------------------------------------
@@ -183,6 +184,19 @@ def select(name: str | None = None, choices=None, temperature: float = 0.0,
         raise TypeError(f"choices_method must be one of sgl.token_length_normalized, sgl.greedy_token_selection, "
                         f"sgl.unconditional_likelihood_normalized; got {choices_method!r}")
     return Select(name, tuple(choices), choices_method)
+
+
+def image(image) -> Image:
+    """An image in the prompt: a file path, http(s) URL, bytes, data URI, PIL image or uint8 array [H, W, 3].
+    The text gets the chat template's image token; the image travels to the backend beside the text (SGLang's
+    image_data) or, for a chat API, as an image part of the message."""
+    return Image((encode_image(image),))
+
+
+def video(video, num_frames: int) -> Image:
+    """`num_frames` evenly spaced frames of a video (a [F, H, W, 3] uint8 array, a list of images, or a file read
+    with imageio) as consecutive images."""
+    return Image(tuple(sample_frames(video, num_frames)), kind="video")
 
 
 def system(expr=None):

@@ -21,6 +21,8 @@ class ChatTemplate:
     roles: dict  # role -> (prefix, suffix)
     default_system_prompt: str | None = None
     stop_str: tuple[str, ...] = field(default=())  # added to every gen's stop strings
+    # what the prompt text holds where an image goes (LLaVA's placeholder; a vision model's processor expands it)
+    image_token: str = "<image>"
 
     def get_prefix_and_suffix(self, role: str) -> tuple[str, str]:
         if role not in self.roles:

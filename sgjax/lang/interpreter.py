@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from sgjax.lang import speculative
 from sgjax.lang.global_config import global_config
-from sgjax.lang.ir import (Constant, ExprList, Gen, RoleBegin, RoleEnd, Select, VarScopeBegin, VarScopeEnd, as_expr,
-                           role, variable_names)
+from sgjax.lang.ir import (Constant, ExprList, Gen, Image, RoleBegin, RoleEnd, Select, VarScopeBegin, VarScopeEnd,
+                           as_expr, role, variable_names)
 
 
 class ProgramError(RuntimeError):
@@ -81,6 +81,8 @@ class StreamExecutor:
         self.root = root or self
         self.text_ = ""
         self.messages_: list[dict] = []
+        self.images_: list[str] = []  # every image in the prompt, in order (base64 or URL; sgjax.lang.media)
+        self._message_images: list[tuple[int, str]] = []  # (offset in the current message, image) for chat APIs
         self.cur_role: str | None = None
         self.role_begin_pos = 0
         self.variables: dict = {}
@@ -234,9 +236,14 @@ class StreamExecutor:
         elif isinstance(expr, Gen):
             self._gen(expr)
         elif isinstance(expr, Select):
+            if self.images_ and not self.backend.is_chat_model:
+                raise ValueError(f"select({expr.name!r}): scoring choices after an image is not supported yet "
+                                 f"(the prompt holds {len(self.images_)} image(s)); use gen with a regex instead")
             decision = self.backend.select(self._prompt(f"select({expr.name!r})"), list(expr.choices), expr.method)
             self._fill(decision.decision)
             self._set(expr.name, decision.decision, decision.meta_info)
+        elif isinstance(expr, Image):
+            self._image(expr)
         elif isinstance(expr, RoleBegin):
             self._role_begin(expr.role)
         elif isinstance(expr, RoleEnd):
@@ -270,6 +277,8 @@ class StreamExecutor:
 
     def _gen(self, gen: Gen) -> None:
         params = {**self.defaults, **gen.params}
+        if self.images_ and not self.backend.is_chat_model:  # a chat API gets them inside the messages
+            params["image_data"] = list(self.images_)
         extra_stops = [s for s in self.chat_template.stop_str if s not in (params.get("stop") or ())]
         if extra_stops:
             params["stop"] = list(params.get("stop") or ()) + extra_stops
@@ -348,9 +357,20 @@ class StreamExecutor:
     def _role_end(self, role: str) -> None:
         if self.cur_role != role:
             raise ValueError(f"{role}_end() without {role}_begin() (the current role is {self.cur_role!r})")
-        self.messages_.append({"role": role, "content": self.text_[self.role_begin_pos:]})
+        content = self.text_[self.role_begin_pos:]
+        if self._message_images:
+            content = _content_parts(content, self._message_images, self.chat_template.image_token)
+            self._message_images = []
+        self.messages_.append({"role": role, "content": content})
         self.cur_role = None
         self._fill(self.chat_template.get_prefix_and_suffix(role)[1])
+
+    def _image(self, expr: Image) -> None:
+        for data in expr.data:
+            if self.cur_role is not None:
+                self._message_images.append((len(self.text_) - self.role_begin_pos, data))
+            self.images_.append(data)
+            self._fill(self.chat_template.image_token)
 
     def _fork(self, op: _Fork) -> None:
         if op.hint and self.text_:
@@ -358,6 +378,7 @@ class StreamExecutor:
         for child in op.children:
             child.text_, child.fork_start = self.text_, len(self.text_)
             child.messages_ = list(self.messages_)
+            child.images_, child._message_images = list(self.images_), list(self._message_images)
             child.cur_role, child.role_begin_pos = self.cur_role, self.role_begin_pos
             child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
             child.spec_reply = self.spec_reply
@@ -598,3 +619,18 @@ def run_program_batch(function, backend, batch_kwargs: list[dict], defaults: dic
     if bar is not None:
         bar.close()
     return states
+
+
+def _content_parts(text: str, images: list[tuple[int, str]], token: str) -> list[dict]:
+    """A message with images in OpenAI's form: text parts around image_url parts (the image tokens dropped)."""
+    from sgjax.lang.media import data_url
+
+    parts, start = [], 0
+    for offset, data in images:
+        if text[start:offset]:
+            parts.append({"type": "text", "text": text[start:offset]})
+        parts.append({"type": "image_url", "image_url": {"url": data_url(data)}})
+        start = offset + len(token)
+    if text[start:]:
+        parts.append({"type": "text", "text": text[start:]})
+    return parts

@@ -103,6 +103,18 @@ class RoleEnd(Expr):
 
 
 @dataclass(eq=False)
+class Image(Expr):
+    """Images in the prompt (one for sgl.image, the sampled frames for sgl.video): each is a base64 string of the
+    encoded image or an http(s) URL (sgjax.lang.media). The text gets the chat template's image token per image."""
+
+    data: tuple[str, ...]
+    kind: str = "image"  # image | video
+
+    def __repr__(self):
+        return f"{self.kind}({len(self.data)} image{'s' if len(self.data) != 1 else ''})"
+
+
+@dataclass(eq=False)
 class VarScopeBegin(Expr):
     name: str
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from sgjax.lang.chat_template import PLAIN
 from sgjax.lang.global_config import global_config
 from sgjax.lang.interpreter import ProgramStateGroup, _PromptAPI, call_site
-from sgjax.lang.ir import (Constant, ExprList, Gen, RoleBegin, RoleEnd, Select, VarScopeBegin, VarScopeEnd,
+from sgjax.lang.ir import (Constant, ExprList, Gen, Image, RoleBegin, RoleEnd, Select, VarScopeBegin, VarScopeEnd,
                            as_expr)
 
 _MARKER = re.compile("\x00sgjax(\\d+)\x00")
@@ -232,6 +232,9 @@ class TracerState(_PromptAPI):
         elif isinstance(e, Select):
             node = self._node("select", f"{e.name} {list(e.choices)} by {e.method!r}", where)
             self._define(e.name, node, "select")
+        elif isinstance(e, Image):
+            # not constant text: the KV of image tokens depends on the image, so the batch pre-cache stops here
+            self._node(e.kind, repr(e), where)
         elif isinstance(e, RoleBegin):
             template = self._trace.chat_template
             if not self._has_messages and e.role != "system" and template.default_system_prompt:

@@ -112,6 +112,7 @@ class GenerateRequest(Strict):
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
     stream: bool | None = None
+    image_data: str | list[str] | list[list[str]] | None = None  # SGLang's images beside the text (base64 or URL)
 
 
 class AbortRequest(Strict):

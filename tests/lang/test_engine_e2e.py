@@ -281,3 +281,16 @@ def test_the_essay_judge_runs_end_to_end(backend):
         assert len(state["judgments"]) == len(example.DIMENSIONS)
         assert re.fullmatch(example.SCHEMA, state["output"])
         json.loads(state["output"])
+
+
+def test_images_on_the_text_only_engine_are_refused_by_name(backend):
+    import numpy as np
+
+    @sgl.function
+    def caption(s):
+        s += sgl.user("Describe " + sgl.image(np.zeros((4, 4, 3), np.uint8)))
+        s += sgl.assistant(sgl.gen("c", max_tokens=4))
+
+    state = caption.run(backend=backend)
+    with pytest.raises(ProgramError, match=r"image: the engine's model is text-only.*1 image"):
+        state["c"]

@@ -273,3 +273,15 @@ def test_chat_speculation_reads_a_whole_card_from_one_reply(chat, endpoint):
     # Without speculation a chat API cannot continue "Name:" in the assistant message.
     with pytest.raises(ProgramError, match="must come first in theirs; this one follows 'Name:'"):
         sgl.function(card).run(person, backend=chat, temperature=0).text()
+
+
+def test_images_reach_the_server_which_refuses_them_by_name(endpoint):
+    import numpy as np
+
+    @sgl.function
+    def caption(s):
+        s += "Photo: " + sgl.image(np.zeros((4, 4, 3), np.uint8)) + "\nCaption: " + sgl.gen("c", max_tokens=4)
+
+    with pytest.raises(ProgramError, match=r"/generate answered 400: image_data: the served model is text-only"):
+        caption.run(backend=endpoint)["c"]
+    assert caption.run(backend=endpoint, temperature=0).error() is not None

@@ -124,6 +124,8 @@ class OpenAI(Backend):
                     kwargs.update(self._logprob_kwargs(params.get("top_logprobs_num") or 0))
             elif name == "logprob_start_len":
                 raise ValueError("logprob_start_len: the OpenAI API returns no logprobs of the prompt")
+            elif name == "image_data":  # only a completion model's prompt carries images this way
+                raise ValueError("image: OpenAI's completions API takes text only; images need a chat model")
             elif name not in ("top_logprobs_num", "max_new_tokens"):
                 raise ValueError(f"{name}: not a sampling parameter the OpenAI backend knows")
         if extra:

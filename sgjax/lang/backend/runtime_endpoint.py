@@ -121,8 +121,10 @@ class RuntimeEndpoint(Backend):
 
 
 def _body(text: str, params: dict) -> dict:
-    sampling = {k: v for k, v in params.items() if k not in LOGPROB_PARAMS}
-    return {"text": text, "sampling_params": sampling, **{k: v for k, v in params.items() if k in LOGPROB_PARAMS}}
+    """SGLang's /generate body: images ride beside the text as `image_data`, one per image token."""
+    top = LOGPROB_PARAMS + ("image_data",)
+    sampling = {k: v for k, v in params.items() if k not in top}
+    return {"text": text, "sampling_params": sampling, **{k: v for k, v in params.items() if k in top}}
 
 
 def _message(body: str) -> str:
