@@ -7,7 +7,6 @@ itself have the server's shape (`{"error": {"message", "type", "param", "code"}}
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import asynccontextmanager
 
 import httpx
@@ -16,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from sgjax.router.proxy import Router
+from sgjax.server.connection import ClientDisconnected, until_disconnected
 from sgjax.server.protocol import ApiError
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -46,7 +46,10 @@ def build_router_app(router: Router) -> FastAPI:
     async def generation(request: Request):
         body = await request.body()
         call = router.forward(request.url.path, body, request.headers.get("content-type"))
-        return await _until_disconnected(request.receive, call)
+        try:
+            return await until_disconnected(request.receive, call)
+        except ClientDisconnected:
+            return Response(status_code=499)  # to nobody: the client is gone
 
     for path in GENERATION_ROUTES:
         app.add_api_route(path, generation, methods=["POST"])
@@ -126,25 +129,4 @@ def _describe(r: httpx.Response) -> str:
     except (ValueError, KeyError, TypeError):
         return f"{r.status_code} {r.text[:200]}"
 
-
-async def _until_disconnected(receive, coro):
-    """Run `coro` unless the client disconnects first; then cancel it, which closes the connection to the worker
-    (whose server then aborts the request), and answer 499 to nobody."""
-    work = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (work, gone):
-            if not t.done():
-                t.cancel()
-    if work in done:
-        return work.result()
-    await asyncio.gather(work, return_exceptions=True)
-    return Response(status_code=499)
-
-
-async def _wait_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 

@@ -15,7 +15,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ import uvicorn
 
 from sgjax.router.policy import POLICIES, make_policy
 from sgjax.router.worker import LAUNCHER_PID_ENV
+from sgjax.server.connection import check_port
+from sgjax.server.process import free_port
 
 log = logging.getLogger("sgjax.router")
 
@@ -74,7 +75,7 @@ def main(ns: argparse.Namespace) -> None:
                              balance_abs_threshold=ns.balance_abs_threshold,
                              balance_rel_threshold=ns.balance_rel_threshold) \
             if ns.router_policy == "cache_aware" else make_policy(ns.router_policy)
-        _check_port(ns.host, ns.port)
+        check_port(ns.host, ns.port)
         _for_exit_status_0()
         run_router(ns.worker_urls, policy, ns.host, ns.port, ns.log_level, ns.log_requests,
                    health_interval=ns.health_check_interval)
@@ -115,7 +116,7 @@ def _for_exit_status_0() -> None:
 def serve_dp(ns: argparse.Namespace) -> None:
     if ns.dp_size < 2:
         raise SystemExit(f"--dp-size must be >= 2 here, got {ns.dp_size}")
-    _check_port(ns.host, ns.port)
+    check_port(ns.host, ns.port)
     flags = worker_flags(ns)
     gpus = visible_gpus()
     if 0 < len(gpus) < ns.dp_size:
@@ -185,7 +186,7 @@ class WorkerProcess:
     port; its output goes to the launcher's."""
 
     def __init__(self, flags: list[str], env: dict | None = None):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, **(env or {}), LAUNCHER_PID_ENV: str(os.getpid())}
         self.proc = subprocess.Popen([sys.executable, "-m", "sgjax.router.worker", "serve", "--host", "127.0.0.1",
@@ -239,16 +240,3 @@ def stop_workers(workers: list[WorkerProcess], timeout: float = 60.0) -> None:
             log.warning("worker %s exited with status %s", w.url, w.proc.returncode)
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _check_port(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise SystemExit(f"cannot listen on {host}:{port}: {e}") from None

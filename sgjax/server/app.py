@@ -24,7 +24,8 @@ from sgjax.server import native_api, openai_api
 from sgjax.server.metrics import Metrics
 from sgjax.server.protocol import (AbortRequest, ApiError, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                    parse_body)
-from sgjax.server.serving import ClientDisconnected, Serving, Work
+from sgjax.server.connection import ClientDisconnected
+from sgjax.server.serving import Serving, Work
 
 log = logging.getLogger("sgjax.server")
 

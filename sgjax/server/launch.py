@@ -11,13 +11,13 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import time
 
 import uvicorn
 
 from sgjax.engine.engine import Engine, ServerArgs
 from sgjax.server.app import build_app
+from sgjax.server.connection import check_port
 from sgjax.server.serving import HttpArgs, Serving
 
 log = logging.getLogger("sgjax.server")
@@ -35,7 +35,7 @@ class _Server(uvicorn.Server):
 
 def serve(server_args: ServerArgs, http: HttpArgs) -> None:
     logging.basicConfig(level=http.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _check_port(http.host, http.port)  # fail before the model loads, not after
+    check_port(http.host, http.port)  # fail before the model loads, not after
     signal.signal(signal.SIGTERM, _exit_while_loading)
     log.info("loading the engine: %s", server_args.model_path or "the default SmolLM2")
     t0 = time.perf_counter()
@@ -61,15 +61,6 @@ def _exit_while_loading(sig, frame):
     # shapes (seconds each on a GPU): end the process now.
     log.info("signal %d while loading: exiting", sig)
     os._exit(0)
-
-
-def _check_port(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise SystemExit(f"cannot listen on {host}:{port}: {e}") from None
 
 
 def _warm_up(engine: Engine) -> None:

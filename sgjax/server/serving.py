@@ -21,6 +21,7 @@ from typing import AsyncIterator
 from sgjax.engine.engine import Engine, EngineError
 from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.fsm import from_tokenizer
+from sgjax.server.connection import until_disconnected
 from sgjax.server.metrics import Metrics
 from sgjax.server.protocol import ApiError
 
@@ -62,10 +63,6 @@ class Work:
     def engine_kwargs(self) -> dict:
         return {"return_logprob": self.return_logprob, "logprob_start_len": self.logprob_start_len,
                 "top_logprobs_num": self.top_logprobs_num}
-
-
-class ClientDisconnected(Exception):
-    pass
 
 
 class Serving:
@@ -111,7 +108,7 @@ class Serving:
         call = self.engine.async_generate(**{kind: list(work.prompts)}, sampling_params=list(work.params),
                                           rid=list(work.rids) if work.rids else None, **work.engine_kwargs())
         self._log_start(work)
-        results = await _until_disconnected(receive, self._engine_errors(call, work))
+        results = await until_disconnected(receive, self._engine_errors(call, work))
         results = results if isinstance(results, list) else [results]
         _raise_if_failed(results)
         self._log_end(results)
@@ -255,29 +252,6 @@ def _raise_if_failed(results: list[dict]) -> None:
             if "shut down" in reason["message"]:
                 raise ApiError(reason["message"], status=503, kind="unavailable")
             raise ApiError(reason["message"], status=500, kind="server_error")
-
-
-async def _until_disconnected(receive, coro):
-    """Run `coro` unless the client disconnects first; then cancel it (the engine aborts the requests of a
-    cancelled async_generate) and raise ClientDisconnected."""
-    work = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (work, gone):
-            if not t.done():
-                t.cancel()
-    if work in done:
-        return work.result()
-    await asyncio.gather(work, return_exceptions=True)
-    raise ClientDisconnected()
-
-
-async def _wait_disconnect(receive) -> None:
-    # Once the body is read, the ASGI server's next message is the disconnect.
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _clip(text: str, n: int = 200) -> str:
