@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from sgjax.engine.detokenize import IncrementalDecoder, StopMatcher
+from sgjax.engine.images import ImageEncoder
 from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.engine.request import Req
 from sgjax.engine.runner import Runner
@@ -32,6 +33,7 @@ from sgjax.kernels import default_backend
 from sgjax.model.loader import load_model
 from sgjax.model.config import ModelConfig, config_from_hf_dir
 from sgjax.model.tokenizer import Tokenizer, load_tokenizer
+from sgjax.model.vision import load_llava_dir
 from sgjax.model.weights import Weights, dummy_weights
 
 log = logging.getLogger("sgjax.engine")
@@ -91,7 +93,7 @@ class Engine:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
         cfg, weights = _load_model_cached(args.model_path, _dtype(args), args.load_format)
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model_path)
-        self._start(args, cfg, weights, tokenizer)
+        self._start(args, cfg, weights, tokenizer, _VISION.get((args.model_path, _dtype(args), args.load_format)))
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None, **kwargs):
@@ -102,7 +104,8 @@ class Engine:
         engine._start(args, cfg, weights, tokenizer)
         return engine
 
-    def _start(self, args: ServerArgs, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None) -> None:
+    def _start(self, args: ServerArgs, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None,
+               vision=None) -> None:
         platform = jax.devices()[0].platform
         if args.step_buckets not in (None, "fine", "coarse"):
             raise ValueError(f"step_buckets must be 'fine' or 'coarse', got {args.step_buckets!r}")
@@ -125,6 +128,7 @@ class Engine:
                              coarse=None if args.step_buckets is None else args.step_buckets == "coarse",
                              max_reqs=args.max_running_requests)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
+        self.images = None if vision is None else ImageEncoder(*vision)  # a vision-language model (LLaVA)
         self._seeds = np.random.default_rng(args.random_seed)
         self._grammars = GrammarCache(max_entries=args.grammar_cache_size)
         self._vocabulary = None
@@ -145,11 +149,13 @@ class Engine:
 
     # -- public API -------------------------------------------------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
+                 logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None, image_data=None):
         """One prompt -> one result dict (a list when n > 1); a list of prompts -> a list of results.
-        stream=True returns an iterator of result dicts whose `text` grows (one prompt, n == 1)."""
+        stream=True returns an iterator of result dicts whose `text` grows (one prompt, n == 1).
+        image_data (vision-language models): base64 images of a prompt, one image token each in the prompt
+        (a list per prompt for a batch)."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                           top_logprobs_num, rid, stream)
+                                           top_logprobs_num, rid, stream, image_data)
         if stream:
             return self._stream(reqs[0])
         waits = [self._submit(r) for r in reqs]
@@ -157,11 +163,12 @@ class Engine:
         return results[0] if single and len(results) == 1 else results
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
+                             logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None, image_data=None):
         # Off the caller's event loop: tokenizing is fast, but compiling a new grammar takes 50-250 ms (JSON schema
         # on SmolLM2's vocabulary), which would stall every other request of an HTTP server.
         reqs, single = await asyncio.to_thread(self._make_requests, prompt, sampling_params, input_ids,
-                                               return_logprob, logprob_start_len, top_logprobs_num, rid, stream)
+                                               return_logprob, logprob_start_len, top_logprobs_num, rid, stream,
+                                               image_data)
         if stream:
             return self._async_stream(reqs[0])
         results = await asyncio.gather(*(self._async_one(r) for r in reqs))
@@ -200,7 +207,7 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
     def _make_requests(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                       top_logprobs_num, rid, stream=False):
+                       top_logprobs_num, rid, stream=False, image_data=None):
         if self._closed:
             raise EngineError("the engine is shut down")
         if (prompt is None) == (input_ids is None):
@@ -213,6 +220,13 @@ class Engine:
         if len(params_list) != count:
             raise ValueError(f"{count} prompts but {len(params_list)} sampling_params")
         rids = rid if isinstance(rid, list) else [rid] * count
+        if image_data is not None:
+            if self.images is None:
+                raise ValueError("image_data: this engine's model is text-only (load a LLaVA checkpoint directory "
+                                 "for images)")
+            images_list = [image_data] if single else list(image_data)
+            if len(images_list) != count:
+                raise ValueError(f"image_data: {count} prompts but {len(images_list)} image lists")
         reqs = []
         for i in range(count):
             params = SamplingParams.from_dict(params_list[i])
@@ -220,6 +234,9 @@ class Engine:
             if params.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
             ids = self._tokens(prompts[i] if prompts is not None else None, ids_list[i] if ids_list else None)
+            images = None
+            if image_data is not None and images_list[i] is not None:
+                ids, images = self.images.prepare(ids, images_list[i], self.model_config.vocab_size)
             params = self._fit_length(params, ids)
             grammar = self._grammar(params)
             lp_start = self._check_logprob_args(return_logprob, logprob_start_len, top_logprobs_num, ids)
@@ -228,7 +245,7 @@ class Engine:
                 seed = (params.seed32 + j) % (2 ** 31) if params.seed is not None else int(self._seeds.integers(2 ** 31))
                 reqs.append(Req(rid=base if params.n == 1 else f"{base}-{j}", input_ids=list(ids), params=params,
                                 seed=seed, return_logprob=bool(return_logprob), logprob_start_len=lp_start,
-                                top_logprobs_num=int(top_logprobs_num or 0), grammar=grammar))
+                                top_logprobs_num=int(top_logprobs_num or 0), grammar=grammar, images=images))
         if stream and len(reqs) != 1:
             raise ValueError("stream=True takes one prompt with n == 1")
         if self.request_log is not None:
@@ -550,6 +567,7 @@ def _tops(entries):
 
 
 _MODELS: dict = {}
+_VISION: dict = {}  # the vision tower of a LLaVA checkpoint, beside its text model in _MODELS
 
 
 def _dtype(args: ServerArgs) -> str:
@@ -565,9 +583,22 @@ def _load_model_cached(path, dtype, load_format="auto"):
                 raise ValueError(f"load_format 'dummy' needs an HF directory with config.json, got {path!r}")
             cfg = config_from_hf_dir(path, dtype)
             _MODELS[key] = cfg, dummy_weights(cfg)
+        elif _is_llava_dir(path):
+            cfg, weights, vcfg, vweights = load_llava_dir(path, dtype)
+            _MODELS[key], _VISION[key] = (cfg, weights), (vcfg, vweights)
         else:
             _MODELS[key] = load_model(path, dtype)
     return _MODELS[key]
+
+
+def _is_llava_dir(path) -> bool:
+    config = os.path.join(path, "config.json") if path and os.path.isdir(path) else None
+    if config is None or not os.path.isfile(config):
+        return False
+    import json
+
+    with open(config) as f:
+        return json.load(f).get("model_type") == "llava"
 
 
 def _pool_pages(args: ServerArgs, cfg: ModelConfig, platform: str) -> int:

@@ -58,6 +58,8 @@ class Req:
     fsm_state: int = 0
     jump_tokens: int = 0  # output tokens appended by jump-forward instead of decoded one by one
 
+    images: Any = None  # sgjax.engine.images.RequestImages: feature rows at image positions (vision models)
+
     @property
     def input_array(self) -> np.ndarray:
         """The prompt as int32, built once: matching a long waiting prompt every step must not rebuild it."""

@@ -83,6 +83,7 @@ class StepShape:
     history: int  # W
     top_logprobs: int  # K
     mask_words: int = 0  # ceil(V / 32) when a row is constrained (packed allowed-token bits per row), else 0
+    image_rows: int = 0  # M: feature rows of the images in the step's chunks (vision models), else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,14 +92,22 @@ def jitted_step(cfg: ModelConfig, attention: str):
     every engine in a process shares its compiled executables. `traces` counts compilations (tests)."""
     attend = get_backend(attention)
 
-    def step(weights, pool, buffer, shape: StepShape):
+    def step(weights, pool, buffer, shape: StepShape, image_features=None):
         step.traces += 1
         n = sum(shape.batch.sizes)
         num_rows = shape.batch.num_logits
         m = n + sampling_size(num_rows, shape.history)
         batch = unpack(buffer[:n], shape.batch)
         rows = unpack_sampling(buffer[n:m], num_rows, shape.history)
-        logits, pool = forward(weights, pool, batch, cfg=cfg, attention=attend)
+        embeds = None
+        if shape.image_rows:  # image tokens take their feature rows instead of the (pad id) embeddings
+            t = shape.batch.num_tokens
+            which = buffer[m:m + t]
+            m += t
+            embeds = weights.embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
+            picked = image_features[jnp.clip(which, 0, shape.image_rows - 1)].astype(embeds.dtype)
+            embeds = jnp.where((which >= 0)[:, None], picked, embeds)
+        logits, pool = forward(weights, pool, batch, cfg=cfg, attention=attend, input_embeds=embeds)
         mask = None
         if shape.mask_words:
             mask = unpack_bits(buffer[m:].reshape(num_rows, shape.mask_words), cfg.vocab_size)
@@ -144,8 +153,10 @@ class Runner:
 
     def run(self, works: list[Work]):
         """Run one step. Returns (tokens, logprobs, top) per work and fills each work's prompt_results."""
-        buffer, shape, sample_rows, prompt_rows = self.prepare(works)
-        out, self.pool = self.step(self.weights, self.pool, jnp.asarray(buffer), shape)
+        buffer, shape, sample_rows, prompt_rows, features = self.prepare(works)
+        # features only when there are some: the call must match the precompiled (lowered) one to hit jit's cache
+        extra = () if features is None else (jnp.asarray(features),)
+        out, self.pool = self.step(self.weights, self.pool, jnp.asarray(buffer), shape, *extra)
         self.shapes_seen.add(shape)
         tokens, logprobs, top_ids, top_lps = jax.device_get((out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
         return self._unpack_results(works, sample_rows, prompt_rows, tokens, logprobs, top_ids, top_lps)
@@ -172,9 +183,33 @@ class Runner:
                             width, logits_rows=logits_rows, num_logits=num_logits)
         rows, history, top_k = self._sampling_rows(works, num_logits, sample_rows, prompt_rows)
         masks = self._masks(works, num_logits, sample_rows)
-        shape = StepShape(BatchShape.of(batch), history, top_k, 0 if masks is None else masks.shape[1])
-        parts = [pack(batch), pack_sampling(rows)] + ([] if masks is None else [masks.reshape(-1)])
-        return np.concatenate(parts), shape, sample_rows, prompt_rows
+        which, features = self._image_rows(works, num_tokens)
+        shape = StepShape(BatchShape.of(batch), history, top_k, 0 if masks is None else masks.shape[1],
+                          0 if features is None else features.shape[0])
+        parts = [pack(batch), pack_sampling(rows)] + ([] if which is None else [which])
+        parts += [] if masks is None else [masks.reshape(-1)]
+        return np.concatenate(parts), shape, sample_rows, prompt_rows, features
+
+    def _image_rows(self, works, num_tokens):
+        """For a step whose chunks cover image positions: each token row's feature row (-1: none) and the
+        feature rows (M padded to a power of two); (None, None) otherwise."""
+        found, t = [], 0
+        for w in works:
+            images = w.req.images
+            if images is not None:
+                pos, feats = images.rows_in(w.start, w.start + len(w.tokens))
+                if len(pos):
+                    found.append((t + pos - w.start, feats))
+            t += len(w.tokens)
+        if not found:
+            return None, None
+        rows = np.concatenate([r for r, _ in found])
+        feats = np.concatenate([f for _, f in found])
+        which = np.full(num_tokens, -1, np.int32)
+        which[rows] = np.arange(len(rows), dtype=np.int32)
+        padded = np.zeros((bucket(len(rows), 16), feats.shape[1]), np.float32)
+        padded[:len(rows)] = feats
+        return which, padded
 
     def _masks(self, works, num_logits, sample_rows):
         """Packed allowed-token bits per logits row (all ones for unconstrained rows), or None when no row is

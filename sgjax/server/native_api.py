@@ -21,8 +21,8 @@ _TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
 def generate_work(req: GenerateRequest) -> tuple[Work, bool]:
     """The Work of a /generate body, and whether the answer is one dict (one prompt, n == 1) or a list."""
     if req.image_data is not None:
-        raise ApiError("image_data: the served model is text-only; images need a vision-language model, which "
-                       "sgjax does not serve yet", param="image_data")
+        raise ApiError("image_data: sgjax serve takes no images yet (the in-process Engine does, for LLaVA "
+                       "checkpoints)", param="image_data")
     if (req.text is None) == (req.input_ids is None):
         raise ApiError("text: give exactly one of text or input_ids", param="text")
     field = "text" if req.text is not None else "input_ids"

@@ -77,10 +77,8 @@ class Runtime(EngineBackend):
 
 
 def _split(params: dict) -> tuple[dict, dict]:
-    if "image_data" in params:
-        raise ValueError(f"image: the engine's model is text-only, so a prompt with {len(params['image_data'])} "
-                         f"image(s) cannot run here (sgjax has no vision-language engine yet); an OpenAI-compatible "
-                         f"chat backend takes them")
-    sampling = {k: v for k, v in params.items() if k not in LOGPROB_PARAMS}
-    extra = {k: v for k, v in params.items() if k in LOGPROB_PARAMS}
+    """(sampling parameters, the other generate() arguments: logprob options and image_data)."""
+    extra_names = LOGPROB_PARAMS + ("image_data",)
+    sampling = {k: v for k, v in params.items() if k not in extra_names}
+    extra = {k: v for k, v in params.items() if k in extra_names}
     return sampling, extra

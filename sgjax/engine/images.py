@@ -1,0 +1,90 @@
+"""A request's images on a vision-language engine (LLaVA): decoded, preprocessed and encoded when the request is
+made, then handed to the steps as feature rows at the prompt positions that hold them.
+
+- The prompt marks each image with one image token (the placeholder); it is expanded to the tower's
+  `num_image_tokens` rows, as LLaVA's processor does. A prompt that is already expanded is taken as it is.
+- The placeholder ids are then replaced by pad ids drawn from the image's hash (SGLang's pad-value trick): the
+  radix cache matches token ids, so two prompts share KV pages up to an image only when the image is the same
+  (N ids all equal by chance is out of reach). The embedding of a pad id is never used: the step puts the image
+  feature rows there (`Runner`, `forward(input_embeds=...)`).
+- The features are computed once per request on the host side of the engine (a jitted tower call) and travel
+  with the request, so retraction, chunked prefill and cache hits need nothing more: a step asks for the rows of
+  the positions its chunk covers.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from sgjax.model.vision import VisionConfig, VisionWeights, encode_images, preprocess
+
+
+@dataclass(frozen=True)
+class RequestImages:
+    positions: np.ndarray  # i32[P]: prompt positions of image rows, ascending
+    features: np.ndarray  # f32[P, D]: their input embeddings, in the same order
+
+    def rows_in(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, feature rows) of the image rows in prompt positions [start, end)."""
+        lo, hi = np.searchsorted(self.positions, [start, end])
+        return self.positions[lo:hi], self.features[lo:hi]
+
+
+class ImageEncoder:
+    def __init__(self, cfg: VisionConfig, weights: VisionWeights):
+        self.cfg, self.weights = cfg, weights
+        self._encode = jax.jit(lambda w, pixels: encode_images(w, cfg, pixels))
+
+    def prepare(self, ids: list[int], image_data, vocab: int) -> tuple[list[int], RequestImages]:
+        """The prompt with placeholders expanded and replaced by pad ids, and the images' feature rows."""
+        images = [image_data] if isinstance(image_data, str) else list(image_data)
+        if not images:
+            raise ValueError("image_data: an empty list (leave it out for a text prompt)")
+        raw = [_decode(i, d) for i, d in enumerate(images)]
+        n, per = len(raw), self.cfg.num_image_tokens
+        token = self.cfg.image_token_index
+        ids = np.asarray(ids, np.int64)
+        marks = int(np.sum(ids == token))
+        if marks == n:  # one placeholder per image: expand
+            ids = np.concatenate([np.full(per, token) if t == token else [t] for t in ids]).astype(np.int64)
+        elif marks != n * per:
+            raise ValueError(f"image_data: {n} image(s) but the prompt has {marks} image tokens (id {token}); "
+                             f"give one per image, or {per} per image already expanded")
+        pixels = np.stack([preprocess(_open(i, r), self.cfg) for i, r in enumerate(raw)])
+        features = np.asarray(self._encode(self.weights, pixels), np.float32)  # [n, per, D]
+        positions = np.flatnonzero(ids == token).astype(np.int32)
+        for k, r in enumerate(raw):
+            seed = int.from_bytes(hashlib.sha256(r).digest()[:8], "little")
+            ids[positions[k * per:(k + 1) * per]] = np.random.default_rng(seed).integers(0, vocab, per)
+        return ids.tolist(), RequestImages(positions, features.reshape(n * per, -1))
+
+
+def _decode(i: int, data) -> bytes:
+    if not isinstance(data, str):
+        raise ValueError(f"image_data[{i}]: expected a base64 string, got {type(data).__name__}")
+    if data.startswith(("http://", "https://")):
+        raise ValueError(f"image_data[{i}]: URLs are not fetched here (no network); send the image's bytes in base64")
+    if data.startswith("data:"):
+        data = data.partition(",")[2]
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"image_data[{i}]: not valid base64") from None
+
+
+def _open(i: int, raw: bytes):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+        return image
+    except (UnidentifiedImageError, OSError):
+        raise ValueError(f"image_data[{i}]: not an image file PIL can read ({len(raw)} bytes)") from None

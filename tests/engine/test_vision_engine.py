@@ -1,0 +1,79 @@
+"""The Engine on a vision-language model: a tiny random LLaVA checkpoint (tests/model/test_vision.py) through
+Engine.generate with image_data gives HF transformers' greedy tokens, with the image split across prefill chunks;
+image pages are cached per image; bad image inputs are refused by name."""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sgjax.engine.engine import Engine
+from sgjax.model import vision as V
+from tests.model.test_vision import IMAGE_TOKEN, llava  # noqa: F401  (the session's tiny LLaVA checkpoint)
+
+TEXT = [5, 17, 33, 48, 90, 12, 7, 250, 61, 3, 99, 140, 18, 21, 77, 8]
+NEW = 8
+
+
+def png(pixels: np.ndarray) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def picture(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (41, 57, 3), dtype=np.uint8)
+
+
+def prompt() -> list[int]:
+    return TEXT[:9] + [IMAGE_TOKEN] + TEXT[9:]  # the image's 16 rows start at position 9
+
+
+@pytest.fixture(scope="module")
+def engine(llava):  # noqa: F811
+    # chunks of 16 tokens cut the image's rows (positions 9-24) across two prefill steps
+    with Engine(llava[0], skip_tokenizer_init=True, max_total_tokens=2048, chunked_prefill_size=16,
+                max_running_requests=4, context_length=256) as eng:
+        yield eng
+
+
+def hf_greedy(llava, pixels: np.ndarray) -> list[int]:  # noqa: F811
+    _, hf, (_, _, vcfg, _) = llava
+    ids = TEXT[:9] + [IMAGE_TOKEN] * vcfg.num_image_tokens + TEXT[9:]
+    px = torch.from_numpy(V.preprocess(pixels, vcfg)[None])
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=px, max_new_tokens=NEW, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_tokens_equal_hf_and_image_pages_are_cached_per_image(engine, llava):  # noqa: F811
+    greedy = {"max_new_tokens": NEW, "temperature": 0}
+    a, b = picture(1), picture(2)
+    want_a, want_b = hf_greedy(llava, a), hf_greedy(llava, b)
+    assert want_a != want_b  # the image decides the answer, so the test can fail
+    engine.flush_cache()
+    first = engine.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(a)])
+    assert first["output_ids"] == want_a
+    again = engine.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(a)])
+    assert again["output_ids"] == want_a and again["meta_info"]["cached_tokens"] == 16  # the page holding the image
+    other = engine.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(b)])
+    assert other["output_ids"] == want_b and other["meta_info"]["cached_tokens"] == 0  # another image: no match
+    both = engine.generate(input_ids=[prompt(), prompt()], sampling_params=greedy,
+                           image_data=[[png(b)], [png(a)]])  # one batch, one image each
+    assert [o["output_ids"] for o in both] == [want_b, want_a]
+
+
+def test_bad_images_are_refused_by_name(engine):
+    with pytest.raises(ValueError, match=r"image_data: 2 image\(s\) but the prompt has 1 image tokens"):
+        engine.generate(input_ids=prompt(), image_data=[png(picture(1)), png(picture(2))])
+    with pytest.raises(ValueError, match=r"image_data\[0\]: not valid base64"):
+        engine.generate(input_ids=prompt(), image_data=["%%%"])
+    with pytest.raises(ValueError, match=r"image_data\[0\]: not an image file"):
+        engine.generate(input_ids=prompt(), image_data=[base64.b64encode(b"hello").decode()])
+    with pytest.raises(ValueError, match=r"image_data\[0\]: URLs are not fetched"):
+        engine.generate(input_ids=prompt(), image_data=["https://example.com/a.png"])
+    assert engine.generate(input_ids=TEXT, sampling_params={"max_new_tokens": 2})["output_ids"]  # still serving
