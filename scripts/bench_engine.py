@@ -163,10 +163,11 @@ def model_setup(args):
         cfg = llama3_8b_config(dtype)
         weights = dummy_weights(cfg)
         return f"dummy-{args.dummy}", dtype, lambda **kw: Engine.from_weights(cfg, weights, None, **kw), cfg
-    from sgjax.engine.engine import _dtype, _load_model_cached, ServerArgs
+    from sgjax.engine.engine import ServerArgs
+    from sgjax.engine.loading import default_dtype, load_model_cached
 
-    dtype = args.dtype or _dtype(ServerArgs())
-    cfg, _ = _load_model_cached(None, dtype)  # loaded once; every Engine below shares it
+    dtype = args.dtype or default_dtype(ServerArgs())
+    cfg, _ = load_model_cached(None, dtype)  # loaded once; every Engine below shares it
     return "smollm2-135m-instruct", dtype, lambda **kw: Engine(None, dtype=dtype, **kw), cfg
 
 

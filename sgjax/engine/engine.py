@@ -24,17 +24,16 @@ import numpy as np
 
 from sgjax.engine.detokenize import IncrementalDecoder, StopMatcher
 from sgjax.engine.images import ImageEncoder
+from sgjax.engine.loading import VISION, default_dtype, load_model_cached, pool_pages
 from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.engine.request import Req
 from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.fsm import GrammarCache, GrammarError, RegexError, from_tokenizer
 from sgjax.kernels import default_backend
-from sgjax.model.loader import load_model
-from sgjax.model.config import ModelConfig, config_from_hf_dir
+from sgjax.model.config import ModelConfig
 from sgjax.model.tokenizer import Tokenizer, load_tokenizer
-from sgjax.model.vision import load_llava_dir
-from sgjax.model.weights import Weights, dummy_weights
+from sgjax.model.weights import Weights
 
 log = logging.getLogger("sgjax.engine")
 
@@ -91,9 +90,9 @@ class Engine:
         args = ServerArgs.from_kwargs(model_path, kwargs)
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
-        cfg, weights = _load_model_cached(args.model_path, _dtype(args), args.load_format)
+        cfg, weights = load_model_cached(args.model_path, default_dtype(args), args.load_format)
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model_path)
-        self._start(args, cfg, weights, tokenizer, _VISION.get((args.model_path, _dtype(args), args.load_format)))
+        self._start(args, cfg, weights, tokenizer, VISION.get((args.model_path, default_dtype(args), args.load_format)))
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None, **kwargs):
@@ -113,7 +112,7 @@ class Engine:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
         self.args, self.model_config, self.tokenizer = args, cfg, tokenizer
         self.context_length = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_pages = 1 + _pool_pages(args, cfg, platform)
+        num_pages = 1 + pool_pages(args, cfg, platform)
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=num_pages, page_size=args.page_size, policy=args.schedule_policy,
             cache="none" if args.disable_radix_cache else args.cache,
@@ -564,57 +563,3 @@ class Engine:
 
 def _tops(entries):
     return None if entries is None else [(lp, t, None) for lp, t in entries]
-
-
-_MODELS: dict = {}
-_VISION: dict = {}  # the vision tower of a LLaVA checkpoint, beside its text model in _MODELS
-
-
-def _dtype(args: ServerArgs) -> str:
-    return args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
-
-
-def _load_model_cached(path, dtype, load_format="auto"):
-    """Weights are immutable arrays: engines in one process (tests, ablation sweeps) share one copy."""
-    key = (path, dtype, load_format)
-    if key not in _MODELS:
-        if load_format == "dummy":
-            if path is None or not os.path.isdir(path):
-                raise ValueError(f"load_format 'dummy' needs an HF directory with config.json, got {path!r}")
-            cfg = config_from_hf_dir(path, dtype)
-            _MODELS[key] = cfg, dummy_weights(cfg)
-        elif _is_llava_dir(path):
-            cfg, weights, vcfg, vweights = load_llava_dir(path, dtype)
-            _MODELS[key], _VISION[key] = (cfg, weights), (vcfg, vweights)
-        else:
-            _MODELS[key] = load_model(path, dtype)
-    return _MODELS[key]
-
-
-def _is_llava_dir(path) -> bool:
-    config = os.path.join(path, "config.json") if path and os.path.isdir(path) else None
-    if config is None or not os.path.isfile(config):
-        return False
-    import json
-
-    with open(config) as f:
-        return json.load(f).get("model_type") == "llava"
-
-
-def _pool_pages(args: ServerArgs, cfg: ModelConfig, platform: str) -> int:
-    """KV pool pages from max_total_tokens, or from mem_fraction_static of the device memory left after the
-    weights (on CPU, where memory stats are missing, a default of 16k tokens)."""
-    if args.page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {args.page_size}")
-    if args.max_total_tokens is not None:
-        if args.max_total_tokens < args.page_size:
-            raise ValueError(f"max_total_tokens must be >= page_size, got {args.max_total_tokens}")
-        return -(-args.max_total_tokens // args.page_size)
-    itemsize = 2 if cfg.dtype == "bfloat16" else 4
-    bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-    stats = jax.devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if not limit:
-        return -(-16384 // args.page_size)
-    free = limit * args.mem_fraction_static - stats.get("bytes_in_use", 0)
-    return max(int(free // (bytes_per_token * args.page_size)), 2)

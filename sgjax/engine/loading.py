@@ -1,0 +1,68 @@
+"""Loading a model for an Engine: weights cached per process, the dtype default, the KV pool's size."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+import jax
+
+from sgjax.model.config import ModelConfig, config_from_hf_dir
+from sgjax.model.loader import load_model
+from sgjax.model.vision import load_llava_dir
+from sgjax.model.weights import dummy_weights
+
+if TYPE_CHECKING:
+    from sgjax.engine.engine import ServerArgs
+
+MODELS: dict = {}
+VISION: dict = {}  # the vision tower of a LLaVA checkpoint, beside its text model in MODELS
+
+
+def default_dtype(args: ServerArgs) -> str:
+    return args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
+
+
+def load_model_cached(path, dtype, load_format="auto"):
+    """Weights are immutable arrays: engines in one process (tests, ablation sweeps) share one copy."""
+    key = (path, dtype, load_format)
+    if key not in MODELS:
+        if load_format == "dummy":
+            if path is None or not os.path.isdir(path):
+                raise ValueError(f"load_format 'dummy' needs an HF directory with config.json, got {path!r}")
+            cfg = config_from_hf_dir(path, dtype)
+            MODELS[key] = cfg, dummy_weights(cfg)
+        elif is_llava_dir(path):
+            cfg, weights, vcfg, vweights = load_llava_dir(path, dtype)
+            MODELS[key], VISION[key] = (cfg, weights), (vcfg, vweights)
+        else:
+            MODELS[key] = load_model(path, dtype)
+    return MODELS[key]
+
+
+def is_llava_dir(path) -> bool:
+    config = os.path.join(path, "config.json") if path and os.path.isdir(path) else None
+    if config is None or not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return json.load(f).get("model_type") == "llava"
+
+
+def pool_pages(args: ServerArgs, cfg: ModelConfig, platform: str) -> int:
+    """KV pool pages from max_total_tokens, or from mem_fraction_static of the device memory left after the
+    weights (on CPU, where memory stats are missing, a default of 16k tokens)."""
+    if args.page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {args.page_size}")
+    if args.max_total_tokens is not None:
+        if args.max_total_tokens < args.page_size:
+            raise ValueError(f"max_total_tokens must be >= page_size, got {args.max_total_tokens}")
+        return -(-args.max_total_tokens // args.page_size)
+    itemsize = 2 if cfg.dtype == "bfloat16" else 4
+    bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return -(-16384 // args.page_size)
+    free = limit * args.mem_fraction_static - stats.get("bytes_in_use", 0)
+    return max(int(free // (bytes_per_token * args.page_size)), 2)
