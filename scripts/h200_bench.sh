@@ -8,6 +8,8 @@
 #   out/gpuB: the same small files and smol.part_b, smol.sha256
 # Stage a (first call) runs dummy Llama-3-8B and keeps part a in /tmp; stage b (the next call, same machine)
 # joins the GGUF and runs the real SmolLM2 with the HF baseline.  Usage: bash scripts/h200_bench.sh a|b
+# Optional: A_ARGS / B_ARGS (more run.py arguments, the last of a repeated flag wins: --workloads, --repeats, ...),
+# A_TIMEOUT / B_TIMEOUT (seconds for run.py), SERVING=0 (stage a without the serving benchmark).
 set -euo pipefail
 stage=$1
 OUT=${OUT:-/tmp/out}
@@ -33,21 +35,23 @@ save_hf_dir(tok, "/tmp/llama8b", {
     "num_key_value_heads": 8, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
     "eos_token_id": list(tok.eos_token_ids)})
 PY
-  timeout 330 python3 scripts/bench/run.py --num-programs 16 --dummy llama3-8b --tokenizer "$IN/smoltok" --workload-file \
+  timeout "${A_TIMEOUT:-330}" python3 scripts/bench/run.py --num-programs 16 --dummy llama3-8b --tokenizer "$IN/smoltok" --workload-file \
     "$IN/workloads.json" --baseline none --gen-cap 64 --latency-programs 1 --max-total-tokens 131072 --out "$OUT/programs_llama8b.jsonl" \
-    --plots "$OUT/llama8b" > "$OUT/programs_llama8b.log" 2>&1 || echo "programs exit $?" >> "$OUT/programs_llama8b.log"
+    --plots "$OUT/llama8b" ${A_ARGS:-} > "$OUT/programs_llama8b.log" 2>&1 || echo "programs exit $?" >> "$OUT/programs_llama8b.log"
+  if [ "${SERVING:-1}" = 1 ]; then
   # from /tmp: `python -m sgjax.cli` (the server) must not find the checkout's sgjax/ (no kernels) first
   cd /tmp && timeout 180 python3 "$REPO/scripts/bench_serving.py" --workload-file "$REPO/$IN/bench_workload.json" --num-prompts 128 \
     --request-rates 8,32,inf --max-output-len 128 --tag h200-dummy-llama3-8b \
     --server-args "--model-path /tmp/llama8b --load-format dummy --max-running-requests 64 --max-total-tokens 131072" \
     --out "$OUT/serving_llama8b.jsonl" > "$OUT/serving_llama8b.log" 2>&1 || echo "serving exit $?" >> "$OUT/serving_llama8b.log"
   cd "$REPO"
+  fi
 else
   cat /tmp/smol.part_a "$IN/smol.part_b" > /tmp/smollm2.gguf
   echo "$(cat "$IN/smol.sha256")  /tmp/smollm2.gguf" | sha256sum -c > "$OUT/sha.txt"
-  timeout 540 python3 scripts/bench/run.py --model-path /tmp/smollm2.gguf --dtype float32 --hf-device cuda --max-total-tokens 131072 \
+  timeout "${B_TIMEOUT:-540}" python3 scripts/bench/run.py --model-path /tmp/smollm2.gguf --dtype float32 --hf-device cuda --max-total-tokens 131072 \
     --workload-file "$IN/workloads.json" --gen-cap 64 --latency-programs 1 --out "$OUT/programs_smollm2.jsonl" \
-    --plots "$OUT/smollm2" > "$OUT/programs_smollm2.log" 2>&1 || echo "programs exit $?" >> "$OUT/programs_smollm2.log"
+    --plots "$OUT/smollm2" ${B_ARGS:-} > "$OUT/programs_smollm2.log" 2>&1 || echo "programs exit $?" >> "$OUT/programs_smollm2.log"
 fi
 # a call brings back at most 8 files: one archive per stage
 cd "$OUT" && tar czf "/tmp/results_$stage.tgz" . && rm -rf "${OUT:?}"/* && mv "/tmp/results_$stage.tgz" "$OUT/"
