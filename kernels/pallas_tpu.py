@@ -10,6 +10,10 @@ ones, which the op skips cheaply, so no count has to be computed.
 
 Its tuned block sizes exist only for real TPU generations (it raises elsewhere), so the block
 sizes can be given explicitly, as the CPU tests do.
+
+`tpu_kernel="sgjax"` selects our own kernel (kernels/pallas_tpu_kernel.py) instead. jax's stays the default:
+neither has run on a TPU here, and jax's is the one tuned and exercised on real TPUs; ours is the one whose
+body has executed (in TPU interpret mode, in CI).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_
 
 from sgjax.kernels.kv_pool import write_kv
 from sgjax.kernels.metadata import AttentionMetadata
+from sgjax.kernels.pallas_tpu_kernel import sgjax_tpu_attention
 
 
 def tpu_operands(pool, layer, meta: AttentionMetadata):
@@ -31,8 +36,15 @@ def tpu_operands(pool, layer, meta: AttentionMetadata):
 
 
 def pallas_tpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float, op=None,
-                         num_kv_pages_per_block: int | None = None, num_queries_per_block: int | None = None):
-    """Returns ([T, Hq, D], pool). `op` replaces the kernel (tests pass jax's reference of it)."""
+                         num_kv_pages_per_block: int | None = None, num_queries_per_block: int | None = None,
+                         tpu_kernel: str = "jax", **config):
+    """Returns ([T, Hq, D], pool). `op` replaces jax's kernel (tests pass jax's reference of it);
+    tpu_kernel="sgjax" runs ours, with `config` (block_q, pages_per_block, interpret)."""
+    if tpu_kernel == "sgjax":
+        return sgjax_tpu_attention(q, k, v, pool, layer, meta, sm_scale=sm_scale, **config)
+    if tpu_kernel != "jax" or config:
+        raise ValueError(f"tpu_kernel must be 'jax' or 'sgjax' (config {sorted(config)} is for 'sgjax'), "
+                         f"got {tpu_kernel!r}")
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
     op = op or ragged_paged_attention
     kwargs = {}

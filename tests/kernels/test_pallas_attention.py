@@ -27,18 +27,19 @@ EXTRA = {
 }
 
 
-def _run(args, **config):
+def _run(args, attend=pallas_attention, **config):
     q, k, v, pool, layer, meta = args
-    attend = jax.jit(functools.partial(pallas_attention, sm_scale=q.shape[-1] ** -0.5, **config))
+    attend = jax.jit(functools.partial(attend, sm_scale=q.shape[-1] ** -0.5, **config))
     out, new_pool = attend(q, k, v, pool, layer, meta)
     return np.asarray(out), np.asarray(new_pool)
 
 
-def _check(case, heads, tol=2e-5, **config):
+def _check(case, heads, tol=2e-5, attend=pallas_attention, **config):
+    """The backend `attend` on a contract case: outputs, finite padded rows, the new K/V in place."""
     rng = np.random.default_rng(sum(map(ord, case)))
     spec = {**CASES, **EXTRA}[case]
     args, expected, total = make_case(rng, num_heads=heads[0], num_kv_heads=heads[1], **spec)
-    out, new_pool = _run(args, **config)
+    out, new_pool = _run(args, attend, **config)
     tol = tol * (5 if ON_GPU else 1)  # ex2.approx on the GPU
     np.testing.assert_allclose(out[:total], expected[:total], atol=tol, rtol=tol)
     assert np.isfinite(out).all()  # padded rows too

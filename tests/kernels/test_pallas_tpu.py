@@ -1,12 +1,17 @@
-"""The TPU path without a TPU: the wrapper's operand conversion, and lowering to Mosaic.
+"""The TPU path without a TPU.
 
-What runs here: (1) our wrapper around jax's ragged_paged_attention with the op replaced by jax's own
-reference of it (ref_ragged_paged_attention, eager), against the numpy expectation; this checks the
-layer-as-page-offset trick, num_seqs and the padded rows; (2) jax.export of the real kernel for
-platform "tpu" under an abstract TPU v5e device, which runs the Pallas -> Mosaic lowering on CPU.
-Not run: the kernel itself (jax 0.10.2's TPU interpret mode stops at the kernel's ref.reshape with
-"'ReshapeTransform' object has no attribute 'indices'") and Mosaic's compilation, which needs a TPU.
+jax's ragged_paged_attention (the default on TPU): (1) our wrapper with the op replaced by jax's own reference of
+it (ref_ragged_paged_attention, eager), against the numpy expectation; this checks the layer-as-page-offset trick,
+num_seqs and the padded rows; (2) jax.export of the real kernel for platform "tpu" under an abstract TPU v5e
+device, which runs the Pallas -> Mosaic lowering on CPU. Its kernel cannot run here: TPU interpret mode stops at
+its ref.reshape ("'ReshapeTransform' object has no attribute 'indices'").
+
+Our own kernel (kernels/pallas_tpu_kernel.py): the kernel itself runs in TPU interpret mode (scalar prefetch,
+DMAs, semaphores and the double-buffered key tiles executed op by op) on the contract cases, and lowers to Mosaic
+for bf16/fp32 and head_dim 64/128. Mosaic's own compilation needs a TPU: not run.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +20,10 @@ import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from sgjax.kernels.metadata import AttentionMetadata
+from sgjax.kernels import pallas_attention
 from sgjax.kernels.pallas_tpu import pallas_tpu_attention, tpu_operands
+from sgjax.kernels.pallas_tpu_kernel import default_config, sgjax_tpu_attention
+from tests.kernels.test_pallas_attention import _check
 from tests.kernels.test_ref_attention import CASES, make_case
 
 
@@ -47,24 +55,72 @@ def test_operands_offset_pages_by_layer():
     np.testing.assert_array_equal(num_seqs, [2])
 
 
-def test_lowers_to_mosaic_for_tpu():
-    t, heads, kv_heads, d, layers, pages, page_size, reqs, per_req = 64, 16, 4, 128, 2, 64, 16, 8, 8
+def _export_for_tpu(attend, t, reqs, head_dim, dtype, heads=16, kv_heads=4, **config):
+    """jax.export of one attention call for platform "tpu" (the Pallas -> Mosaic lowering runs on CPU)."""
+    layers, pages, page_size, per_req = 2, 64, 16, 8
     spec = jax.ShapeDtypeStruct
     meta = AttentionMetadata(slot_mapping=spec((t,), jnp.int32), cu_q_lens=spec((reqs + 1,), jnp.int32),
                              kv_lens=spec((reqs,), jnp.int32), page_table=spec((reqs, per_req), jnp.int32))
-    args = (spec((t, heads, d), jnp.bfloat16), spec((t, kv_heads, d), jnp.bfloat16),
-            spec((t, kv_heads, d), jnp.bfloat16), spec((layers, pages, page_size, 2 * kv_heads, d), jnp.bfloat16),
+    args = (spec((t, heads, head_dim), dtype), spec((t, kv_heads, head_dim), dtype),
+            spec((t, kv_heads, head_dim), dtype), spec((layers, pages, page_size, 2 * kv_heads, head_dim), dtype),
             spec((), jnp.int32), meta)
 
     def step(q, k, v, pool, layer, meta):
-        return pallas_tpu_attention(q, k, v, pool, layer, meta, sm_scale=0.088, num_kv_pages_per_block=4,
-                                    num_queries_per_block=16)
+        return attend(q, k, v, pool, layer, meta, sm_scale=0.088, **config)
 
     # Mosaic's lowering asks the device for its TPU generation; an abstract mesh supplies one.
     device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
         exported = jax.export.export(jax.jit(step), platforms=["tpu"])(*args)
-    text = exported.mlir_module()
+    assert exported.out_avals[0].shape == (t, heads, head_dim)
+    return exported.mlir_module()
+
+
+def test_lowers_to_mosaic_for_tpu():
+    text = _export_for_tpu(pallas_tpu_attention, 64, 8, 128, jnp.bfloat16, num_kv_pages_per_block=4,
+                           num_queries_per_block=16)
     assert "tpu_custom_call" in text and "ragged_paged_attention_kernel" in text
-    assert exported.out_avals[0].shape == (t, heads, d)
+
+
+# -- our kernel, executed in TPU interpret mode --------------------------------------------------------------
+
+@pytest.mark.parametrize("case,heads,config", [
+    ("mixed", (8, 2), {}),
+    ("padded", (4, 4), {}),
+    ("all-decode", (8, 1), {}),
+    ("all-prefill", (8, 2), {"block_q": 8}),  # a 16-row request spans two query blocks
+    ("prefix-hit-long", (8, 2), {"pages_per_block": 2}),  # 7 double-buffered key tiles
+    ("page-crossing", (8, 2), {"pages_per_block": 1}),  # head_dim 128, page 8, tiles of one page
+])
+def test_own_kernel_in_interpret_mode(case, heads, config):
+    _check(case, heads, attend=functools.partial(sgjax_tpu_attention, interpret=True), **config)
+
+
+def test_own_kernel_bf16():
+    rng = np.random.default_rng(5)
+    args, expected, total = make_case(rng, num_heads=8, num_kv_heads=2, **CASES["mixed"], head_dim=64)
+    bf16 = [a.astype(jnp.bfloat16) if i < 4 else a for i, a in enumerate(args)]
+    out, _ = jax.jit(functools.partial(sgjax_tpu_attention, sm_scale=64 ** -0.5, interpret=True))(*bf16)
+    assert out.dtype == jnp.bfloat16
+    out = np.asarray(out.astype(jnp.float32))[:total]
+    assert np.linalg.norm(out - expected[:total]) / np.linalg.norm(expected[:total]) < 1e-2
+
+
+def test_own_kernel_through_the_backend():
+    # pallas_attention(platform="tpu", tpu_kernel="sgjax") reaches our kernel; interpret mode since this is CPU.
+    _check("mixed", (8, 2), attend=functools.partial(pallas_attention, platform="tpu", tpu_kernel="sgjax",
+                                                     interpret=True))
+
+
+@pytest.mark.parametrize("t,reqs,head_dim,dtype", [(64, 8, 128, jnp.bfloat16), (8, 8, 64, jnp.bfloat16),
+                                                   (256, 2, 128, jnp.float32)])
+def test_own_kernel_lowers_to_mosaic(t, reqs, head_dim, dtype):
+    text = _export_for_tpu(sgjax_tpu_attention, t, reqs, head_dim, dtype)
+    assert "tpu_custom_call" in text and "sgjax_ragged_paged_attention" in text
+
+
+def test_own_kernel_default_config():
+    assert default_config(64, 64, 16, jnp.float32) == {"block_q": 8, "pages_per_block": 8}  # decode
+    assert default_config(64, 64, 16, jnp.bfloat16)["block_q"] == 16  # bf16's sublane tile
+    assert default_config(512, 4, 32, jnp.bfloat16) == {"block_q": 32, "pages_per_block": 4}
