@@ -44,3 +44,15 @@ def hf_smollm2(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32,
                                                  quantization_config=GgufConfig(dequantize=True))
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llava(tmp_path_factory):
+    """The tiny random LLaVA checkpoint directory with its tokenizer (tests/llava_tiny.py), the HF model, and our
+    load of it: shared by the model, engine and server tests."""
+    from sgjax.model import vision as V
+    from tests.llava_tiny import write_checkpoint
+
+    path = str(tmp_path_factory.mktemp("llava"))
+    hf = write_checkpoint(path)
+    return path, hf, V.load_llava_dir(path)

@@ -3,29 +3,17 @@ Engine.generate with image_data gives HF transformers' greedy tokens, with the i
 image pages are cached per image; bad image inputs are refused by name."""
 
 import base64
-import io
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from sgjax.engine.engine import Engine
 from sgjax.model import vision as V
-from tests.model.test_vision import IMAGE_TOKEN, llava  # noqa: F401  (the session's tiny LLaVA checkpoint)
+from tests.llava_tiny import IMAGE_TOKEN, picture, png  # the checkpoint itself: the session fixture `llava`
 
 TEXT = [5, 17, 33, 48, 90, 12, 7, 250, 61, 3, 99, 140, 18, 21, 77, 8]
 NEW = 8
-
-
-def png(pixels: np.ndarray) -> str:
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def picture(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (41, 57, 3), dtype=np.uint8)
 
 
 def prompt() -> list[int]:
@@ -33,14 +21,14 @@ def prompt() -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engine(llava):  # noqa: F811
+def engine(llava):
     # chunks of 16 tokens cut the image's rows (positions 9-24) across two prefill steps
     with Engine(llava[0], skip_tokenizer_init=True, max_total_tokens=2048, chunked_prefill_size=16,
                 max_running_requests=4, context_length=256) as eng:
         yield eng
 
 
-def hf_greedy(llava, pixels: np.ndarray) -> list[int]:  # noqa: F811
+def hf_greedy(llava, pixels: np.ndarray) -> list[int]:
     _, hf, (_, _, vcfg, _) = llava
     ids = TEXT[:9] + [IMAGE_TOKEN] * vcfg.num_image_tokens + TEXT[9:]
     px = torch.from_numpy(V.preprocess(pixels, vcfg)[None])
@@ -50,7 +38,7 @@ def hf_greedy(llava, pixels: np.ndarray) -> list[int]:  # noqa: F811
     return out[0, len(ids):].tolist()
 
 
-def test_greedy_tokens_equal_hf_and_image_pages_are_cached_per_image(engine, llava):  # noqa: F811
+def test_greedy_tokens_equal_hf_and_image_pages_are_cached_per_image(engine, llava):
     greedy = {"max_new_tokens": NEW, "temperature": 0}
     a, b = picture(1), picture(2)
     want_a, want_b = hf_greedy(llava, a), hf_greedy(llava, b)

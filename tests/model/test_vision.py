@@ -1,5 +1,6 @@
-"""The LLaVA vision half against transformers on a tiny random checkpoint (fp32): tower + projector, the merged
-prompt through our Llama forward over the paged pool, CLIP preprocessing, and the placeholder merge."""
+"""The LLaVA vision half against transformers on a tiny random checkpoint (fp32; the session fixture `llava` of
+tests/conftest.py): tower + projector, the merged prompt through our Llama forward over the paged pool, CLIP
+preprocessing, and the placeholder merge."""
 
 import dataclasses
 
@@ -8,40 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+from transformers import LlavaConfig
 
 from sgjax.kernels import allocate_pool, ref_attention
 from sgjax.model import vision as V
 from sgjax.model.batch import build_batch
 from sgjax.model.llama import make_step
+from tests.llava_tiny import IMAGE_TOKEN
 
-IMAGE_TOKEN = 300
 PAGE, PAGES_PER_REQ, NUM_PAGES = 4, 16, 40
-
-
-@pytest.fixture(scope="session")
-def llava(tmp_path_factory):
-    """A tiny random LLaVA written with save_pretrained, the HF model, and our load of it."""
-    path = str(tmp_path_factory.mktemp("llava"))
-    torch.manual_seed(0)
-    vc = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                          num_attention_heads=4, projection_dim=16)
-    tc = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
-    hf = LlavaForConditionalGeneration(LlavaConfig(vision_config=vc, text_config=tc, image_token_index=IMAGE_TOKEN))
-    hf.eval()
-    with torch.no_grad():  # random norms/biases, unit-gain matrices: every parameter and the image matter
-        for n, p in hf.named_parameters():
-            if "norm" in n and n.endswith("weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif n.endswith("bias") or "class_embedding" in n or "position_embedding" in n:
-                p.copy_(0.1 * torch.randn_like(p))
-            elif "embed_tokens" in n:
-                p.copy_(torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * p[0].numel() ** -0.5)
-    hf.save_pretrained(path)
-    return path, hf, V.load_llava_dir(path)
 
 
 def _images(vcfg, n, seed=0):
