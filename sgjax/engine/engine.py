@@ -235,7 +235,8 @@ class Engine:
             ids = self._tokens(prompts[i] if prompts is not None else None, ids_list[i] if ids_list else None)
             images = None
             if image_data is not None and images_list[i] is not None:
-                ids, images = self.images.prepare(ids, images_list[i], self.model_config.vocab_size)
+                ids, images = self.images.prepare(ids, images_list[i], self.model_config.vocab_size,
+                                                  None if single else i)
             params = self._fit_length(params, ids)
             grammar = self._grammar(params)
             lp_start = self._check_logprob_args(return_logprob, logprob_start_len, top_logprobs_num, ids)
@@ -244,7 +245,8 @@ class Engine:
                 seed = (params.seed32 + j) % (2 ** 31) if params.seed is not None else int(self._seeds.integers(2 ** 31))
                 reqs.append(Req(rid=base if params.n == 1 else f"{base}-{j}", input_ids=list(ids), params=params,
                                 seed=seed, return_logprob=bool(return_logprob), logprob_start_len=lp_start,
-                                top_logprobs_num=int(top_logprobs_num or 0), grammar=grammar, images=images))
+                                top_logprobs_num=int(top_logprobs_num or 0), grammar=grammar, images=images,
+                                min_tokens_stops=self._min_tokens_stops(params)))
         if stream and len(reqs) != 1:
             raise ValueError("stream=True takes one prompt with n == 1")
         if self.request_log is not None:
@@ -470,6 +472,12 @@ class Engine:
             return
         if req.grammar is not None:
             self._jump(req)
+
+    def _min_tokens_stops(self, p: SamplingParams) -> tuple:
+        """What the sampler masks while a request is short of min_new_tokens: the tokens that would stop it."""
+        if not p.min_new_tokens:
+            return ()
+        return tuple(sorted((set() if p.ignore_eos else set(self.eos_ids)) | set(p.stop_token_ids)))
 
     def _check_stop(self, req: Req, new_tokens: list[int]) -> bool:
         """Stream the new tokens' text and finish the request if it is done. True when it finished."""

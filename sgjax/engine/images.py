@@ -26,6 +26,17 @@ import numpy as np
 from sgjax.model.vision import VisionConfig, VisionWeights, encode_images, preprocess
 
 
+class ImageDataError(ValueError):
+    """An image argument refused. `prompt` (the prompt's index in a batch; None for one prompt) and `image` (the
+    image's index in its prompt's list; None when the prompt's images as a whole are wrong) let an API layer name
+    its own field (the server: `image_data.1.0`, or the chat message part the image came from)."""
+
+    def __init__(self, reason: str, prompt: int | None = None, image: int | None = None):
+        where = "image_data" + "".join(f"[{i}]" for i in (prompt, image) if i is not None)
+        super().__init__(f"{where}: {reason}")
+        self.reason, self.prompt, self.image = reason, prompt, image
+
+
 @dataclass(frozen=True)
 class RequestImages:
     positions: np.ndarray  # i32[P]: prompt positions of image rows, ascending
@@ -42,12 +53,17 @@ class ImageEncoder:
         self.cfg, self.weights = cfg, weights
         self._encode = jax.jit(lambda w, pixels: encode_images(w, cfg, pixels))
 
-    def prepare(self, ids: list[int], image_data, vocab: int) -> tuple[list[int], RequestImages]:
-        """The prompt with placeholders expanded and replaced by pad ids, and the images' feature rows."""
+    def prepare(self, ids: list[int], image_data, vocab: int, prompt: int | None = None
+                ) -> tuple[list[int], RequestImages]:
+        """The prompt with placeholders expanded and replaced by pad ids, and the images' feature rows. `prompt`:
+        the prompt's index in a batch, for error messages."""
+        if not isinstance(image_data, (str, list, tuple)):
+            raise ImageDataError(f"expected a base64 string or a list of them, got {type(image_data).__name__}",
+                                 prompt)
         images = [image_data] if isinstance(image_data, str) else list(image_data)
         if not images:
-            raise ValueError("image_data: an empty list (leave it out for a text prompt)")
-        raw = [_decode(i, d) for i, d in enumerate(images)]
+            raise ImageDataError("an empty list (leave it out for a text prompt)", prompt)
+        raw = [_decode(d, prompt, i) for i, d in enumerate(images)]
         n, per = len(raw), self.cfg.num_image_tokens
         token = self.cfg.image_token_index
         ids = np.asarray(ids, np.int64)
@@ -55,9 +71,9 @@ class ImageEncoder:
         if marks == n:  # one placeholder per image: expand
             ids = np.concatenate([np.full(per, token) if t == token else [t] for t in ids]).astype(np.int64)
         elif marks != n * per:
-            raise ValueError(f"image_data: {n} image(s) but the prompt has {marks} image tokens (id {token}); "
-                             f"give one per image, or {per} per image already expanded")
-        pixels = np.stack([preprocess(_open(i, r), self.cfg) for i, r in enumerate(raw)])
+            raise ImageDataError(f"{n} image(s) but the prompt has {marks} image tokens (id {token}); give one per "
+                                 f"image, or {per} per image already expanded", prompt)
+        pixels = np.stack([preprocess(_open(r, prompt, i), self.cfg) for i, r in enumerate(raw)])
         features = np.asarray(self._encode(self.weights, pixels), np.float32)  # [n, per, D]
         positions = np.flatnonzero(ids == token).astype(np.int32)
         for k, r in enumerate(raw):
@@ -66,20 +82,20 @@ class ImageEncoder:
         return ids.tolist(), RequestImages(positions, features.reshape(n * per, -1))
 
 
-def _decode(i: int, data) -> bytes:
+def _decode(data, prompt: int | None, i: int) -> bytes:
     if not isinstance(data, str):
-        raise ValueError(f"image_data[{i}]: expected a base64 string, got {type(data).__name__}")
+        raise ImageDataError(f"expected a base64 string, got {type(data).__name__}", prompt, i)
     if data.startswith(("http://", "https://")):
-        raise ValueError(f"image_data[{i}]: URLs are not fetched here (no network); send the image's bytes in base64")
+        raise ImageDataError("URLs are not fetched here (no network); send the image's bytes in base64", prompt, i)
     if data.startswith("data:"):
         data = data.partition(",")[2]
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError(f"image_data[{i}]: not valid base64") from None
+        raise ImageDataError("not valid base64", prompt, i) from None
 
 
-def _open(i: int, raw: bytes):
+def _open(raw: bytes, prompt: int | None, i: int):
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -87,4 +103,4 @@ def _open(i: int, raw: bytes):
         image.load()
         return image
     except (UnidentifiedImageError, OSError):
-        raise ValueError(f"image_data[{i}]: not an image file PIL can read ({len(raw)} bytes)") from None
+        raise ImageDataError(f"not an image file PIL can read ({len(raw)} bytes)", prompt, i) from None

@@ -1,7 +1,9 @@
 """SGLang's native /generate: the Engine's arguments and result dicts over HTTP.
 
 A body holds `text` or `input_ids` (one prompt or a batch), `sampling_params` (one dict or one per prompt), `rid`,
-`return_logprob`, `logprob_start_len`, `top_logprobs_num`, `return_text_in_logprobs` and `stream`. The answer is the
+`return_logprob`, `logprob_start_len`, `top_logprobs_num`, `return_text_in_logprobs`, `stream` and `image_data`
+(base64 images, one image token each in the prompt: a string or a list of strings for one prompt, one such entry or
+null per prompt for a batch). The answer is the
 Engine's result dict (a list for a batch or n > 1); a stream sends `data: {result so far, "index"}` events whose
 `text` grows, then `data: [DONE]`.
 """
@@ -20,9 +22,6 @@ _TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
 
 def generate_work(req: GenerateRequest) -> tuple[Work, bool]:
     """The Work of a /generate body, and whether the answer is one dict (one prompt, n == 1) or a list."""
-    if req.image_data is not None:
-        raise ApiError("image_data: sgjax serve takes no images yet (the in-process Engine does, for LLaVA "
-                       "checkpoints)", param="image_data")
     if (req.text is None) == (req.input_ids is None):
         raise ApiError("text: give exactly one of text or input_ids", param="text")
     field = "text" if req.text is not None else "input_ids"
@@ -51,11 +50,38 @@ def generate_work(req: GenerateRequest) -> tuple[Work, bool]:
         if isinstance(req.rid, str) != single or len(rids) != len(prompts):
             raise ApiError(f"rid: give one rid per prompt ({len(prompts)}), a string for a single prompt",
                            param="rid")
+    images, image_fields = (None, None) if req.image_data is None else _images(req.image_data, single, len(prompts))
     work = Work(params=tuple(params), texts=tuple(prompts) if field == "text" else None,
                 ids=tuple(prompts) if field == "input_ids" else None, rids=tuple(rids) if rids else None,
                 return_logprob=bool(req.return_logprob), logprob_start_len=req.logprob_start_len,
-                top_logprobs_num=req.top_logprobs_num, prompt_field=field, params_field="sampling_params")
+                top_logprobs_num=req.top_logprobs_num, prompt_field=field, params_field="sampling_params",
+                images=images, image_fields=image_fields)
     return work, single and params[0].n == 1
+
+
+def _images(data, single: bool, count: int):
+    """SGLang's image_data shapes -> each prompt's images (or None) and the fields they came from."""
+    if single:
+        if isinstance(data, str):
+            return ((data,),), (("image_data", ("image_data",)),)
+        if not all(isinstance(d, str) for d in data):
+            raise ApiError("image_data: one prompt takes a string or a list of strings (a list per prompt is for a "
+                           "batch of prompts)", param="image_data")
+        return (tuple(data),), (("image_data", tuple(f"image_data.{k}" for k in range(len(data)))),)
+    if isinstance(data, str) or len(data) != count:
+        got = "a string" if isinstance(data, str) else f"{len(data)} entries"
+        raise ApiError(f"image_data: a batch of {count} prompts takes a list of {count} entries (a string, a list of "
+                       f"strings or null for each prompt), got {got}", param="image_data")
+    images, fields = [], []
+    for i, d in enumerate(data):
+        where = f"image_data.{i}"
+        if d is None or isinstance(d, str):
+            images.append(None if d is None else (d,))
+            fields.append((where, (where,)))
+        else:
+            images.append(tuple(d))
+            fields.append((where, tuple(f"{where}.{k}" for k in range(len(d)))))
+    return tuple(images), tuple(fields)
 
 
 def with_token_text(result: dict, serving: Serving) -> dict:

@@ -6,6 +6,10 @@ so that the prompt and max_tokens are checked against the context before anythin
 shapes the official client parses: choices indexed prompt-major (n copies per prompt), finish_reason, logprobs, usage
 with prompt_tokens_details.cached_tokens; streams send chunks with deltas, then an optional usage chunk
 (stream_options.include_usage), then `data: [DONE]`.
+
+Chat messages may hold `image_url` parts (base64 data URLs; the server fetches nothing): each becomes the model's
+image token in the templated text, where the part was, and its image goes to the engine beside the prompt, as the
+frontend's `sgl.image` does for a text backend.
 """
 
 from __future__ import annotations
@@ -64,15 +68,18 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
     schema = _response_schema(req)
-    ids = await asyncio.to_thread(_chat_prompt, serving, req)
+    messages, images, fields = _chat_messages(serving, req)
+    ids = await asyncio.to_thread(_chat_prompt, serving, messages)
     top = _top_logprobs(serving, req.top_logprobs, "top_logprobs")
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     renames = {"max_new_tokens": max_field, "min_new_tokens": "min_tokens",
                "json_schema": "response_format.json_schema.schema"}
-    params = _sampling(serving, req, [ids], "messages", asked, None, schema, renames, max_field)
+    expanded = len(images) * (serving.engine.images.cfg.num_image_tokens - 1) if images else 0
+    params = _sampling(serving, req, [ids], "messages", asked, None, schema, renames, max_field, expanded)
     work = Work(params=(params,), ids=(ids,), return_logprob=bool(req.logprobs), top_logprobs_num=top,
-                prompt_field="messages", renames=renames)
+                prompt_field="messages", renames=renames, images=(tuple(images),) if images else None,
+                image_fields=(("messages", tuple(fields)),) if images else None)
     return Prepared(work=work, n=params.n, chat=True, logprobs=top if req.logprobs else None,
                     include_usage=_include_usage(req))
 
@@ -112,11 +119,43 @@ def _completion_prompts(serving: Serving, req: CompletionRequest) -> tuple[list[
     return [list(ids) for ids in batch], [tok.decode(ids, skip_special_tokens=False) for ids in batch]
 
 
-def _chat_prompt(serving: Serving, req: ChatCompletionRequest) -> list[int]:
-    messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-        messages.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
+def _chat_messages(serving: Serving, req: ChatCompletionRequest) -> tuple[list[dict], list[str], list[str]]:
+    """The template's messages (text content, each image part replaced by the model's image token), the images in
+    prompt order (base64) and the field each came from."""
+    messages, images, fields = [], [], []
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list):
+            pieces = []
+            for j, part in enumerate(m.content):
+                if part.type == "text":
+                    pieces.append(part.text)
+                    continue
+                where = f"messages.{i}.content.{j}.image_url.url"
+                if serving.image_token is None:
+                    raise ApiError(f"{where}: this server's model is text-only; images need a vision-language model "
+                                   f"(sgjax serve --model-path <a LLaVA checkpoint directory>)", param=where)
+                images.append(_data_url_payload(part.image_url.url, where))
+                fields.append(where)
+                pieces.append(serving.image_token)
+            content = "".join(pieces)
+        else:
+            content = m.content or ""
+        messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+    return messages, images, fields
+
+
+def _data_url_payload(url: str, where: str) -> str:
+    if url.startswith(("http://", "https://")):
+        raise ApiError(f"{where}: http(s) image URLs are not fetched (the server has no network access); send the "
+                       f"image inline as a data URL (data:image/png;base64,...)", param=where)
+    head, comma, payload = url.partition(",")
+    if not (url.startswith("data:") and comma and head.endswith(";base64")):
+        raise ApiError(f"{where}: expected a base64 data URL (data:image/png;base64,...), got {url[:40]!r}",
+                       param=where)
+    return payload
+
+
+def _chat_prompt(serving: Serving, messages: list[dict]) -> list[int]:
     try:
         text = serving.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - the template's own checks (role order, unknown roles) fail here
@@ -138,18 +177,20 @@ def _response_schema(req: ChatCompletionRequest):
 
 
 def _sampling(serving: Serving, req, ids: list[list[int]], prompt_field: str, asked: int | None,
-              default: int | None, json_schema, renames: dict, max_field: str = "max_tokens") -> SamplingParams:
+              default: int | None, json_schema, renames: dict, max_field: str = "max_tokens",
+              expanded: int = 0) -> SamplingParams:
     """SamplingParams of an OpenAI request. Unlike /generate (which clips, as SGLang's native API does), a
-    max_tokens that does not fit beside the prompt is an error, as in OpenAI's API."""
+    max_tokens that does not fit beside the prompt is an error, as in OpenAI's API. `expanded`: the rows the
+    engine adds when it expands image tokens, which count against the limit too."""
     if req.logit_bias:
         raise ApiError("logit_bias: not supported", param="logit_bias")
     limit = serving.token_limit
-    longest = max(len(x) for x in ids)
+    longest = max(len(x) for x in ids) + expanded
     for x in ids:
         if not x:
             raise ApiError(f"{prompt_field}: the prompt is empty (0 tokens)", param=prompt_field)
-        if len(x) >= limit:
-            raise ApiError(f"{prompt_field}: the prompt has {len(x)} tokens; at most {limit - 1} fit "
+        if len(x) + expanded >= limit:
+            raise ApiError(f"{prompt_field}: the prompt has {len(x) + expanded} tokens; at most {limit - 1} fit "
                            f"({_limits(serving)})", param=prompt_field)
     if asked is not None and longest + asked > limit:
         raise ApiError(f"{max_field}: {asked} new tokens plus the prompt's {longest} exceed the limit of {limit} "

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 MAX_BODY_BYTES = 32 << 20
 _MAX_DEPTH = 64  # JSON nesting; deeper bodies are refused before anything recurses over them
@@ -85,7 +85,9 @@ def _check_strings(value, path: str, depth: int) -> None:
 
 
 def _validation_error(e: ValidationError) -> ApiError:
-    err = e.errors(include_url=False)[0]
+    # A value that fits no member of a union fails once per member; the deepest failure is the one that says what
+    # is wrong inside it (an image part's missing url, not "Input should be a valid string" for the whole list).
+    err = max(e.errors(include_url=False), key=lambda x: len(x["loc"]))
     # Union members and validators add their type names to the location; keep only field names and indices.
     path = ".".join(str(p) for p in err["loc"]
                     if isinstance(p, int) or (_FIELD.match(p) and p not in _TYPE_TAGS)) or "body"
@@ -112,7 +114,9 @@ class GenerateRequest(Strict):
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
     stream: bool | None = None
-    image_data: str | list[str] | list[list[str]] | None = None  # SGLang's images beside the text (base64 or URL)
+    # SGLang's images beside the text (base64): one prompt takes a string or a list of strings; a batch takes one
+    # entry per prompt (a string, a list of strings, or null for a prompt without images)
+    image_data: str | list[str | list[str] | None] | None = None
 
 
 class AbortRequest(Strict):
@@ -168,9 +172,29 @@ class TextPart(Strict):
     text: str
 
 
+class ImageUrl(Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted for OpenAI clients; LLaVA has one resolution
+
+
+class ImagePart(Strict):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+def _part_kind(part):
+    kinds = {"text": "TextPart", "image_url": "ImagePart"}  # capitalised tags stay out of the error paths
+    return kinds.get(part.get("type")) if isinstance(part, dict) else None
+
+
+ContentPart = Annotated[Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")],
+                        Discriminator(_part_kind, custom_error_type="content_part",
+                                      custom_error_message="a content part needs type 'text' or 'image_url'")]
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from sgjax.engine.engine import Engine, EngineError
+from sgjax.engine.images import ImageDataError
 from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.fsm import from_tokenizer
 from sgjax.server.connection import until_disconnected
@@ -43,7 +44,8 @@ class HttpArgs:
 
 @dataclass(frozen=True)
 class Work:
-    """What one HTTP request asks of the engine: prompts (text or ids), one validated SamplingParams per prompt."""
+    """What one HTTP request asks of the engine: prompts (text or ids), one validated SamplingParams per prompt, and
+    each prompt's images (base64, one image token each in the prompt) with the API fields they came from."""
 
     params: tuple[SamplingParams, ...]
     texts: tuple[str, ...] | None = None
@@ -55,14 +57,28 @@ class Work:
     prompt_field: str = "text"  # the API's names, for error messages
     params_field: str = ""  # prefix for sampling-parameter errors ("sampling_params" on /generate)
     renames: dict = field(default_factory=dict)  # engine name -> API name ("max_new_tokens" -> "max_tokens")
+    images: tuple[tuple[str, ...] | None, ...] | None = None  # per prompt: its images, or None
+    # per prompt: (the API field of its images as a whole, the field of each image), so that an engine error about
+    # image k of prompt i names what the client sent ("image_data.1.0", "messages.0.content.2.image_url.url")
+    image_fields: tuple[tuple[str, tuple[str, ...]], ...] | None = None
 
     @property
     def prompts(self):
         return self.texts if self.texts is not None else self.ids
 
+    @property
+    def has_images(self) -> bool:
+        return self.images is not None and any(i is not None for i in self.images)
+
     def engine_kwargs(self) -> dict:
         return {"return_logprob": self.return_logprob, "logprob_start_len": self.logprob_start_len,
                 "top_logprobs_num": self.top_logprobs_num}
+
+    def image_field(self, prompt: int | None, image: int | None = None) -> str:
+        if self.image_fields is None or prompt is None:
+            return "image_data"
+        whole, each = self.image_fields[prompt]
+        return each[image] if image is not None and image < len(each) else whole
 
 
 class Serving:
@@ -77,6 +93,11 @@ class Serving:
         self._stopper: threading.Thread | None = None
         self._vocab = from_tokenizer(self.tokenizer) if self.tokenizer is not None else None
         self._pieces: dict[int, tuple[str, bytes]] = {}
+        # What a chat message's image part becomes in the templated text: the model's own image token (LLaVA's
+        # "<image>"), which the engine expands to the tower's rows. None: a text-only model.
+        vision = engine.images
+        self.image_token = (self.tokenizer.hf.id_to_token(vision.cfg.image_token_index)
+                            if vision is not None and self.tokenizer is not None else None)
 
     # -- life cycle ------------------------------------------------------------------------------------------
     @property
@@ -103,10 +124,12 @@ class Serving:
     async def run(self, work: Work, receive) -> list[dict]:
         """All prompts x n copies in one engine call (every prompt is validated before any is queued); the flat
         list of results, prompt-major. Aborted when the client disconnects."""
-        self._check_size(work)
+        self._check(work)
         kind = "prompt" if work.texts is not None else "input_ids"
+        images = list(work.images) if work.has_images else None
         call = self.engine.async_generate(**{kind: list(work.prompts)}, sampling_params=list(work.params),
-                                          rid=list(work.rids) if work.rids else None, **work.engine_kwargs())
+                                          rid=list(work.rids) if work.rids else None, image_data=images,
+                                          **work.engine_kwargs())
         self._log_start(work)
         results = await until_disconnected(receive, self._engine_errors(call, work))
         results = results if isinstance(results, list) else [results]
@@ -118,7 +141,7 @@ class Serving:
         """One engine stream per prompt x copy (the engine streams one request at a time), all validated before
         any is queued: an engine stream starts when first iterated. Copy j of a seeded prompt gets seed + j, as
         the engine's own n does."""
-        self._check_size(work)
+        self._check(work)
         kind = "prompt" if work.texts is not None else "input_ids"
         streams = []
         for i, (prompt, params) in enumerate(zip(work.prompts, work.params)):
@@ -127,9 +150,10 @@ class Serving:
                 seed = None if params.seed is None else (params.seed32 + j) % 2 ** 31
                 copy = dataclasses.replace(params, n=1, seed=seed)
                 rid = base if base is None or params.n == 1 else f"{base}-{j}"
+                images = work.images[i] if work.images else None
                 call = self.engine.async_generate(**{kind: prompt}, sampling_params=copy, rid=rid, stream=True,
-                                                  **work.engine_kwargs())
-                streams.append(await self._engine_errors(call, work))
+                                                  image_data=images, **work.engine_kwargs())
+                streams.append(await self._engine_errors(call, work, i))
         self._log_start(work)
         return streams
 
@@ -169,17 +193,24 @@ class Serving:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _check_size(self, work: Work) -> None:
+    def _check(self, work: Work) -> None:
         total = sum(p.n for p in work.params)
         if total > MAX_SUBREQUESTS:
             raise ApiError(f"{work.prompt_field}: {total} generations (prompts x n) in one request; at most "
                            f"{MAX_SUBREQUESTS}", param=work.prompt_field)
+        if work.has_images and self.engine.images is None:
+            where = work.image_field(next(i for i, x in enumerate(work.images) if x is not None))
+            raise ApiError(f"{where}: this server's model is text-only; images need a vision-language model (sgjax "
+                           f"serve --model-path <a LLaVA checkpoint directory>)", param=where)
 
-    async def _engine_errors(self, call, work: Work):
+    async def _engine_errors(self, call, work: Work, prompt: int | None = None):
         try:
             return await call
         except SamplingParamsError as e:
             raise params_error(e, work.params_field, work.renames) from None
+        except ImageDataError as e:  # the engine counts prompts in its own call; a stream's call has one
+            where = work.image_field(e.prompt if e.prompt is not None else prompt, e.image)
+            raise ApiError(f"{where}: {e.reason}", param=where) from None
         except EngineError as e:
             raise ApiError(str(e), status=503, kind="unavailable") from None
         except ValueError as e:

@@ -275,13 +275,14 @@ def test_chat_speculation_reads_a_whole_card_from_one_reply(chat, endpoint):
         sgl.function(card).run(person, backend=chat, temperature=0).text()
 
 
-def test_images_reach_the_server_which_refuses_them_by_name(endpoint):
+def test_images_reach_the_text_only_server_which_refuses_them_by_name(endpoint):
+    """SmolLM2 has no vision tower: a clear 400 (tests/server/test_images.py runs images on a LLaVA server)."""
     import numpy as np
 
     @sgl.function
     def caption(s):
         s += "Photo: " + sgl.image(np.zeros((4, 4, 3), np.uint8)) + "\nCaption: " + sgl.gen("c", max_tokens=4)
 
-    with pytest.raises(ProgramError, match=r"/generate answered 400: image_data: sgjax serve takes no images yet"):
+    with pytest.raises(ProgramError, match=r"/generate answered 400: image_data: this server's model is text-only"):
         caption.run(backend=endpoint)["c"]
     assert caption.run(backend=endpoint, temperature=0).error() is not None

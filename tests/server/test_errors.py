@@ -59,7 +59,12 @@ LONG = list(range(100, 4200))  # past the 4096-token pool
     ("/v1/chat/completions", {"model": "m", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages.0.content"),
+     "messages.0.content.0.image_url"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+     "messages.0.content.0"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [  # SmolLM2 is text-only
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "messages.0.content.0.image_url.url"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x" * 20000}]}, "messages"),
     ("/v1/chat/completions", {"model": "m", "messages": [HI], "max_completion_tokens": 10 ** 6},
      "max_completion_tokens"),
