@@ -57,6 +57,7 @@ class Req:
     grammar: Any = None
     fsm_state: int = 0
     jump_tokens: int = 0  # output tokens appended by jump-forward instead of decoded one by one
+    min_tokens_stops: tuple = ()  # EOS (unless ignore_eos) and stop_token_ids: masked while short of min_new_tokens
 
     images: Any = None  # sgjax.engine.images.RequestImages: feature rows at image positions (vision models)
 

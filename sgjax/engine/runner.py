@@ -214,16 +214,26 @@ class Runner:
     def _masks(self, works, num_logits, sample_rows):
         """Packed allowed-token bits per logits row (all ones for unconstrained rows), or None when no row is
         constrained. The FSM state lives on the host, which needs every token anyway (stops, jump-forward), so
-        the mask row is copied from the grammar's table: ceil(V/32) words per row, in the step's one buffer."""
-        constrained = [(w, r) for w, r in zip(works, sample_rows) if r >= 0 and w.req.grammar is not None]
+        the mask row is copied from the grammar's table: ceil(V/32) words per row, in the step's one buffer.
+        A request short of min_new_tokens also masks its stop tokens (EOS, stop_token_ids), as SGLang and HF do."""
+        constrained = [(w, r) for w, r in zip(works, sample_rows)
+                       if r >= 0 and (w.req.grammar is not None or _banned(w.req))]
         if not constrained:
             return None
         words = -(-self.cfg.vocab_size // 32)
         masks = np.full((num_logits, words), -1, np.int32)
         for w, row in constrained:
-            bits = w.req.grammar.mask_bits[w.req.fsm_state]
-            masks[row, :len(bits)] = bits
-            masks[row, len(bits):] = 0  # model ids past the tokenizer's vocabulary are never allowed
+            if w.req.grammar is not None:
+                bits = w.req.grammar.mask_bits[w.req.fsm_state]
+                masks[row, :len(bits)] = bits
+                masks[row, len(bits):] = 0  # model ids past the tokenizer's vocabulary are never allowed
+            banned = [t for t in _banned(w.req) if 0 <= t < self.cfg.vocab_size]
+            if banned:
+                cleared = masks[row].view(np.uint32).copy()
+                ids = np.asarray(banned)
+                np.bitwise_and.at(cleared, ids // 32, ~(np.uint32(1) << (ids % 32).astype(np.uint32)))
+                if cleared.any():  # a grammar that allows nothing but a stop token keeps it: the grammar wins
+                    masks[row] = cleared.view(np.int32)
         return masks
 
     def _sampling_rows(self, works, num_logits, sample_rows, prompt_rows):
@@ -348,3 +358,8 @@ def _history(req, vocab: int) -> np.ndarray:
         return out
     prompt = np.unique(np.asarray(req.input_ids, np.int32)) + vocab
     return np.concatenate([out, prompt])
+
+
+def _banned(req) -> tuple:
+    """The tokens a request may not sample yet: its stop tokens while it is short of min_new_tokens."""
+    return req.min_tokens_stops if len(req.output_ids) < req.params.min_new_tokens else ()
