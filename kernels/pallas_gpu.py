@@ -161,11 +161,9 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
     prefetch_pages.
     """
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
-    num_rows, num_heads, head_dim = q.shape
-    num_layers, num_pages, page_size, num_combined, _ = pool.shape
-    num_kv_heads = num_combined // 2
-    group = num_heads // num_kv_heads
-    num_reqs, pages_per_req = meta.page_table.shape
+    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
+     pages_per_req) = rb.batch_dims(q, pool, meta)
+    num_combined = 2 * num_kv_heads
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim {head_dim} must be a power of two for Pallas-Triton")
     g = _pow2_ceil(group)

@@ -120,11 +120,9 @@ def sgjax_tpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sca
     """Backend signature; returns ([T, Hq, D], pool). `config` overrides block_q and pages_per_block.
     `interpret=True` runs the kernel in TPU interpret mode (on CPU)."""
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
-    num_rows, num_heads, head_dim = q.shape
-    num_layers, num_pages, page_size, num_combined, _ = pool.shape
-    num_kv_heads = num_combined // 2
-    group = num_heads // num_kv_heads
-    num_reqs, pages_per_req = meta.page_table.shape
+    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
+     pages_per_req) = rb.batch_dims(q, pool, meta)
+    num_combined = 2 * num_kv_heads
     cfg = default_config(num_rows, num_reqs, page_size, q.dtype)
     cfg.update(config)
     block_q, pages_per_block = cfg["block_q"], cfg["pages_per_block"]

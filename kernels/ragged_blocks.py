@@ -23,6 +23,17 @@ ROW_START, ROW_END, POS_OFFSET, REQUEST = range(4)
 NUM_FIELDS = 4
 
 
+def batch_dims(q, pool, meta: AttentionMetadata):
+    """The sizes every paged-attention wrapper starts from: (rows T, query heads, head_dim, layers, pages per
+    layer, page_size, KV heads, group Hq/Hkv, requests R, pages per request P)."""
+    num_rows, num_heads, head_dim = q.shape
+    num_layers, num_pages, page_size, num_combined, _ = pool.shape
+    num_kv_heads = num_combined // 2
+    num_reqs, pages_per_req = meta.page_table.shape
+    return (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, num_heads // num_kv_heads,
+            num_reqs, pages_per_req)
+
+
 def num_blocks(num_rows: int, num_reqs: int, block_q: int) -> int:
     """Static upper bound on the blocks any batch of this shape needs (R requests + the padding)."""
     return -(-num_rows // block_q) + num_reqs + 1

@@ -14,7 +14,7 @@ from sgjax.lang.backend.runtime_endpoint import ServerError
 from sgjax.lang.interpreter import ProgramError
 from sgjax.server.process import free_port
 from tests.lang.conftest import assert_streams_as_a_whole_run
-from tests.server.conftest import start_server
+from tests.server.conftest import serving
 
 # The settings of the tests' in-process engine (conftest.py), so the server runs the same compiled steps.
 SERVER_FLAGS = ("--max-total-tokens", "4096", "--max-running-requests", "8")
@@ -24,11 +24,7 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "api_s
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server(*SERVER_FLAGS)
-    yield srv
-    rc = srv.stop()
-    assert rc == 0, f"server exit status {rc} after SIGTERM:\n{srv.log_text()}"
-    srv.remove_log()
+    yield from serving(*SERVER_FLAGS)
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,18 @@ def start_server(*flags: str) -> ServerProcess:
     return ServerProcess(*flags, env=env, cwd=REPO).wait_ready()
 
 
-@pytest.fixture(scope="session")
-def server():
-    srv = start_server(*SMALL_FLAGS, "--enable-metrics")
+def serving(*flags: str):
+    """A fixture body: the server for the fixture's scope, which must exit cleanly on SIGTERM."""
+    srv = start_server(*flags)
     yield srv
     rc = srv.stop()
     assert rc == 0, f"server exit status {rc} after SIGTERM:\n{srv.log_text()}"
     srv.remove_log()
+
+
+@pytest.fixture(scope="session")
+def server():
+    yield from serving(*SMALL_FLAGS, "--enable-metrics")
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import pytest
 import sgjax as sgl
 from sgjax.model.tokenizer import load_tokenizer
 from tests.llava_tiny import IMAGE_TOKEN, hf_greedy, picture, png
-from tests.server.conftest import assert_no_leak, sse_events, start_server
+from tests.server.conftest import assert_no_leak, serving, sse_events
 
 # The engine test's settings (tests/engine/test_vision_engine.py), so the step shapes it compiled are reused from
 # the persistent cache; chunks of 16 tokens cut an image's 16 rows across prefill steps.
@@ -24,11 +24,7 @@ ASK = "What is in <image>?"
 
 @pytest.fixture(scope="module")
 def server(llava):
-    srv = start_server("--model-path", llava[0], *FLAGS)
-    yield srv
-    rc = srv.stop()
-    assert rc == 0, f"server exit status {rc} after SIGTERM:\n{srv.log_text()}"
-    srv.remove_log()
+    yield from serving("--model-path", llava[0], *FLAGS)
 
 
 @pytest.fixture(scope="module")
