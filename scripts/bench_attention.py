@@ -7,6 +7,11 @@ matmul rate measured in this run. Inputs are random; each timed call cycles thro
 tables over disjoint pages that its KV data exceeds 3x the L2 cache.
 
     PYTHONPATH=... python3 scripts/bench_attention.py --out results.json [--sweep] [--cases decode-32x4k,prefill-4k]
+        [--per-layer decode-32x4k,prefill-4k --layers 8]
+
+--per-layer also times the case as the model runs it: one batch through every layer of an 8-layer pool in one
+jit (unrolled, as on the GPU), per layer. The per-call rows rebuild the block table each call (each call has its
+own metadata); in a step it is the same for every layer, so XLA computes it once.
 """
 
 from __future__ import annotations
@@ -108,15 +113,15 @@ def matmul_rate():
     return 8 * 2 * n ** 3 / t
 
 
-def build_case(q_lens, kv_lens, seed=0):
+def build_case(q_lens, kv_lens, seed=0, layers=LAYERS, n_rot=None):
     """Random pool, n_rot metadata/q/k/v sets over disjoint pages, bytes and flops of one call."""
     rng = np.random.default_rng(seed)
     reqs, per_req = len(q_lens), max(-(-k // PAGE) for k in kv_lens)
     kv_bytes = sum(kv_lens) * HKV * D * 2 * 2
     # Enough sets that one call's KV exceeds 3x L2, at least 8 to spread the dispatch, at most ~24 GB.
-    n_rot = int(min(16, max(8, math.ceil(3 * L2_BYTES / kv_bytes)), max(2, (24 << 30) // kv_bytes)))
+    n_rot = n_rot or int(min(16, max(8, math.ceil(3 * L2_BYTES / kv_bytes)), max(2, (24 << 30) // kv_bytes)))
     num_pages = 1 + n_rot * reqs * per_req
-    pool = jax.random.normal(jax.random.key(seed), (LAYERS, num_pages, PAGE, 2 * HKV, D), DTYPE)
+    pool = jax.random.normal(jax.random.key(seed), (layers, num_pages, PAGE, 2 * HKV, D), DTYPE)
     t = sum(q_lens)
     sets = []
     perm = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
@@ -154,6 +159,26 @@ def time_backend(attend, pool, sets, reps):
     return t / len(sets), pool, outs[0]
 
 
+def time_per_layer(attend, pool, one_set, reps):
+    """Median seconds per layer of `attend` over every layer of the pool with one batch's metadata, unrolled
+    in one jit as the model runs on the GPU: what a step pays per layer (the KV write and the kernel each
+    layer; the block table, identical across layers, once per step after XLA's CSE)."""
+    sm_scale = D ** -0.5
+    q, k, v, meta = one_set
+    layers = pool.shape[0]
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def run(pool):
+        outs = []
+        for layer in range(layers):
+            out, pool = attend(q, k, v, pool, jnp.int32(layer), meta, sm_scale=sm_scale)
+            outs.append(out)
+        return pool, outs
+
+    t, (pool, outs) = _median_time(lambda s: run(s[0]), (pool, None), reps)
+    return t / layers, pool, outs[0]
+
+
 def time_jax_paged(pool, sets, reps):
     """jax.experimental.pallas.ops.gpu.paged_attention (decode only, its own [Hkv, N, S, D] K and V)."""
     with warnings.catch_warnings():
@@ -179,6 +204,13 @@ def glue_only(q, k, v, pool, layer, meta, *, sm_scale):
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
     blocks = rb.block_table(meta, q.shape[0], 4)
     return q + blocks[0, 0].astype(q.dtype), pool
+
+
+def kv_write_only(q, k, v, pool, layer, meta, *, sm_scale):
+    """The per-layer part of the glue: the new tokens' K/V into the pool (no attention)."""
+    from sgjax.kernels.kv_pool import write_kv
+
+    return q, write_kv(pool, layer, k, v, meta.slot_mapping)
 
 
 def time_dense_baselines(sets, reps):
@@ -247,6 +279,8 @@ def main():
     ap.add_argument("--sweep", default="", help="comma-separated cases to sweep pallas configs on")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tpu-interpret", action="store_true", help="only run jax's TPU kernel in interpret mode")
+    ap.add_argument("--per-layer", default="", help="comma-separated cases also timed per layer, model-like")
+    ap.add_argument("--layers", type=int, default=8, help="layers of the --per-layer pool (one batch, all layers)")
     args = ap.parse_args()
     if args.tpu_interpret:
         return tpu_interpret_check()
@@ -305,6 +339,17 @@ def main():
                       f"({100 * r['bw_frac']:5.1f}%) {r['tflops']:6.1f} TF/s ({100 * r['mm_frac']:5.1f}%) "
                       f"err {r.get('rel_err_vs_ref', 0):.1e}", flush=True)
         del pool, sets
+        if name in args.per_layer.split(","):
+            pool, sets, _, _ = build_case(q_lens, kv_lens, layers=args.layers, n_rot=1)
+            for label, attend in (("pallas", pallas_attention), ("kv_write_only", kv_write_only)):
+                t, pool, _ = time_per_layer(attend, pool, sets[0], args.reps)
+                rows.append(dict(case=name, backend=f"{label} per layer ({args.layers} layers, one batch)", seconds=t,
+                                 gbps=io_bytes / t / 1e9, bw_frac=io_bytes / t / bw, tflops=flops / t / 1e12,
+                                 mm_frac=flops / t / mm))
+                r = rows[-1]
+                print(f"{name:14s} {r['backend'][:34]:34s} {t * 1e6:9.1f} us {r['gbps']:7.0f} GB/s "
+                      f"({100 * r['bw_frac']:5.1f}%) {r['tflops']:6.1f} TF/s ({100 * r['mm_frac']:5.1f}%)", flush=True)
+            del pool, sets
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
 
