@@ -22,7 +22,9 @@ Workloads (greedy, ignore_eos, so every configuration produces the same number o
              --mmlu-new-tokens output tokens (default 1). Questions of the subjects arrive interleaved.
 
 Columns: hit = cached / prompt tokens; opt = Theorem 3.1's optimum for the workload's prompts at the page size
-(`optimal_hit_rate`, cold cache); tree% = RadixAttention bookkeeping (match/insert/lock/evict) / wall time.
+(`optimal_hit_rate`, cold cache); tree% = RadixAttention bookkeeping (match/insert/lock/evict) / wall time;
+admit% = the scheduler's whole admission (policy order, page accounting, its matches) / wall time. Before
+2026-11-30 tree% counted the whole admission (the H200 rows of that date).
 
 Accelerators: `--dummy llama3-8b` serves random Llama-3-8B weights without a tokenizer. The GPU machine cannot
 tokenize SmolLM2 or read the data, so tokenize here and ship the token ids:
@@ -189,7 +191,8 @@ def ideal_seconds(reqs, computed_prompt_tokens, cfg, dtype, max_running, bw, rat
 
 
 # -- running ------------------------------------------------------------------------------------------------
-COUNTERS = ("prompt_tokens", "cached_tokens", "tree_seconds", "step_seconds", "steps", "retractions", "traces")
+COUNTERS = ("prompt_tokens", "cached_tokens", "tree_seconds", "admit_seconds", "step_seconds", "steps", "retractions",
+            "traces")
 
 
 def run_config(make_engine, server_args: dict, wl: dict, repeat: int) -> dict:
@@ -323,6 +326,7 @@ def main() -> None:
                    "requests_per_s": len(reqs) / m["wall"], "hit_rate": hit, "optimal_hit_rate": opt,
                    "hit_over_optimal": hit / opt if opt else None,
                    "tree_s": m["tree_seconds"], "tree_share": m["tree_seconds"] / m["wall"],
+                   "admit_s": m["admit_seconds"], "admit_share": m["admit_seconds"] / m["wall"],
                    "step_s": m["step_seconds"], "steps": m["steps"], "retractions": m["retractions"],
                    "compiles": m["traces"], "config_s": time.perf_counter() - t0}
             if bw:
@@ -349,7 +353,7 @@ def main() -> None:
 
 def print_table(rows, roof: bool) -> None:
     head = (f"{'workload':9} {'config':8} {'reqs':>4} {'prompt':>7} {'out':>5} {'wall s':>7} {'out tok/s':>9} "
-            f"{'tot tok/s':>9} {'req/s':>6} {'hit':>6} {'opt':>6} {'hit/opt':>7} {'tree%':>6} {'retr':>4} "
+            f"{'tot tok/s':>9} {'req/s':>6} {'hit':>6} {'opt':>6} {'hit/opt':>7} {'tree%':>6} {'admit%':>6} {'retr':>4} "
             f"{'comp':>4} {'steps':>5} {'speedup':>7}" + (f" {'roof%':>6}" if roof else ""))
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
@@ -358,10 +362,11 @@ def print_table(rows, roof: bool) -> None:
         print(f"{r['workload']:9} {r['config']:8} {r['requests']:4d} {r['prompt_tokens']:7d} {r['output_tokens']:5d} "
               f"{r['wall_s']:7.2f} {r['output_tok_per_s']:9.1f} {r['total_tok_per_s']:9.1f} "
               f"{r['requests_per_s']:6.2f} {r['hit_rate']:6.3f} {r['optimal_hit_rate']:6.3f} {ho:>7} "
-              f"{100 * r['tree_share']:6.2f} {r['retractions']:4d} {r['compiles']:4d} {r['steps']:5d} {sp:>7}"
+              f"{100 * r['tree_share']:6.2f} {100 * r.get('admit_share', 0):6.2f} {r['retractions']:4d} {r['compiles']:4d} {r['steps']:5d} {sp:>7}"
               + (f" {100 * r['roofline_ratio']:6.1f}" if roof else ""))
     print("hit: cached/prompt tokens; opt: Theorem 3.1 optimum at the page size (cold cache); tree%: RadixAttention "
-          "bookkeeping / wall; comp: compilations inside the timed call; speedup: nocache wall / wall"
+          "bookkeeping (match/insert/lock/evict) / wall; admit%: the whole admission (policy order, page accounting, "
+          "its matches) / wall; comp: compilations inside the timed call; speedup: nocache wall / wall"
           + ("; roof%: ideal (roofline) / measured time" if roof else ""))
 
 

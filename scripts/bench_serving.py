@@ -116,9 +116,10 @@ def summarize(results, duration, before, after, probes) -> dict:
            "input_tokens": in_tokens, "output_tokens": out_tokens, "concurrency": sum(lat) / duration,
            "cache_hit_rate": cached / prompt if prompt else 0.0, "steps": after["steps"] - before["steps"],
            "retractions": after["retractions"] - before["retractions"]}
-    # Engine-thread time: device steps, radix-tree bookkeeping and detokenization (host work between steps).
-    for key in ("step_seconds", "tree_seconds", "detokenize_seconds"):
-        row[key] = after[key] - before[key]
+    # Engine-thread time: device steps, radix-tree bookkeeping, the admission (policy order and page accounting,
+    # its tree matches included) and detokenization (host work between steps).
+    for key in ("step_seconds", "tree_seconds", "admit_seconds", "detokenize_seconds"):
+        row[key] = after[key] - before.get(key, 0.0) if key in after else 0.0
         row[key.replace("_seconds", "_share")] = row[key] / duration
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", lat)):
         row.update({f"{name}_mean_ms": 1e3 * float(np.mean(xs)) if xs else None,

@@ -561,6 +561,7 @@ class Engine:
             "running_requests": len(s.running), "waiting_requests": len(s.waiting),
             "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens, "cache_hit_rate": s.hit_rate,
             "retractions": st.retractions, "steps": st.steps, "tree_seconds": st.tree_seconds,
+            "admit_seconds": st.admit_seconds,
             "step_seconds": self._step_seconds, "detokenize_seconds": self._detokenize_seconds,
             "compiled_shapes": len(self.runner.shapes_seen),
             "traces": self.runner.traces, "jump_forward_tokens": self._jumped_tokens,

@@ -72,6 +72,7 @@ class Stats:
     retractions: int = 0
     steps: int = 0
     tree_seconds: float = 0.0  # match, lock, insert, evict, unlock: the RadixAttention bookkeeping
+    admit_seconds: float = 0.0  # the whole admission (policy order, page accounting, its matches): the scheduler
 
 
 class Scheduler:
@@ -188,12 +189,12 @@ class Scheduler:
                 m = self._match(req)  # an eviction for an earlier admission took its pages
             if policy in ("lpm", "dfs-weight") and self._shares_with(req, m.num_tokens, admitted + prefilling):
                 continue
-            self.cache.lock(m.last_node)
+            self._timed(self.cache.lock, m.last_node)
             need = self._pages_for(req.fill_len) - len(m.pages)
             if self.running or admitted:  # a lone request only needs its prompt: it can always run to the end
                 need += self._future_pages(req) + reserve
             if need > self.allocator.num_free + self.cache.evictable_pages:
-                self.cache.unlock(m.last_node)
+                self._timed(self.cache.unlock, m.last_node)
                 break
             req.pages, req.tree_pages, req.last_node, req.kv_len = m.pages.copy(), len(m.pages), m.last_node, m.num_tokens
             if req.cached_tokens < 0:
@@ -210,7 +211,7 @@ class Scheduler:
             ids = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in ids]
             self.running += admitted
-        self.stats.tree_seconds += time.perf_counter() - t0
+        self.stats.admit_seconds += time.perf_counter() - t0
         return works
 
     def _shares_with(self, req: Req, matched: int, admitted: list[Req]) -> bool:
@@ -296,7 +297,14 @@ class Scheduler:
         if req.wants_input_logprobs:
             limit = min(limit, max(req.logprob_start_len - 1, 0))
         tokens = req.input_array if limit <= len(req.input_ids) else req.fill_ids
-        return self.cache.match_prefix(tokens[:limit], req.extra_key)
+        return self._timed(self.cache.match_prefix, tokens[:limit], req.extra_key)
+
+    def _timed(self, op, *args):
+        """A cache operation, its time counted as RadixAttention bookkeeping."""
+        t0 = time.perf_counter()
+        out = op(*args)
+        self.stats.tree_seconds += time.perf_counter() - t0
+        return out
 
     def _grow(self, req: Req, num_tokens: int) -> None:
         need = self._pages_for(num_tokens) - len(req.pages)

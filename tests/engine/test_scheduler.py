@@ -227,3 +227,35 @@ def test_prefill_only_and_cached_prefix_lengths():
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError, match="schedule_policy"):
         SchedulerConfig(num_pages=10, policy="sjf")
+
+
+def test_tree_seconds_count_cache_operations_and_admit_seconds_the_whole_admission(monkeypatch):
+    # tree_seconds is the paper's RadixAttention overhead: only the cache's own operations. A slow cache shows
+    # in it; a slow policy order shows only in admit_seconds.
+    import time
+
+    import sgjax.engine.scheduler as scheduler_module
+
+    rng = np.random.default_rng(5)
+    sched = Scheduler(SchedulerConfig(num_pages=256, page_size=4, max_running_requests=4))
+    calls = {"match": 0, "order": 0}
+    match, order = sched.cache.match_prefix, scheduler_module.schedule_order
+
+    def slow_match(*args):
+        calls["match"] += 1
+        time.sleep(0.002)
+        return match(*args)
+
+    def slow_order(*args):
+        calls["order"] += 1
+        time.sleep(0.05)
+        return order(*args)
+
+    monkeypatch.setattr(sched.cache, "match_prefix", slow_match)
+    monkeypatch.setattr(scheduler_module, "schedule_order", slow_order)
+    drive(sched, FakeRunner(256, 4), shared_prefix_workload(rng, 8))
+    s = sched.stats
+    assert calls["match"] >= 8 and calls["order"] >= 1
+    assert s.tree_seconds >= 0.002 * calls["match"]  # admission matches and the ones that cache a prefix
+    assert s.admit_seconds >= 0.05 * calls["order"]
+    assert s.tree_seconds < 0.0025 * calls["match"] + 0.025 * calls["order"]  # the policy's sleep is not in it
