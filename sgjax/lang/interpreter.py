@@ -236,10 +236,8 @@ class StreamExecutor:
         elif isinstance(expr, Gen):
             self._gen(expr)
         elif isinstance(expr, Select):
-            if self.images_ and not self.backend.is_chat_model:
-                raise ValueError(f"select({expr.name!r}): scoring choices after an image is not supported yet "
-                                 f"(the prompt holds {len(self.images_)} image(s)); use gen with a regex instead")
-            decision = self.backend.select(self._prompt(f"select({expr.name!r})"), list(expr.choices), expr.method)
+            decision = self.backend.select(self._prompt(f"select({expr.name!r})"), list(expr.choices), expr.method,
+                                           **self._media())
             self._fill(decision.decision)
             self._set(expr.name, decision.decision, decision.meta_info)
         elif isinstance(expr, Image):
@@ -372,9 +370,14 @@ class StreamExecutor:
             self.images_.append(data)
             self._fill(self.chat_template.image_token)
 
+    def _media(self) -> dict:
+        """The prompt's images for a text backend's select and hint (a chat API gets them inside the messages);
+        empty without images, so backends that take none keep their signatures."""
+        return {"images": list(self.images_)} if self.images_ and not self.backend.is_chat_model else {}
+
     def _fork(self, op: _Fork) -> None:
         if op.hint and self.text_:
-            self.hint_meta = self.backend.cache_prefix(self.text_)
+            self.hint_meta = self.backend.cache_prefix(self.text_, **self._media())
         for child in op.children:
             child.text_, child.fork_start = self.text_, len(self.text_)
             child.messages_ = list(self.messages_)

@@ -47,14 +47,14 @@ class FakeBackend(Backend):
             time.sleep(0.02)
             yield piece, {}
 
-    def cache_prefix(self, text):
-        self._record("cache_prefix", text)
+    def cache_prefix(self, text, images=None):
+        self._record("cache_prefix", text, *([images] if images else []))
         return {"cached": len(text)}
 
     def tokenize(self, text):
         return [ord(c) for c in text]
 
-    def prompt_logprobs(self, input_ids, starts):
-        self._record("prompt_logprobs", [list(ids) for ids in input_ids], list(starts))
+    def prompt_logprobs(self, input_ids, starts, images=None):
+        self._record("prompt_logprobs", [list(ids) for ids in input_ids], list(starts), *([images] if images else []))
         return [[None if p == 0 else self.char_logprob("".join(map(chr, ids[:p])), chr(ids[p]))
                  for p in range(start, len(ids))] for ids, start in zip(input_ids, starts)]

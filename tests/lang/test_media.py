@@ -104,13 +104,24 @@ def test_a_text_backend_gets_image_data_beside_the_text_and_forks_keep_it():
         assert [int(decode(d)[0, 0, 0]) for d in params["image_data"]] == [5]
 
 
-def test_select_after_an_image_is_refused_by_name():
+def test_select_and_the_fork_hint_after_an_image_carry_the_image():
     @sgl.function
     def prog(s):
-        s += sgl.image(pixels(5)) + "Is it red? " + sgl.select("red", choices=["yes", "no"])
+        s += sgl.image(pixels(5)) + "Is it red? "
+        s += sgl.select("red", choices=["yes", "no"])
+        forks = s.fork(2)
+        for f in forks:
+            f += sgl.gen("x", max_tokens=2)
+        forks.join()
 
-    with pytest.raises(ProgramError, match="select.*after an image is not supported"):
-        prog.run(backend=FakeBackend())["red"]
+    backend = FakeBackend()
+    state = prog.run(backend=backend)
+    assert state["red"] in ("yes", "no")
+    calls = {c[0]: c for c in backend.calls if c[0] in ("cache_prefix", "prompt_logprobs")}
+    for kind in ("cache_prefix", "prompt_logprobs"):
+        images = [c[-1] for c in backend.calls if c[0] == kind]
+        assert images and all(isinstance(i, list) and [int(decode(d)[0, 0, 0]) for d in i] == [5] for i in images)
+    assert calls["prompt_logprobs"][1][0][:len("<image>")] == [ord(ch) for ch in "<image>"]
 
 
 def test_tracing_stops_the_batch_precache_at_the_image():

@@ -6,6 +6,7 @@ what the server gives when called directly."""
 import base64
 
 import httpx
+import numpy as np
 import pytest
 
 import sgjax as sgl
@@ -163,3 +164,49 @@ def test_dsl_image_through_runtime_endpoint_equals_the_server_called_directly(se
     assert state.text() == prompt + direct["text"] + "<|im_end|>\n"
     assert other["answer"] == generate(client, text=prompt, image_data=[png(b)], sampling_params=params)["text"]
     assert other["answer"] != state["answer"]  # the image reached the model through the frontend
+
+
+def hf_choice_logprobs(llava, ids: list[int], start: int, picture_: np.ndarray) -> list[float]:
+    """HF's logprobs of ids[start:] given what precedes them, the one IMAGE_TOKEN expanded to the tower's rows."""
+    import torch
+
+    from sgjax.model import vision as V
+
+    _, hf, (_, _, vcfg, _) = llava
+    full = [x for t in ids for x in ([t] * vcfg.num_image_tokens if t == IMAGE_TOKEN else [t])]
+    px = torch.from_numpy(V.preprocess(picture_, vcfg)[None])
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([full]), pixel_values=px).logits[0].double()
+    lp = torch.log_softmax(logits, -1)
+    n, t = len(ids) - start, len(full)
+    return [float(lp[t - n - 1 + j, full[t - n + j]]) for j in range(n)]
+
+
+def test_dsl_select_after_an_image_scores_with_the_image(server, tok, llava):
+    choices = ["red", "a blue sky", "cat", "light"]
+
+    @sgl.function
+    def pick(s, photo):
+        s += sgl.user("What is in " + sgl.image(photo) + "?")
+        s += sgl.assistant(sgl.select("answer", choices=choices))
+
+    prefix = tok.apply_chat_template([{"role": "user", "content": ASK}], add_generation_prompt=True)
+    prefix_ids = tok.encode(prefix)
+    endpoint = sgl.RuntimeEndpoint(server.url)
+    try:
+        decisions = []
+        for seed in (5, 6, 7):
+            state = pick.run(photo=picture(seed), backend=endpoint)
+            expected = []
+            for c in choices:
+                ids = tok.encode(prefix + c)
+                start = next(i for i, (a, b) in enumerate(zip(prefix_ids + [None], ids)) if a != b)
+                lps = hf_choice_logprobs(llava, ids, start, picture(seed))
+                expected.append(sum(lps) / len(lps))
+            scores = state.get_meta_info("answer")["scores"]
+            np.testing.assert_allclose(scores, expected, atol=1e-4)
+            assert state["answer"] == choices[int(np.argmax(expected))]
+            decisions.append(scores)
+    finally:
+        endpoint.shutdown()
+    assert not np.allclose(decisions[0], decisions[1], atol=1e-3)  # the image reached the scoring

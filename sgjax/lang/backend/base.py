@@ -58,22 +58,26 @@ class Backend:
         text, meta = self.generate(prompt, params)
         return text, meta, None
 
-    def cache_prefix(self, text: str) -> dict:
+    def cache_prefix(self, text: str, images: list[str] | None = None) -> dict:
         """Make `text` a cached prefix before requests that extend it arrive (a prefill-only request on a
-        runtime with a prefix cache; nothing on one without). Returns the request's meta info."""
+        runtime with a prefix cache; nothing on one without). `images`: the text's images, one image token
+        each, in order. Returns the request's meta info."""
         return {}
 
-    def select(self, prompt, choices: list[str], method: ChoicesMethod) -> ChoicesDecision:
-        """Pick one of `choices` as the continuation of `prompt`."""
-        return select_by_prompt_logprobs(self, prompt, choices, method)
+    def select(self, prompt, choices: list[str], method: ChoicesMethod, images: list[str] | None = None
+               ) -> ChoicesDecision:
+        """Pick one of `choices` as the continuation of `prompt` (with `images` at its image tokens)."""
+        return select_by_prompt_logprobs(self, prompt, choices, method, images)
 
     # -- what the default select needs -------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
         raise NotImplementedError(f"{type(self).__name__} cannot tokenize; it must implement select itself")
 
-    def prompt_logprobs(self, input_ids: list[list[int]], starts: list[int]) -> list[list[float | None]]:
+    def prompt_logprobs(self, input_ids: list[list[int]], starts: list[int], images: list[str] | None = None
+                        ) -> list[list[float | None]]:
         """Prefill-only requests: for each prompt, the logprob of every token from position `starts[i]` on,
-        given the tokens before it (None for position 0). A prefix already cached must be reused."""
+        given the tokens before it (None for position 0). A prefix already cached must be reused. `images`: the
+        images of every prompt's image tokens, all of them before the starts."""
         raise NotImplementedError(f"{type(self).__name__} cannot score prompts; it must implement select itself")
 
     # -- runtime housekeeping ----------------------------------------------------------------------------
@@ -98,12 +102,15 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 def logprobs_by_start(input_ids: list[list[int]], starts: list[int],
                       score: Callable[[list[list[int]], int], list[list[float | None]]]) -> list[list[float | None]]:
     """`prompt_logprobs` for a runtime that takes one logprob_start_len per call: one batched `score(ids, start)`
-    per distinct start, rows put back in the callers' order."""
+    per distinct start, rows put back in the callers' order.
+
+    Each row keeps its last len(ids) - start entries: a runtime that expands each image token into the vision
+    tower's rows reports those rows too (its positions count them), and every image comes before the start."""
     rows: list = [None] * len(input_ids)
     for start in sorted(set(starts)):
         idx = [i for i, s in enumerate(starts) if s == start]
         for i, row in zip(idx, score([input_ids[i] for i in idx], start)):
-            rows[i] = row
+            rows[i] = row[len(row) - (len(input_ids[i]) - start):]
     return rows
 
 
@@ -118,7 +125,7 @@ def decoded_token_ends(tokenizer, output_ids: list[int], text: str) -> list[int]
 
 
 def select_by_prompt_logprobs(backend: Backend, text: str, choices: list[str],
-                              method: ChoicesMethod) -> ChoicesDecision:
+                              method: ChoicesMethod, images: list[str] | None = None) -> ChoicesDecision:
     """Score each choice as a continuation of `text` with prompt logprobs over the cached prefix.
 
     The prefix is cached first (one prefill-only request), then every `text + choice` runs prefill-only with
@@ -126,21 +133,22 @@ def select_by_prompt_logprobs(backend: Backend, text: str, choices: list[str],
     computed. Each choice is tokenized together with the text, as the model would see it later; where the
     choice merges with the text's last token (token healing), that merged token is scored as part of the choice.
     """
+    media = {"images": images} if images else {}  # backends without image support keep their signatures
     prefix_ids = backend.tokenize(text)
     if prefix_ids:
-        backend.cache_prefix(text)
+        backend.cache_prefix(text, **media)
     full = [backend.tokenize(text + c) for c in choices]
     starts = [common_prefix_len(prefix_ids, ids) for ids in full]
     for c, ids, k in zip(choices, full, starts):
         if k >= len(ids):
             raise ValueError(f"select: choice {c!r} adds no tokens to the prompt")
-    rows = backend.prompt_logprobs(full, starts)
+    rows = backend.prompt_logprobs(full, starts, **media)
     # Position 0 has no logprob (an empty prompt before the choice): it is not scored.
     keep = [[j for j, lp in enumerate(row) if lp is not None] for row in rows]
     logprobs = [[row[j] for j in js] for row, js in zip(rows, keep)]
     unconditional = None
     if method.requires_unconditional_logprobs:
-        alone = [ids[k:] for ids, k in zip(full, starts)]
+        alone = [ids[k:] for ids, k in zip(full, starts)]  # the choices alone: no image
         rows_u = backend.prompt_logprobs(alone, [0] * len(alone))
         unconditional = [[row[j] for j in js] for row, js in zip(rows_u, keep)]
     decision = method(list(choices), logprobs, unconditional)

@@ -37,16 +37,16 @@ class EngineBackend(Backend):
         out = self.engine.generate(text, sampling, **extra)
         return out["text"], out["meta_info"], decoded_token_ends(self.engine.tokenizer, out["output_ids"], out["text"])
 
-    def cache_prefix(self, text):
-        return self.engine.generate(text, {"max_new_tokens": 0})["meta_info"]
+    def cache_prefix(self, text, images=None):
+        return self.engine.generate(text, {"max_new_tokens": 0}, image_data=images or None)["meta_info"]
 
     def tokenize(self, text):
         return self.engine.tokenizer.encode(text)
 
-    def prompt_logprobs(self, input_ids, starts):
+    def prompt_logprobs(self, input_ids, starts, images=None):
         def score(ids, start):
             outs = self.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                        logprob_start_len=start)
+                                        logprob_start_len=start, image_data=[images] * len(ids) if images else None)
             return [[lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]] for out in outs]
 
         return logprobs_by_start(input_ids, starts, score)

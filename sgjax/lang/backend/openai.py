@@ -186,7 +186,9 @@ class OpenAI(Backend):
             return out
         return [(tok, lp_, off + len(tok)) for tok, lp_, off in zip(lp.tokens, lp.token_logprobs, lp.text_offset)]
 
-    def select(self, prompt, choices, method: ChoicesMethod) -> ChoicesDecision:
+    def select(self, prompt, choices, method: ChoicesMethod, images=None) -> ChoicesDecision:
+        if images:  # the interpreter sends a chat model's images inside its messages, never here
+            raise ValueError("image: OpenAI's completions API takes text only; images need a chat model")
         if self.is_chat_model:
             return self._select_by_asking(prompt, choices)
         logprobs = self._choice_logprobs([prompt + c for c in choices], len(prompt))

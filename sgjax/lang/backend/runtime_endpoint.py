@@ -88,16 +88,18 @@ class RuntimeEndpoint(Backend):
         out = self._generate(_body(text, params))
         return out["text"], out["meta_info"], decoded_token_ends(self.tokenizer, out["output_ids"], out["text"])
 
-    def cache_prefix(self, text):
-        return self._generate({"text": text, "sampling_params": {"max_new_tokens": 0}})["meta_info"]
+    def cache_prefix(self, text, images=None):
+        body = {"text": text, "sampling_params": {"max_new_tokens": 0}}
+        return self._generate({**body, "image_data": images} if images else body)["meta_info"]
 
     def tokenize(self, text):
         return self.tokenizer.encode(text)
 
-    def prompt_logprobs(self, input_ids, starts):
+    def prompt_logprobs(self, input_ids, starts, images=None):
         def score(ids, start):
-            outs = self._generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
-                                   "return_logprob": True, "logprob_start_len": start})
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                    "logprob_start_len": start}
+            outs = self._generate({**body, "image_data": [images] * len(ids)} if images else body)
             return [[lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]] for out in outs]
 
         return logprobs_by_start(input_ids, starts, score)
