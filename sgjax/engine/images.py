@@ -7,8 +7,8 @@ made, then handed to the steps as feature rows at the prompt positions that hold
   radix cache matches token ids, so two prompts share KV pages up to an image only when the image is the same
   (N ids all equal by chance is out of reach). The embedding of a pad id is never used: the step puts the image
   feature rows there (`Runner`, `forward(input_embeds=...)`).
-- The features are computed once per request on the host side of the engine (a jitted tower call) and travel
-  with the request, so retraction, chunked prefill and cache hits need nothing more: a step asks for the rows of
+- The features are computed when the request is made on the host side of the engine (a jitted tower call; the
+  last 16 images' features are kept by hash, so the same image is encoded once) and travel with the request, so retraction, chunked prefill and cache hits need nothing more: a step asks for the rows of
   the positions its chunk covers.
 """
 
@@ -18,6 +18,8 @@ import base64
 import binascii
 import hashlib
 import io
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import jax
@@ -49,9 +51,33 @@ class RequestImages:
 
 
 class ImageEncoder:
-    def __init__(self, cfg: VisionConfig, weights: VisionWeights):
+    def __init__(self, cfg: VisionConfig, weights: VisionWeights, cache_size: int = 16):
         self.cfg, self.weights = cfg, weights
         self._encode = jax.jit(lambda w, pixels: encode_images(w, cfg, pixels))
+        # Features by image hash, least recently used first: a select scores every choice with the same image and a
+        # chat sends it again each turn, so the tower should not run again. Requests prepare in worker threads.
+        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.encoded = 0  # images that went through the tower (the rest came from the cache)
+
+    def _features(self, raw: list[bytes], digests: list[bytes], prompt: int | None) -> np.ndarray:
+        """[n, num_image_tokens, D] features of the images, from the cache or one tower call for the others."""
+        with self._lock:
+            found = {d: self._cache[d] for d in digests if d in self._cache}
+            for d in found:
+                self._cache.move_to_end(d)
+        todo = {d: i for i, d in enumerate(digests) if d not in found}  # one tower row per distinct new image
+        if todo:
+            pixels = np.stack([preprocess(_open(raw[i], prompt, i), self.cfg) for i in todo.values()])
+            new = np.asarray(self._encode(self.weights, pixels), np.float32)
+            self.encoded += len(todo)
+            found.update(zip(todo, new))
+            with self._lock:
+                self._cache.update((d, found[d]) for d in todo)
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return np.stack([found[d] for d in digests])
 
     def prepare(self, ids: list[int], image_data, vocab: int, prompt: int | None = None
                 ) -> tuple[list[int], RequestImages]:
@@ -73,11 +99,11 @@ class ImageEncoder:
         elif marks != n * per:
             raise ImageDataError(f"{n} image(s) but the prompt has {marks} image tokens (id {token}); give one per "
                                  f"image, or {per} per image already expanded", prompt)
-        pixels = np.stack([preprocess(_open(r, prompt, i), self.cfg) for i, r in enumerate(raw)])
-        features = np.asarray(self._encode(self.weights, pixels), np.float32)  # [n, per, D]
+        digests = [hashlib.sha256(r).digest() for r in raw]
+        features = self._features(raw, digests, prompt)  # [n, per, D]
         positions = np.flatnonzero(ids == token).astype(np.int32)
-        for k, r in enumerate(raw):
-            seed = int.from_bytes(hashlib.sha256(r).digest()[:8], "little")
+        for k, digest in enumerate(digests):
+            seed = int.from_bytes(digest[:8], "little")
             ids[positions[k * per:(k + 1) * per]] = np.random.default_rng(seed).integers(0, vocab, per)
         return ids.tolist(), RequestImages(positions, features.reshape(n * per, -1))
 

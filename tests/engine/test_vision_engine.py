@@ -46,13 +46,33 @@ def test_greedy_tokens_equal_hf_and_image_pages_are_cached_per_image(engine, lla
     engine.flush_cache()
     first = engine.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(a)])
     assert first["output_ids"] == want_a
+    encoded = engine.images.encoded
     again = engine.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(a)])
     assert again["output_ids"] == want_a and again["meta_info"]["cached_tokens"] == 16  # the page holding the image
+    assert engine.images.encoded == encoded  # the features came from the encoder's cache
     other = engine.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(b)])
     assert other["output_ids"] == want_b and other["meta_info"]["cached_tokens"] == 0  # another image: no match
+    assert engine.images.encoded == encoded + 1
     both = engine.generate(input_ids=[prompt(), prompt()], sampling_params=greedy,
                            image_data=[[png(b)], [png(a)]])  # one batch, one image each
-    assert [o["output_ids"] for o in both] == [want_b, want_a]
+    assert [o["output_ids"] for o in both] == [want_b, want_a] and engine.images.encoded == encoded + 1
+
+
+def test_the_feature_cache_evicts_the_least_recent_image_and_gives_the_same_rows(llava):
+    from sgjax.engine.images import ImageEncoder
+
+    _, _, (_, _, vcfg, vweights) = llava
+    encoder = ImageEncoder(vcfg, vweights, cache_size=2)
+    ids = prompt()
+    rows = {k: encoder.prepare(ids, [png(picture(k))], 320)[1].features for k in (1, 2)}
+    assert encoder.encoded == 2
+    assert (encoder.prepare(ids, [png(picture(1))], 320)[1].features == rows[1]).all() and encoder.encoded == 2
+    encoder.prepare(ids, [png(picture(3))], 320)  # evicts image 2, the least recently used
+    assert encoder.encoded == 3
+    encoder.prepare(ids, [png(picture(1))], 320)
+    assert encoder.encoded == 3
+    two, three = encoder.prepare(ids + ids, [png(picture(2)), png(picture(3))], 320)[1].features.reshape(2, -1, 64)
+    assert encoder.encoded == 4 and (two == rows[2]).all()  # image 2 encoded again, image 3 from the cache
 
 
 def test_bad_images_are_refused_by_name(engine):
