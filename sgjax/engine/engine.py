@@ -541,13 +541,16 @@ class Engine:
             req.sink(req, "", True)
 
     def _precompile(self) -> None:
-        """The step shapes most traffic takes (Runner.start_shapes), at the widest page table. A step holds at
-        most a prefill chunk plus one decode row per running request."""
+        """The step shapes most traffic takes (Runner.start_shapes), at the widest page table, compiled and run
+        once. A step holds at most a prefill chunk plus one decode row per running request."""
         t0 = time.perf_counter()
         shapes = self.runner.start_shapes(self.args.chunked_prefill_size + self.args.max_running_requests)
         threads = 1 if self.runner.platform == "cpu" else max(1, min(len(shapes), (os.cpu_count() or 2) // 2))
         self.runner.precompile(shapes, threads)
-        log.info("precompiled %d step shapes in %.1f s (%d threads)", len(shapes), time.perf_counter() - t0, threads)
+        t1 = time.perf_counter()
+        self.runner.warm(shapes)
+        log.info("precompiled %d step shapes in %.1f s (%d threads), ran each once in %.1f s", len(shapes),
+                 t1 - t0, threads, time.perf_counter() - t1)
 
     def _server_info(self) -> dict:
         s, a, c = self.scheduler, self.scheduler.allocator, self.scheduler.cache

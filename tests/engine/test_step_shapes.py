@@ -5,6 +5,7 @@ nothing new."""
 
 import itertools
 
+import numpy as np
 import pytest
 
 import sgjax as sgl
@@ -68,6 +69,8 @@ def test_coarse_ladder_is_precompiled_and_async_batches_compile_nothing(coarse_e
     assert len(allowed) <= 4 * len(runner.buckets.tokens_ladder(56))
     assert runner.shapes_seen == allowed  # start-up compiled every shape the ladder can take (no penalties)
     traces = coarse_engine.get_server_info()["traces"]
+    pool = np.asarray(runner.pool)
+    assert pool[:, 0].any() and not pool[:, 1:].any()  # ... and ran them (Runner.warm), writing the null page only
     backend = EngineBackend(coarse_engine)
 
     states = program.run_batch(arguments(TOPICS[:6], "Which mood fits?"), backend=backend, num_threads=6,
