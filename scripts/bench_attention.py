@@ -213,6 +213,22 @@ def kv_write_only(q, k, v, pool, layer, meta, *, sm_scale):
     return q, write_kv(pool, layer, k, v, meta.slot_mapping)
 
 
+def kv_write_pallas_only(q, k, v, pool, layer, meta, *, sm_scale):
+    """kv_write_only with the Pallas write kernel (kernels/kv_write_gpu.py)."""
+    from sgjax.kernels.kv_write_gpu import pallas_write_kv
+
+    return q, pallas_write_kv(pool, layer, k, v, meta.slot_mapping, interpret=jax.default_backend() == "cpu")
+
+
+def kv_write_unique_only(q, k, v, pool, layer, meta, *, sm_scale):
+    """kv_write_only with XLA's scatter told the slots are unique (padding aside)."""
+    from sgjax.kernels.kv_pool import interleave_kv
+
+    page_size = pool.shape[2]
+    pages, offsets = meta.slot_mapping // page_size, meta.slot_mapping % page_size
+    return q, pool.at[layer, pages, offsets].set(interleave_kv(k, v).astype(pool.dtype), unique_indices=True)
+
+
 def time_dense_baselines(sets, reps):
     """Prefill ceilings on contiguous K/V: cuDNN flash attention and jax's Pallas-Triton mha (dense, MHA)."""
     q, k, v, _ = sets[0]
@@ -225,9 +241,21 @@ def time_dense_baselines(sets, reps):
     group = q.shape[1] // k.shape[1]
     pallas_mha = jax.jit(lambda q, k, v: mha(q[None], jnp.repeat(k, group, 1)[None], jnp.repeat(v, group, 1)[None],
                                              None, sm_scale=D ** -0.5, causal=True))
-    for label, f in (("dense_cudnn", cudnn), ("dense_pallas_mha", pallas_mha)):
+    candidates = [("dense_cudnn", cudnn), ("dense_pallas_mha", pallas_mha)]
+    try:  # Mosaic GPU (Hopper warpgroups, TMA): the candidate for the new tokens' causal part of a prefill
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
+        for block_kv, steps in ((64, 2), (128, 2), (256, 2), (128, 4)):
+            cfg = mgpu.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=steps, causal=True)
+            # its shared-memory tiles are float16 (jax 0.11.2), so it is timed on fp16 copies of the inputs
+            candidates.append((f"dense_mgpu_kv{block_kv}_s{steps}_fp16", jax.jit(
+                lambda q, k, v, cfg=cfg: mgpu.attention(*(x[None] for x in (q, k, v)), cfg))))
+    except ImportError as e:
+        print("attention_mgpu unavailable:", e, flush=True)
+    halves = [x.astype(jnp.float16) for x in (q, k, v)]
+    for label, f in candidates:
         try:
-            t, _ = _median_time(lambda s: f(q, k, v), None, reps)
+            args = halves if "fp16" in label else (q, k, v)
+            t, _ = _median_time(lambda s: f(*args), None, reps)
             out[label] = t
         except Exception as e:
             print(label, "ERROR", type(e).__name__, str(e)[:200], flush=True)
@@ -341,11 +369,16 @@ def main():
         del pool, sets
         if name in args.per_layer.split(","):
             pool, sets, _, _ = build_case(q_lens, kv_lens, layers=args.layers, n_rot=1)
-            for label, attend in (("pallas", pallas_attention), ("kv_write_only", kv_write_only)):
+            for label, attend in (("pallas", pallas_attention),
+                                  ("pallas+write", functools.partial(pallas_attention, kv_write="pallas")),
+                                  ("kv_write_only", kv_write_only), ("kv_write_pallas", kv_write_pallas_only),
+                                  ("kv_write_unique", kv_write_unique_only)):
                 t, pool, _ = time_per_layer(attend, pool, sets[0], args.reps)
+                # a write alone moves the new tokens' K/V twice (read, then written into pages); no FLOPs
+                moved, done = (4 * sum(q_lens) * HKV * D * 2, 0) if label.startswith("kv_write") else (io_bytes, flops)
                 rows.append(dict(case=name, backend=f"{label} per layer ({args.layers} layers, one batch)", seconds=t,
-                                 gbps=io_bytes / t / 1e9, bw_frac=io_bytes / t / bw, tflops=flops / t / 1e12,
-                                 mm_frac=flops / t / mm))
+                                 gbps=moved / t / 1e9, bw_frac=moved / t / bw, tflops=done / t / 1e12,
+                                 mm_frac=done / t / mm))
                 r = rows[-1]
                 print(f"{name:14s} {r['backend'][:34]:34s} {t * 1e6:9.1f} us {r['gbps']:7.0f} GB/s "
                       f"({100 * r['bw_frac']:5.1f}%) {r['tflops']:6.1f} TF/s ({100 * r['mm_frac']:5.1f}%)", flush=True)

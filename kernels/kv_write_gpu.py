@@ -1,0 +1,65 @@
+"""The new tokens' K/V into the paged pool, as a Pallas-Triton kernel (the GPU backend's KV write).
+
+XLA's scatter (kv_pool.write_kv) took 104 us per layer of a 4k prefill on the H200 and this kernel
+41 us (docs/kernels.md); decode batches are too small to tell them apart. It writes the pool in place
+(input_output_aliases), one program per block of tokens: each token's K and V of every head land in
+its slot's row of the pool viewed as [layers * pages * page_size, 2 * Hkv * D], K of head h at
+columns [2hD, 2hD + D) and V right after (kv_pool's interleaved layout), one contiguous run per head.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # jax 0.11 deprecates the Triton backend
+    from jax.experimental.pallas import triton as plgpu
+
+_ELEMENTS_PER_PROGRAM = 8192  # tokens x columns per program: a few loads in flight per warp, many programs
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _kernel(slot_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, *, block_t, cols, num_tokens, head_dim,
+            slots_per_layer):
+    t = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)
+    c = jnp.arange(_pow2_ceil(cols), dtype=jnp.int32)  # Triton blocks are powers of two: mask the rest
+    ok = (t < num_tokens)[:, None] & (c < cols)[None, :]
+    row = layer_ref[0] * slots_per_layer + plgpu.load(slot_ref.at[t], mask=t < num_tokens, other=0)
+    k_col = (c // head_dim) * (2 * head_dim) + c % head_dim  # K of head h at combined index 2h
+    for src, col in ((k_ref, k_col), (v_ref, k_col + head_dim)):
+        x = plgpu.load(src.at[t[:, None], c[None, :]], mask=ok, other=0)
+        plgpu.store(pool_ref.at[row[:, None], col[None, :]], x.astype(pool_ref.dtype), mask=ok)
+
+
+def pallas_write_kv(pool, layer, k, v, slot_mapping, *, interpret: bool = False):
+    """kv_pool.write_kv's contract (pool [L, P, S, 2 Hkv, D]; k, v [T, Hkv, D]; slots into `layer`),
+    updating the pool in place when it is donated. Padded rows point at the null page, so several
+    programs may write it: its contents are never read unmasked, whichever write lands."""
+    num_layers, num_pages, page_size, num_combined, head_dim = pool.shape
+    num_tokens, num_kv_heads, _ = k.shape
+    if num_tokens == 0:
+        return pool
+    cols = num_kv_heads * head_dim
+    block_t = max(1, min(_pow2_ceil(num_tokens), _ELEMENTS_PER_PROGRAM // _pow2_ceil(cols)))
+    kernel = functools.partial(_kernel, block_t=block_t, cols=cols, num_tokens=num_tokens, head_dim=head_dim,
+                               slots_per_layer=num_pages * page_size)
+    flat = pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim)
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_tokens, block_t),),
+        out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+        input_output_aliases={4: 0},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name="paged_kv_write",
+    )(slot_mapping.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), k.reshape(num_tokens, cols),
+      v.reshape(num_tokens, cols), flat)
+    return out.reshape(pool.shape)
