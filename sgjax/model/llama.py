@@ -6,6 +6,7 @@ compile time does not grow with depth.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -76,6 +77,18 @@ def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, atten
     with depth. A tuple of per-layer LayerWeights is unrolled: on the GPU, scanning slices (copies) each
     layer's weights before its matmuls, which tripled weight traffic at decode (docs/architecture.md).
     """
+    with matmul_precision(cfg.dtype):
+        return _forward(weights, pool, batch, cfg, attention, input_embeds)
+
+
+def matmul_precision(dtype: str):
+    """float32 means float32 dots. XLA's GPU default runs them as TF32 (~1e-3 relative error): on the H200 the
+    fp32 SmolLM2's greedy outputs differed from HF's, and between schedules of the same prompts. bf16 keeps the
+    default (bf16 inputs, fp32 accumulation). Traced inside the jit, so it is part of the step's program."""
+    return jax.default_matmul_precision("highest") if dtype == "float32" else contextlib.nullcontext()
+
+
+def _forward(weights, pool, batch, cfg, attention, input_embeds):
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     x = (weights.embed[batch.input_ids] if input_embeds is None else input_embeds).astype(jnp.dtype(cfg.dtype))
     block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, inv_freq=inv_freq)

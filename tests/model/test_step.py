@@ -75,3 +75,17 @@ def test_packed_batch_is_one_transfer_with_the_same_result():
     logits, pool = step(weights, new_pool(), jnp.asarray(buffer), shape)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected))
     np.testing.assert_array_equal(np.asarray(pool), np.asarray(expected_pool))
+
+
+@pytest.mark.parametrize("dtype,precision", [("float32", "HIGHEST"), ("bfloat16", None)])
+def test_float32_dots_are_float32(dtype, precision):
+    # A GPU runs default-precision fp32 dots as TF32; an fp32 model must ask for full precision in its program.
+    cfg = ModelConfig(**{**CFG.__dict__, "dtype": dtype})
+    weights = dummy_weights(cfg)
+    pool = allocate_pool(cfg.num_layers, 9, 4, cfg.num_kv_heads, cfg.head_dim, dtype=jnp.dtype(dtype))
+    batch = jax.tree.map(jnp.asarray, build_batch([[1, 2, 3]], [3], [[1, 2]], 4, 8, 2, 2))
+    text = make_step(cfg, ref_attention).lower(weights, pool, batch).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) >= 8  # q, k, v, o, gate, up, down, logits
+    for line in dots:
+        assert (f"precision = [{precision}, {precision}]" in line) == bool(precision), line
