@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,32 +32,36 @@ def build_batch(token_chunks: list[list[int]], kv_lens: list[int], page_tables: 
     and their slots come from page_tables[r]. Defaults ask for the last row of every request.
     """
     n = len(token_chunks)
-    total = sum(len(c) for c in token_chunks)
+    q_lens = np.fromiter(map(len, token_chunks), np.int64, n)
+    total = int(q_lens.sum())
     if n > num_reqs or total > num_tokens:
         raise ValueError(f"batch of {n} requests / {total} tokens exceeds the bucket ({num_reqs}, {num_tokens})")
-    input_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slots = np.zeros(num_tokens, np.int32)
-    cu = np.zeros(num_reqs + 1, np.int32)
-    lens = np.zeros(num_reqs, np.int32)
+    # Vectorised over rows (the host builds one of these per step; a loop over 64 requests cost ~0.5 ms).
+    num_pages = np.fromiter(map(len, page_tables), np.int64, n)
+    kv = np.asarray(kv_lens, np.int64).reshape(n)
+    short = np.flatnonzero(num_pages * page_size < kv)
+    if short.size:
+        r = int(short[0])
+        raise ValueError(f"request {r}: {num_pages[r]} pages cannot hold {kv_lens[r]} tokens")
     table = np.zeros((num_reqs, pages_per_req), np.int32)
-    t = 0
-    for r, (chunk, kv_len, pages) in enumerate(zip(token_chunks, kv_lens, page_tables)):
-        q = len(chunk)
-        if len(pages) * page_size < kv_len:
-            raise ValueError(f"request {r}: {len(pages)} pages cannot hold {kv_len} tokens")
-        pos = np.arange(kv_len - q, kv_len)
-        pages_arr = np.asarray(pages, np.int32)
-        input_ids[t:t + q] = chunk
-        positions[t:t + q] = pos
-        slots[t:t + q] = pages_arr[pos // page_size] * page_size + pos % page_size
-        table[r, :len(pages)] = pages_arr
-        lens[r] = kv_len
-        t += q
-        cu[r + 1] = t
-    cu[n + 1:] = t
+    page_rows = np.repeat(np.arange(n), num_pages)
+    page_cols = np.arange(page_rows.size) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
+    table[page_rows, page_cols] = np.fromiter(itertools.chain.from_iterable(page_tables), np.int32, page_rows.size)
+    cu = np.zeros(num_reqs + 1, np.int32)
+    cu[1:n + 1] = np.cumsum(q_lens)
+    cu[n + 1:] = total
+    lens = np.zeros(num_reqs, np.int32)
+    lens[:n] = kv
+    req_of_row = np.repeat(np.arange(n), q_lens)
+    pos = np.arange(total) - np.repeat(cu[:n], q_lens) + np.repeat(kv - q_lens, q_lens)
+    input_ids = np.zeros(num_tokens, np.int32)
+    input_ids[:total] = np.fromiter(itertools.chain.from_iterable(token_chunks), np.int32, total)
+    positions = np.zeros(num_tokens, np.int32)
+    positions[:total] = pos
+    slots = np.zeros(num_tokens, np.int32)
+    slots[:total] = table[req_of_row, pos // page_size] * page_size + pos % page_size
     if logits_rows is None:
-        logits_rows = [int(cu[r + 1]) - 1 for r in range(n)]
+        logits_rows = cu[1:n + 1] - 1
     num_logits = num_logits or num_reqs
     idx = np.zeros(num_logits, np.int32)
     idx[:len(logits_rows)] = logits_rows
