@@ -260,11 +260,11 @@ class Runner:
                 rows["top_p"][srow] = p.top_p
                 rows["min_p"][srow] = p.min_p
                 needs_filter |= p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
-            rows["frequency_penalty"][srow] = p.frequency_penalty
-            rows["presence_penalty"][srow] = p.presence_penalty
-            rows["repetition_penalty"][srow] = p.repetition_penalty
             h = histories.get(id(w))
-            if h is not None:
+            if h is not None:  # a penalised row (the rest keep default_rows' neutral values)
+                rows["frequency_penalty"][srow] = p.frequency_penalty
+                rows["presence_penalty"][srow] = p.presence_penalty
+                rows["repetition_penalty"][srow] = p.repetition_penalty
                 rows["history"][srow, :len(h)] = h
         rows["needs_filter"] = np.asarray(int(needs_filter), np.int32)
         rows["needs_top"] = np.asarray(int(wanted > 0), np.int32)
