@@ -50,6 +50,8 @@ ENGINE_FLAGS = [
                                                "request (the paper's ablation)")),
     ("compilation_cache_dir", dict(help="JAX's persistent compilation cache, used when JAX_COMPILATION_CACHE_DIR "
                                         "is not set; '' for none")),
+    ("gil_switch_interval_ms", dict(type=float, help="Python's thread switch interval while serving (the engine "
+                                                     "loop shares the GIL with the HTTP server's threads)")),
 ]
 
 HTTP_FLAGS = [
