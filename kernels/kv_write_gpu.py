@@ -23,14 +23,10 @@ with warnings.catch_warnings():
 _ELEMENTS_PER_PROGRAM = 8192  # tokens x columns per program: a few loads in flight per warp, many programs
 
 
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def _kernel(slot_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, *, block_t, cols, num_tokens, head_dim,
             slots_per_layer):
     t = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)
-    c = jnp.arange(_pow2_ceil(cols), dtype=jnp.int32)  # Triton blocks are powers of two: mask the rest
+    c = jnp.arange(pl.next_power_of_2(cols), dtype=jnp.int32)  # Triton blocks are powers of two: mask the rest
     ok = (t < num_tokens)[:, None] & (c < cols)[None, :]
     row = layer_ref[0] * slots_per_layer + plgpu.load(slot_ref.at[t], mask=t < num_tokens, other=0)
     k_col = (c // head_dim) * (2 * head_dim) + c % head_dim  # K of head h at combined index 2h
@@ -48,7 +44,7 @@ def pallas_write_kv(pool, layer, k, v, slot_mapping, *, interpret: bool = False)
     if num_tokens == 0:
         return pool
     cols = num_kv_heads * head_dim
-    block_t = max(1, min(_pow2_ceil(num_tokens), _ELEMENTS_PER_PROGRAM // _pow2_ceil(cols)))
+    block_t = max(1, min(pl.next_power_of_2(num_tokens), _ELEMENTS_PER_PROGRAM // pl.next_power_of_2(cols)))
     kernel = functools.partial(_kernel, block_t=block_t, cols=cols, num_tokens=num_tokens, head_dim=head_dim,
                                slots_per_layer=num_pages * page_size)
     flat = pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim)

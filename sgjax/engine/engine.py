@@ -73,7 +73,7 @@ class ServerArgs:
     compilation_cache_dir: str | None = "~/.cache/sgjax/jax"
     # The engine's loop is a thread that shares the GIL with the caller's threads (the frontend's programs, the
     # HTTP server). Each step gives the GIL up at every device call and waits up to Python's switch interval
-    # (5 ms) to get it back from a busy thread: with 4 busy threads a tiny model's step took 170 ms at 5 ms and
+    # (5 ms) to get it back from a busy thread: with 4 busy threads a tiny model's step took 119 ms at 5 ms and
     # 21 ms at 0.5 ms (scripts/bench_gil.py). Process-wide; None leaves the interpreter's setting alone.
     gil_switch_interval_ms: float | None = 0.5
 
@@ -116,7 +116,7 @@ class Engine:
             raise ValueError(f"step_buckets must be 'fine' or 'coarse', got {args.step_buckets!r}")
         if args.gil_switch_interval_ms is not None:
             if not args.gil_switch_interval_ms > 0:
-                raise ValueError(f"gil_switch_interval_ms must be positive (or None), got {args.gil_switch_interval_ms}")
+                raise ValueError(f"gil_switch_interval_ms must be positive or None, got {args.gil_switch_interval_ms}")
             sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
         if args.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
