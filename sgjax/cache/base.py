@@ -277,9 +277,11 @@ class NodeStore:
         """The caller computed KV that the cache already holds: keep the cache's pages, free the caller's.
 
         Pages equal to the cached ones are the cached pages themselves (the caller got them from match_prefix)
-        and stay; a page is owned by one party only, so a different index is always the caller's own copy.
+        and stay. A different page is the caller's own copy unless the cache owns it: in TableCache a caller may
+        have matched a short entry and now insert under a longer one that was stored independently, so its
+        matched pages differ from the longer chain's yet still belong to the short entry, which keeps them.
         """
-        dup = given != cached
+        dup = (given != cached) & ~self._owned[given]
         if dup.any():
             self.allocator.free(given[dup])
 

@@ -226,13 +226,50 @@ def test_table_cache_agrees_with_brute_force_model(page_size, num_pages, seed):
     a = PageAllocator(num_pages)
     c = TableCache(a, page_size)
     model = TableModel(page_size)
-    locked, pool, evicted = [], [], 0
+    locked, pool, evicted, grown = [], [], 0, 0
     for _ in range(10_000):
         ns = NAMESPACES[rng.integers(len(NAMESPACES))]
         toks = random_tokens(rng, pool, page_size)
         full = toks[: len(toks) // page_size * page_size]
-        op = rng.choice(["match", "insert", "lock", "unlock", "evict"], p=[0.3, 0.3, 0.1, 0.1, 0.2])
+        op = rng.choice(["match", "insert", "lock", "unlock", "evict", "grow"], p=[0.25, 0.25, 0.1, 0.1, 0.2, 0.1])
+        same_ns = [s_ for (n_, s_) in model.pages if n_ == ns and len(s_) > page_size]
+        if op in ("insert", "lock") and same_ns and rng.random() < 0.3:
+            # A strict prefix of a stored sequence: stored later, it is an entry of its own beside the longer one,
+            # and a request that hits it can later grow into the longer one's tokens ("grow").
+            s_ = same_ns[rng.integers(len(same_ns))]
+            full = toks = list(s_[: page_size * int(rng.integers(1, len(s_) // page_size))])
+        if op == "grow" and locked:
+            # A running request that matched `key` earlier inserts its longer sequence as the scheduler does:
+            # with the pages it matched then, though a longer entry stored since may hold the same tokens.
+            i = int(rng.integers(len(locked)))
+            node, key = locked[i]
+            ns, seq = key
+            longer = [s_ for (n_, s_) in model.pages if n_ == ns and len(s_) > len(seq) and s_[: len(seq)] == seq]
+            tail = list(longer[rng.integers(len(longer))][len(seq):]) if longer and rng.random() < 0.7 else []
+            full = list(seq) + tail + [int(t) for t in rng.integers(1, 5, size=page_size * int(rng.integers(0, 2)))]
+            full = full[: len(full) // page_size * page_size]
         best = model.longest(ns, full)
+        if op == "grow" and locked and len(full) > len(seq):
+            need = (len(full) - len(seq)) // page_size
+            if a.num_free < need:
+                c.evict(need - a.num_free)
+                model.pages = {k: v for k, v in model.pages.items() if k in table_snapshot(c)}
+                best = model.longest(ns, full)
+            fresh = a.alloc(need)
+            if fresh is not None:
+                pages = np.concatenate([np.asarray(model.pages[key], np.int32), fresh]).astype(np.int32)
+                assert c.insert(full, pages, ns) == len(best[1])
+                new_key = (ns, tuple(full))
+                if new_key not in model.pages:
+                    have = len(model.pages[best])
+                    model.pages[new_key] = model.pages[best] + tuple(pages[have:].tolist())
+                    model.parent[new_key] = best
+                m = c.match_prefix(full, ns)
+                assert m.num_tokens == len(full)
+                c.lock(m.last_node)
+                c.unlock(node)
+                locked[i] = (m.last_node, new_key)
+                grown += 1
         if op in ("match", "lock"):
             m = c.match_prefix(toks, ns)
             assert m.num_tokens == (len(best[1]) if best else 0)
@@ -272,3 +309,4 @@ def test_table_cache_agrees_with_brute_force_model(page_size, num_pages, seed):
         owned = [p for k, v in model.pages.items() for p in v[len(model.pages.get(model.parent[k], ())) :]]
         assert sorted(owned + a.free_pages().tolist()) == list(range(1, num_pages)), "page leaked or owned twice"
     assert evicted > 100  # the pool was small enough for eviction to matter
+    assert grown > 30

@@ -144,6 +144,27 @@ def test_table_cache_hits_only_on_whole_stored_sequences():
     c.check_invariants()
 
 
+def test_table_cache_insert_under_an_independent_longer_entry_keeps_the_matched_pages():
+    # Found on the H200 (HellaSwag, no_tree): a request matched a short entry, while a longer entry with the same
+    # start had been stored before it, on its own pages. Inserting the request's tokens under the longer entry
+    # freed the short entry's pages, which the short entry still owned: a double free, then a tree with free pages.
+    a = PageAllocator(64)
+    c = TableCache(a)
+    _put(c, [1, 2, 3, 4, 5, 6])
+    _put(c, [1, 2, 3])  # shorter than the first, so it cannot extend it: its own pages
+    m = c.match_prefix([1, 2, 3, 4])  # a prompt that hits only the short entry
+    assert m.num_tokens == 3
+    c.lock(m.last_node)
+    free_before = a.num_free
+    own = a.alloc(3)
+    assert c.insert([1, 2, 3, 4, 5, 6], np.concatenate([m.pages, own])) == 6  # it generated the long one's tokens
+    assert a.num_free == free_before  # only the request's own three pages went back
+    c.check_invariants()
+    c.unlock(m.last_node)
+    assert c.match_prefix([1, 2, 3]).num_tokens == 3
+    c.check_invariants()
+
+
 def test_no_cache_reuses_nothing_and_frees_at_once():
     a = PageAllocator(8)
     c = NoCache(a)
