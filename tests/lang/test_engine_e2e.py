@@ -260,6 +260,30 @@ def test_engine_errors_name_the_program_line(backend):
         state["d"]
 
 
+def test_a_failed_engine_step_fails_the_program_by_name_and_the_engine_serves_on(engine, backend, monkeypatch):
+    # On the H200 a failed step once reached select as "choice ... has no scored tokens": the aborted requests came
+    # back with no logprobs, and the program went on as if they had been scored.
+    run = engine.runner.run
+    failures = []
+
+    def fail_once(works):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("device lost")
+        return run(works)
+
+    @sgl.function
+    def pick(s):
+        s += "The sky on a clear day is" + sgl.select("colour", ["blue", "green"])
+
+    monkeypatch.setattr(engine.runner, "run", fail_once)
+    with pytest.raises(ProgramError, match=r"select\('colour'.*EngineError: the engine aborted the request: "
+                                           r"internal error: device lost"):
+        pick.run(backend=backend, temperature=0)["colour"]
+    assert failures and pick.run(backend=backend, temperature=0)["colour"] in ("blue", "green")
+    engine.check_invariants()
+
+
 def test_an_engine_is_a_default_backend(engine, monkeypatch):
     monkeypatch.setattr(global_config, "default_backend", None)
     sgl.set_default_backend(engine)

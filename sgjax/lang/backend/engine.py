@@ -7,6 +7,7 @@ one).
 
 from __future__ import annotations
 
+from sgjax.engine.engine import EngineError
 from sgjax.lang.backend.base import Backend, decoded_token_ends, logprobs_by_start
 from sgjax.lang.chat_template import from_tokenizer
 from sgjax.lang.ir import LOGPROB_PARAMS
@@ -21,24 +22,25 @@ class EngineBackend(Backend):
 
     def generate(self, text, params):
         sampling, extra = _split(params)
-        out = self.engine.generate(text, sampling, **extra)
+        out = _served(self.engine.generate(text, sampling, **extra))
         return out["text"], out["meta_info"]
 
     def generate_stream(self, text, params):
         sampling, extra = _split(params)
         sent = 0
         for chunk in self.engine.generate(text, sampling, stream=True, **extra):
+            _served(chunk)
             piece = chunk["text"][sent:]
             sent = len(chunk["text"])
             yield piece, chunk["meta_info"]
 
     def speculate(self, text, params):
         sampling, extra = _split(params)
-        out = self.engine.generate(text, sampling, **extra)
+        out = _served(self.engine.generate(text, sampling, **extra))
         return out["text"], out["meta_info"], decoded_token_ends(self.engine.tokenizer, out["output_ids"], out["text"])
 
     def cache_prefix(self, text, images=None):
-        return self.engine.generate(text, {"max_new_tokens": 0}, image_data=images or None)["meta_info"]
+        return _served(self.engine.generate(text, {"max_new_tokens": 0}, image_data=images or None))["meta_info"]
 
     def tokenize(self, text):
         return self.engine.tokenizer.encode(text)
@@ -47,7 +49,7 @@ class EngineBackend(Backend):
         def score(ids, start):
             outs = self.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                                         logprob_start_len=start, image_data=[images] * len(ids) if images else None)
-            return [[lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]] for out in outs]
+            return [[lp for lp, _, _ in _served(out)["meta_info"]["input_token_logprobs"]] for out in outs]
 
         return logprobs_by_start(input_ids, starts, score)
 
@@ -74,6 +76,15 @@ class Runtime(EngineBackend):
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _served(out: dict) -> dict:
+    """`out` unless the engine aborted it with a reason (an internal error, shutdown, a request that cannot fit):
+    a program must fail there, naming the reason, not carry on with a cut text or with no logprobs to score."""
+    reason = out["meta_info"].get("finish_reason") or {}
+    if reason.get("type") == "abort" and reason.get("message"):
+        raise EngineError(f"the engine aborted the request: {reason['message']}")
+    return out
 
 
 def _split(params: dict) -> tuple[dict, dict]:
