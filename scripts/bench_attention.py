@@ -296,7 +296,8 @@ SWEEP = {  # pallas configs tried with --sweep (defaults come from kernels.palla
                 for bq, bk, w, st, pf in ((16, 32, 4, 3, True), (16, 64, 4, 3, False), (32, 64, 8, 3, False),
                                           (32, 128, 8, 2, False),
                                           # M = 256 rows per dot (block_q 64 x G 4), not swept before 2026-11-30
-                                          (64, 32, 8, 3, False), (64, 64, 8, 2, False), (64, 64, 16, 2, False))],
+                                          (64, 32, 8, 3, False), (64, 64, 8, 2, False), (64, 64, 16, 2, False),
+                                          (64, 128, 8, 2, False), (32, 64, 4, 3, False), (32, 32, 4, 4, True))],
 }
 
 _SHORT = dict(num_splits="ns", block_k="bk", block_q="bq", num_stages="st", num_warps="w", prefetch_pages="pf")

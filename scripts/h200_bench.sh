@@ -9,7 +9,8 @@
 # Stage a (first call) runs dummy Llama-3-8B and keeps part a in /tmp; stage b (the next call, same machine)
 # joins the GGUF and runs the real SmolLM2 with the HF baseline.  Usage: bash scripts/h200_bench.sh a|b
 # Optional: A_ARGS / B_ARGS (more run.py arguments, the last of a repeated flag wins: --workloads, --repeats, ...),
-# A_TIMEOUT / B_TIMEOUT (seconds for run.py), SERVING=0 (stage a without the serving benchmark).
+# A_TIMEOUT / B_TIMEOUT (seconds for run.py), SERVING=0 (stage a without the serving benchmark), B2_ARGS /
+# B2_TIMEOUT (a second SmolLM2 run in stage b, its rows in programs_smollm2_2.jsonl).
 set -euo pipefail
 stage=$1
 OUT=${OUT:-/tmp/out}
@@ -52,6 +53,12 @@ else
   timeout "${B_TIMEOUT:-540}" python3 scripts/bench/run.py --model-path /tmp/smollm2.gguf --dtype float32 --hf-device cuda --max-total-tokens 131072 \
     --workload-file "$IN/workloads.json" --gen-cap 64 --latency-programs 1 --out "$OUT/programs_smollm2.jsonl" \
     --plots "$OUT/smollm2" ${B_ARGS:-} > "$OUT/programs_smollm2.log" 2>&1 || echo "programs exit $?" >> "$OUT/programs_smollm2.log"
+  if [ -n "${B2_ARGS:-}" ]; then  # a second run in the same call, e.g. other workloads without the HF baseline
+    timeout "${B2_TIMEOUT:-300}" python3 scripts/bench/run.py --model-path /tmp/smollm2.gguf --dtype float32 --hf-device cuda \
+      --max-total-tokens 131072 --workload-file "$IN/workloads.json" --gen-cap 64 --latency-programs 1 \
+      --out "$OUT/programs_smollm2_2.jsonl" --plots "$OUT/smollm2_2" $B2_ARGS > "$OUT/programs_smollm2_2.log" 2>&1 \
+      || echo "programs exit $?" >> "$OUT/programs_smollm2_2.log"
+  fi
 fi
 # a call brings back at most 8 files: one archive per stage
 cd "$OUT" && tar czf "/tmp/results_$stage.tgz" . && rm -rf "${OUT:?}"/* && mv "/tmp/results_$stage.tgz" "$OUT/"

@@ -158,6 +158,7 @@ def engine_factory(args):
 
 
 def main() -> None:
+    t_launch = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: every workload in a few minutes on 2 CPUs")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -229,12 +230,14 @@ def main() -> None:
             baseline.backend.generate = _capped(baseline.backend.generate, args.gen_cap)
 
     rows, t_start = [], time.perf_counter()
+    print(f"set-up (weights, baseline model) took {t_start - t_launch:.0f} s", flush=True)
     for name in names:
         wl = load_workload(stored[name]) if name in stored else build_workload(name, n, args.quick)
         if args.num_programs and len(wl.arguments) > args.num_programs:  # a stored workload, cut down
             wl = wl.subset(args.num_programs)
         print(f"== {name}: {len(wl.arguments)} programs ({wl.description})", flush=True)
         for config in configs:
+            t_config = time.perf_counter()
             runner = EngineRunner(make_engine, config, args.threads, args.gen_cap)
             try:
                 part = wl.subset(config.max_programs) if config.max_programs else wl
@@ -248,11 +251,16 @@ def main() -> None:
                            "compiles_first_pass": row["compiles"], "first_pass_s": row["batch_s"]}
             finally:
                 runner.close()
+            # the wall time of the whole configuration (engine start, warm-up, every timed pass), so a run cut
+            # by a timeout shows where its time went
+            row["config_wall_s"] = time.perf_counter() - t_config
             rows.append({"workload": name, "config": config.name, **row})
             harness.write_jsonl(rows[-1:], args.out + ".partial")  # survives a timeout later in the run
             print(f"  {config.name}: {row['programs_per_s']:.3f} prog/s, hit {row.get('hit_rate', 0):.3f} "
-                  f"(opt {row.get('optimal_hit_rate') or 0:.3f}), acc {row['accuracy']}", flush=True)
+                  f"(opt {row.get('optimal_hit_rate') or 0:.3f}), acc {row['accuracy']} "
+                  f"[{row['config_wall_s']:.0f} s; {time.perf_counter() - t_start:.0f} s in]", flush=True)
         if baseline is not None:
+            t_config = time.perf_counter()
             # the labelled single-call workloads run in full, so accuracy can be compared program by program
             k = len(wl.arguments) if name in ("mmlu", "hellaswag") else max(latency_n, 1)
             row = harness.measure(wl.subset(k), baseline, 1, 0)
@@ -260,7 +268,8 @@ def main() -> None:
             row["prompt_tokens"] = baseline.backend.prompt_tokens
             rows.append({"workload": name, "config": "hf_baseline", **row})
             harness.write_jsonl(rows[-1:], args.out + ".partial")
-            print(f"  hf_baseline: {row['programs_per_s']:.3f} prog/s", flush=True)
+            print(f"  hf_baseline: {row['programs_per_s']:.3f} prog/s [{time.perf_counter() - t_config:.0f} s; "
+                  f"{time.perf_counter() - t_start:.0f} s in]", flush=True)
     harness.add_ratios(rows, "hf_baseline")
     harness.agreement(rows, "hf_baseline")
     meta = {"command": command, "quick": args.quick, "model": args.dummy or args.model_path or "smollm2-135m",
