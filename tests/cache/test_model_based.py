@@ -105,9 +105,9 @@ def run_radix(num_ops, page_size, num_pages, seed):
     model = PrefixModel(page_size)
     locked = []  # (node, ns, prefix)
     pool: list[list[int]] = []
-    counts = dict.fromkeys(["match", "insert", "insert_fresh", "lock", "unlock", "evict", "flush", "reset"], 0)
+    counts = dict.fromkeys(["match", "insert", "insert_fresh", "lock", "unlock", "evict", "flush", "reset", "grow"], 0)
     ops = list(counts)
-    weights = np.array([25, 20, 10, 10, 10, 15, 2, 1], float)
+    weights = np.array([25, 20, 10, 10, 10, 15, 2, 1, 8], float)
     for _ in range(num_ops):
         op = ops[rng.choice(len(ops), p=weights / weights.sum())]
         ns = NAMESPACES[rng.integers(len(NAMESPACES))]
@@ -127,6 +127,7 @@ def run_radix(num_ops, page_size, num_pages, seed):
                 m = c.match_prefix(toks, ns)
                 model.match(ns, toks)
                 reuse, need = m.pages, (full - m.num_tokens) // page_size
+                c.lock(m.last_node)  # as the scheduler does: the eviction below must not take the matched pages
             else:  # recomputed everything: the duplicates must be freed by insert
                 reuse, need = np.zeros(0, np.int32), full // page_size
             if a.num_free < need:
@@ -140,10 +141,42 @@ def run_radix(num_ops, page_size, num_pages, seed):
                 want_present, want_freed = model.insert(ns, toks, pages.tolist())
                 assert c.insert(toks, pages, ns) == want_present
                 assert set(want_freed) <= set(a.free_pages().tolist())
+            if op == "insert":
+                c.unlock(m.last_node)
         elif op == "unlock":
             if locked:
                 node, _, _ = locked.pop(rng.integers(len(locked)))
                 c.unlock(node)
+        elif op == "grow":
+            # The scheduler's pattern: a request inserts its longer sequence with the pages it matched when it
+            # was admitted (still locked), though other inserts and evictions ran since.
+            if not locked:
+                counts[op] -= 1
+            else:
+                i = int(rng.integers(len(locked)))
+                node, ns, prefix = locked[i]
+                grown = list(prefix) + [int(t) for t in toks[: len(toks) // page_size * page_size]]
+                need = (len(grown) - len(prefix)) // page_size
+                if a.num_free < need:
+                    c.evict(need - a.num_free)
+                    model.pages = {k: v for k, v in model.pages.items() if k in snapshot(c)}
+                fresh = a.alloc(need)
+                if fresh is None or need == 0:
+                    counts[op] -= 1
+                    if fresh is not None:
+                        a.free(fresh)
+                else:
+                    matched = [model.pages[k] for k in model.keys_of(ns, list(prefix))]
+                    pages = np.concatenate([np.asarray(matched, np.int32), fresh]).astype(np.int32)
+                    want_present, want_freed = model.insert(ns, grown, pages.tolist())
+                    assert c.insert(grown, pages, ns) == want_present
+                    assert not set(want_freed) & set(matched), "a page the request matched was freed"
+                    assert set(want_freed) <= set(a.free_pages().tolist())
+                    m = c.match_prefix(grown, ns)
+                    assert m.num_tokens == len(grown)
+                    c.lock(m.last_node)
+                    c.unlock(node)
+                    locked[i] = (m.last_node, ns, tuple(grown))
         elif op in ("evict", "flush"):
             before = dict(model.pages)
             protected = model.protected((ns_, p) for _, ns_, p in locked)
@@ -181,7 +214,7 @@ def run_radix(num_ops, page_size, num_pages, seed):
 @pytest.mark.parametrize("page_size,num_pages,seed", [(1, 48, 0), (2, 40, 1), (4, 24, 2)])
 def test_radix_cache_agrees_with_brute_force_model(page_size, num_pages, seed):
     counts = run_radix(10_000, page_size, num_pages, seed)
-    assert sum(counts.values()) >= 9_000
+    assert sum(counts.values()) >= 8_000  # inserts and grows that find no pages do not count
     assert min(counts.values()) > 0, counts  # every kind of operation really ran
 
 
