@@ -52,6 +52,8 @@ ENGINE_FLAGS = [
                                         "is not set; '' for none")),
     ("gil_switch_interval_ms", dict(type=float, help="Python's thread switch interval while serving (the engine "
                                                      "loop shares the GIL with the HTTP server's threads)")),
+    ("disable_overlap_schedule", dict(action="store_true", help="wait for each step's tokens before scheduling the "
+                                                                "next (no overlap of host work with decode steps)")),
 ]
 
 HTTP_FLAGS = [

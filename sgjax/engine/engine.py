@@ -28,7 +28,7 @@ from sgjax.engine.images import ImageEncoder
 from sgjax.engine.loading import VISION, default_dtype, load_model_cached, pool_pages
 from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.engine.request import Req
-from sgjax.engine.runner import Runner
+from sgjax.engine.runner import Runner, uses_penalties
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.fsm import GrammarCache, GrammarError, RegexError, from_tokenizer
 from sgjax.kernels import default_backend
@@ -76,6 +76,10 @@ class ServerArgs:
     # (5 ms) to get it back from a busy thread: with 4 busy threads a tiny model's step took 119 ms at 5 ms and
     # 21 ms at 0.5 ms (scripts/bench_gil.py). Process-wide; None leaves the interpreter's setting alone.
     gil_switch_interval_ms: float | None = 0.5
+    # Overlap (SGLang's default too): while step k runs on the device, the host commits step k-1 and its streams,
+    # and step k+1 reads k's tokens on the device. Only decode steps whose requests need no host-side token state
+    # (no grammar, no penalties) overlap; the rest run one after the other.
+    disable_overlap_schedule: bool = False
 
     @classmethod
     def from_kwargs(cls, model_path, kwargs: dict) -> "ServerArgs":
@@ -142,6 +146,7 @@ class Engine:
         self._grammars = GrammarCache(max_entries=args.grammar_cache_size)
         self._vocabulary = None
         self._jumped_tokens = 0
+        self._overlapped_steps = 0
         self._sampled_tokens = 0
         self.on_step = None  # called on the engine thread with each step's seconds (the server's histogram)
         # Benchmarks set a list here to get every request the engine was given, with its output once finished
@@ -406,33 +411,69 @@ class Engine:
         return box["result"]
 
     def _loop(self) -> None:
+        """Schedule, dispatch, commit. With overlap, a decode step's commit waits for the next step's dispatch:
+        (a) schedule k on the provisional state of k-1, (b) dispatch k, (c) commit k-1 for real (tokens, stops,
+        streams, finishes), (d) commit k ahead (placeholders) when it can overlap, else wait for it now."""
         sched = self.scheduler
+        ahead = None  # (works, handle, t0) of a dispatched step committed ahead, not yet for real
         while True:
             try:
-                if not self._drain(block=not sched.has_work):
+                if not self._drain(block=not sched.has_work and ahead is None):
                     break
-                works = sched.schedule()
-                if not works:
-                    if sched.waiting and not sched.running:  # cannot happen for validated requests; never spin
+                had_ahead = ahead is not None
+                works = sched.schedule(retract=ahead is None)
+                if works is None:  # a retraction must see real tokens: finish the step in flight first
+                    self._commit(*ahead)
+                    ahead = None
+                    works = sched.schedule()
+                t0 = time.perf_counter()
+                handle = (works, self.runner.dispatch(works), t0) if works else None
+                if ahead is not None:
+                    self._commit(*ahead)
+                    ahead = None
+                if handle is None:
+                    # nothing fits even with no request running: cannot happen for validated requests; never spin
+                    # (after a step in flight the pages it freed were not free yet when this round scheduled)
+                    if not had_ahead and sched.waiting and not sched.running:
                         req = sched.waiting.pop(0)
                         self._finish(req, {"type": "abort", "message": "the request does not fit"}, release=False)
                     continue
-                t0 = time.perf_counter()
-                tokens, logprobs, top = self.runner.run(works)
-                dt = time.perf_counter() - t0
-                self._step_seconds += dt
-                if self.on_step is not None:
-                    self.on_step(dt)
-                for req in sched.commit(works, tokens, logprobs, top):
-                    self._after_token(req)
+                if self._overlaps(works):
+                    sched.commit_ahead(works)
+                    ahead = handle
+                    self._overlapped_steps += 1
+                else:
+                    self._commit(*handle)
             except Exception as e:  # a bug or a device error: fail what ran, keep serving
                 log.exception("engine step failed")
+                ahead = None
                 for req in list(sched.running):
                     sched.abort(req.rid)
                     self._finish(req, {"type": "abort", "message": f"internal error: {e}"}, release=False)
                 if self.runner.pool_lost():  # the donated pool died with the step: its KV is gone
                     self.runner.reset_pool()
                     sched.cache.reset()
+
+    def _overlaps(self, works) -> bool:
+        """Whether the next step may read this step's tokens on the device: every row decodes a request whose
+        next step needs nothing from the host (no FSM state, no penalty history: those read the real token)."""
+        if self.args.disable_overlap_schedule:
+            return False
+        for w in works:
+            req = w.req
+            if not (w.sample and len(w.tokens) == 1 and req.prefill_done and req.grammar is None
+                    and not uses_penalties(req.params)):
+                return False
+        return True
+
+    def _commit(self, works, handle, t0) -> None:
+        tokens, logprobs, top = self.runner.collect(works, handle)
+        dt = time.perf_counter() - t0
+        self._step_seconds += dt
+        if self.on_step is not None:
+            self.on_step(dt)
+        for req in self.scheduler.commit(works, tokens, logprobs, top):
+            self._after_token(req)
 
     def _drain(self, block: bool) -> bool:
         """Handle inbox messages; wait for one when idle. False when asked to stop."""
@@ -578,6 +619,7 @@ class Engine:
             "step_seconds": self._step_seconds, "detokenize_seconds": self._detokenize_seconds,
             "compiled_shapes": len(self.runner.shapes_seen),
             "traces": self.runner.traces, "jump_forward_tokens": self._jumped_tokens,
+            "overlapped_steps": self._overlapped_steps,
             "generated_tokens": self._sampled_tokens + self._jumped_tokens,
             "grammar_cache": dataclasses.asdict(self._grammars.stats),
         }

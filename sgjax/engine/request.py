@@ -41,6 +41,7 @@ class Req:
     last_node: Any = None
     kv_len: int = 0  # tokens of fill_ids whose KV is in `pages`
     prefill_done: bool = False  # the prompt (plus any resumed output) has been prefilled at least once
+    slot: int = -1  # while running: where the device keeps its newest sampled token (Runner.future)
 
     # reporting
     cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)

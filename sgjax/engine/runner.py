@@ -22,6 +22,7 @@ H200 (`scripts/probe_step_compile.py`): 3 decode rows of SmolLM2's shapes take 2
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -88,17 +89,23 @@ class StepShape:
 
 @functools.lru_cache(maxsize=None)
 def jitted_step(cfg: ModelConfig, attention: str):
-    """The jitted (weights, pool, buffer, shape) -> (SampleOutput, pool); one per (model, backend) per process, so
-    every engine in a process shares its compiled executables. `traces` counts compilations (tests)."""
+    """The jitted (weights, pool, buffer, shape, future) -> (SampleOutput, pool, future); one per (model, backend)
+    per process, so every engine in a process shares its compiled executables. `traces` counts compilations
+    (tests). `future` holds each running request's latest sampled token at its slot, on the device."""
     attend = get_backend(attention)
 
-    def step(weights, pool, buffer, shape: StepShape, image_features=None):
+    def step(weights, pool, buffer, shape: StepShape, future, image_features=None):
         step.traces += 1
         n = sum(shape.batch.sizes)
         num_rows = shape.batch.num_logits
         m = n + sampling_size(num_rows, shape.history)
         batch = unpack(buffer[:n], shape.batch)
         rows = unpack_sampling(buffer[n:m], num_rows, shape.history)
+        # A negative id -1 - s is a token the previous step sampled and the host has not read yet (the overlap
+        # loop): it is in slot s of `future`.
+        ids = batch.input_ids
+        slots = future.shape[0]
+        batch = dataclasses.replace(batch, input_ids=jnp.where(ids < 0, future[jnp.clip(-1 - ids, 0, slots - 1)], ids))
         embeds = None
         if shape.image_rows:  # image tokens take their feature rows instead of the (pad id) embeddings
             t = shape.batch.num_tokens
@@ -111,10 +118,12 @@ def jitted_step(cfg: ModelConfig, attention: str):
         mask = None
         if shape.mask_words:
             mask = unpack_bits(buffer[m:].reshape(num_rows, shape.mask_words), cfg.vocab_size)
-        return sample(logits, rows, num_top_logprobs=shape.top_logprobs, mask=mask), pool
+        out = sample(logits, rows, num_top_logprobs=shape.top_logprobs, mask=mask)
+        future = future.at[jnp.where(rows.slot >= 0, rows.slot, slots)].set(out.tokens, mode="drop")
+        return out, pool, future
 
     step.traces = 0
-    fn = jax.jit(step, donate_argnames=("pool",), static_argnames=("shape",))
+    fn = jax.jit(step, donate_argnames=("pool", "future"), static_argnames=("shape",))
     fn.counter = step
     return fn
 
@@ -130,6 +139,7 @@ class Runner:
         self.max_pages = -(-max_context // page_size)
         self.max_top_logprobs = max_top_logprobs
         self.num_pages = num_pages
+        self.future = jnp.zeros(max_reqs, jnp.int32)
         self.reset_pool()
         self.step = jitted_step(cfg, attention)
         self.shapes_seen: set[StepShape] = set()
@@ -153,11 +163,21 @@ class Runner:
 
     def run(self, works: list[Work]):
         """Run one step. Returns (tokens, logprobs, top) per work and fills each work's prompt_results."""
+        return self.collect(works, self.dispatch(works))
+
+    def dispatch(self, works: list[Work]):
+        """Start a step on the device and return at once (jax dispatches asynchronously); `collect` waits for it.
+        A work's token may be a placeholder -1 - slot for a token the previous step sampled (Req.slot)."""
         buffer, shape, sample_rows, prompt_rows, features = self.prepare(works)
         # features only when there are some: the call must match the precompiled (lowered) one to hit jit's cache
         extra = () if features is None else (jnp.asarray(features),)
-        out, self.pool = self.step(self.weights, self.pool, jnp.asarray(buffer), shape, *extra)
+        out, self.pool, self.future = self.step(self.weights, self.pool, jnp.asarray(buffer), shape, self.future,
+                                                *extra)
         self.shapes_seen.add(shape)
+        return out, sample_rows, prompt_rows
+
+    def collect(self, works: list[Work], handle):
+        out, sample_rows, prompt_rows = handle
         tokens, logprobs, top_ids, top_lps = jax.device_get((out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
         return self._unpack_results(works, sample_rows, prompt_rows, tokens, logprobs, top_ids, top_lps)
 
@@ -238,7 +258,7 @@ class Runner:
 
     def _sampling_rows(self, works, num_logits, sample_rows, prompt_rows):
         vocab = self.cfg.vocab_size
-        penalised = [w for w in works if w.sample and _uses_penalties(w.req.params)]
+        penalised = [w for w in works if w.sample and uses_penalties(w.req.params)]
         histories = {id(w): _history(w.req, vocab) for w in penalised}
         # A coarse ladder: the history length varies with every prompt, and each width is a compilation.
         width = bucket(max(map(len, histories.values())), 64, factor=4) if histories else 0
@@ -254,6 +274,7 @@ class Runner:
             p, req = w.req.params, w.req
             rows["seed"][srow] = req.seed
             rows["step"][srow] = len(req.output_ids)
+            rows["slot"][srow] = req.slot
             if not p.is_greedy:
                 rows["temperature"][srow] = p.temperature
                 rows["top_k"][srow] = max(p.top_k, 0)
@@ -316,7 +337,7 @@ class Runner:
 
         def compile_one(shape):
             buffer = jax.ShapeDtypeStruct(self._dummy_buffer(shape).shape, jnp.int32)
-            self.step.lower(self.weights, self.pool, buffer, shape).compile()
+            self.step.lower(self.weights, self.pool, buffer, shape, self.future).compile()
             return shape
 
         if threads <= 1:
@@ -353,12 +374,13 @@ class Runner:
 
     def run_dummy(self, shape: StepShape):
         """One step of `shape` on the dummy buffer (compiles it the first time); returns the sampled tokens."""
-        out, self.pool = self.step(self.weights, self.pool, jnp.asarray(self._dummy_buffer(shape)), shape)
+        out, self.pool, self.future = self.step(self.weights, self.pool, jnp.asarray(self._dummy_buffer(shape)),
+                                                shape, self.future)
         self.shapes_seen.add(shape)
         return out.tokens
 
 
-def _uses_penalties(p) -> bool:
+def uses_penalties(p) -> bool:
     return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
 
 

@@ -55,6 +55,7 @@ ROW_FIELDS = (
     ("seed", np.int32, 0),
     ("step", np.int32, 0),
     ("target", np.int32, -1),
+    ("slot", np.int32, -1),  # the request's slot in the step's future-token array (the overlap loop); -1: none
 )
 
 
@@ -78,6 +79,7 @@ class SamplingBatch:
     # i32[]; 0 when no row wants top logprobs: a step shape with K > 0 then skips the top-k (0.4 ms for 64 rows of
     # a 49k vocabulary on the H200), so K can stay fixed across batches (the coarse step-shape ladder)
     needs_top: Array = 1
+    slot: Array = None  # i32[L]: where the step stores each row's sampled token for the next step (-1: nowhere)
 
 
 @jax.tree_util.register_dataclass

@@ -86,6 +86,7 @@ class Scheduler:
         self.new_token_ratio = cfg.init_new_token_ratio
         self.rng = np.random.default_rng(cfg.seed)
         self.stats = Stats()
+        self._free_slots = list(range(cfg.max_running_requests - 1, -1, -1))
 
     # -- queue ------------------------------------------------------------------------------------------
     @property
@@ -103,6 +104,7 @@ class Scheduler:
                     queue.remove(req)
                     if queue is self.running:
                         self._release(req, keep=False)
+                        self._free_slot(req)
                     return req
         return None
 
@@ -110,11 +112,20 @@ class Scheduler:
         """A running request is done: cache its KV (whole pages) and drop its lock."""
         self.running.remove(req)
         self._release(req, keep=True)
+        self._free_slot(req)
+
+    def _free_slot(self, req: Req) -> None:
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            req.slot = -1
 
     # -- one step ---------------------------------------------------------------------------------------
-    def schedule(self) -> list[Work]:
-        """The next batch: running requests' decode tokens and prefill chunks, then newly admitted requests."""
-        plan = self._plan_running()
+    def schedule(self, retract: bool = True) -> list[Work] | None:
+        """The next batch: running requests' decode tokens and prefill chunks, then newly admitted requests.
+        With retract=False, None (and nothing changed) where the running requests' pages would need a retraction."""
+        plan = self._plan_running(retract)
+        if plan is None:
+            return None
         works = []
         budget = self.cfg.chunked_prefill_size
         for req, n in plan:
@@ -127,12 +138,14 @@ class Scheduler:
             self.stats.steps += 1
         return works
 
-    def _plan_running(self) -> list[tuple[Req, int]]:
+    def _plan_running(self, retract: bool = True) -> list[tuple[Req, int]] | None:
         """Next token counts of the running requests, retracting some until their pages can be found."""
         while True:
             plan, budget, need = [], self.cfg.chunked_prefill_size, 0
             for req in self.running:
                 if req.in_decode:
+                    if len(req.output_ids) >= req.params.max_new_tokens:
+                        continue  # its last token is still on the device (overlap): it finishes when that lands
                     n = 1
                 else:
                     n = min(req.fill_len - req.kv_len, budget)
@@ -143,6 +156,8 @@ class Scheduler:
                 need += self._pages_for(req.kv_len + n) - len(req.pages)
             if need <= self.allocator.num_free + self.cache.evictable_pages or not self.running:
                 return plan
+            if not retract:
+                return None
             self._retract_one()
 
     def _retract_one(self) -> None:
@@ -151,6 +166,7 @@ class Scheduler:
         victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids), -r.arrival))
         self.running.remove(victim)
         self._release(victim, keep=True)
+        self._free_slot(victim)
         if not victim.input_logprobs_complete:
             victim.input_logprobs.clear()
             victim.input_top_logprobs.clear()
@@ -197,6 +213,7 @@ class Scheduler:
                 self._timed(self.cache.unlock, m.last_node)
                 break
             req.pages, req.tree_pages, req.last_node, req.kv_len = m.pages.copy(), len(m.pages), m.last_node, m.num_tokens
+            req.slot = self._free_slots.pop()
             if req.cached_tokens < 0:
                 req.cached_tokens = m.num_tokens
                 self.stats.cached_tokens += m.num_tokens
@@ -250,6 +267,8 @@ class Scheduler:
         t_tree = 0.0
         for i, w in enumerate(works):
             req = w.req
+            if req.finished:  # finished or aborted while this step ran (the overlap loop): its row is dropped
+                continue
             req.kv_len = w.start + len(w.tokens)
             for (_, target), (lp, tops) in zip(w.prompt_rows, w.prompt_results):
                 if not req.input_logprobs and req.logprob_start_len == 0:
@@ -272,7 +291,10 @@ class Scheduler:
                 req.input_logprobs.append((None, req.input_ids[0]))  # a one-token prompt has no rows
                 req.input_top_logprobs.append(None)
             if w.sample:
-                req.output_ids.append(int(tokens[i]))
+                if req.output_ids and req.output_ids[-1] < 0:  # the placeholder commit_ahead put there
+                    req.output_ids[-1] = int(tokens[i])
+                else:
+                    req.output_ids.append(int(tokens[i]))
                 if req.return_logprob:
                     req.output_logprobs.append((float(logprobs[i]), int(tokens[i])))
                     req.output_top_logprobs.append(top[i] if top is not None else None)
@@ -282,6 +304,16 @@ class Scheduler:
         self.new_token_ratio = max(self.cfg.min_new_token_ratio,
                                    self.new_token_ratio - self.cfg.new_token_ratio_decay)
         return updated
+
+    def commit_ahead(self, works: list[Work]) -> None:
+        """Record a dispatched decode step before its tokens are known (the overlap loop): each request's KV
+        length advances and a placeholder -1 - slot stands for its new token, which the next step reads on the
+        device. `commit` puts the real token in its place."""
+        for w in works:
+            req = w.req
+            if not req.finished:
+                req.kv_len = w.start + len(w.tokens)
+                req.output_ids.append(-1 - req.slot)
 
     # -- pages ------------------------------------------------------------------------------------------
     def _pages_for(self, num_tokens: int) -> int:

@@ -172,7 +172,7 @@ def test_pack_unpack_round_trip():
     assert int(batch.needs_filter) == 1  # rows use top-k/top-p/min-p: set even though rows said 0
     assert int(unpack_sampling(pack_sampling(default_rows(L, W)), L, W).needs_filter) == 0
     empty = unpack_sampling(pack_sampling(default_rows(3, 0)), 3, 0)
-    assert empty.history.shape == (3, 0) and sampling_size(3, 0) == 32  # 10 fields x 3 rows + 2 flags
+    assert empty.history.shape == (3, 0) and sampling_size(3, 0) == 35  # 11 fields x 3 rows + 2 flags
 
 
 def test_logprobs_and_top_logprobs_are_raw_log_softmax():

@@ -263,20 +263,20 @@ def test_engine_errors_name_the_program_line(backend):
 def test_a_failed_engine_step_fails_the_program_by_name_and_the_engine_serves_on(engine, backend, monkeypatch):
     # On the H200 a failed step once reached select as "choice ... has no scored tokens": the aborted requests came
     # back with no logprobs, and the program went on as if they had been scored.
-    run = engine.runner.run
+    dispatch = engine.runner.dispatch
     failures = []
 
     def fail_once(works):
         if not failures:
             failures.append(1)
             raise RuntimeError("device lost")
-        return run(works)
+        return dispatch(works)
 
     @sgl.function
     def pick(s):
         s += "The sky on a clear day is" + sgl.select("colour", ["blue", "green"])
 
-    monkeypatch.setattr(engine.runner, "run", fail_once)
+    monkeypatch.setattr(engine.runner, "dispatch", fail_once)
     with pytest.raises(ProgramError, match=r"select\('colour'.*EngineError: the engine aborted the request: "
                                            r"internal error: device lost"):
         pick.run(backend=backend, temperature=0)["colour"]

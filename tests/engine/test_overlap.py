@@ -1,0 +1,110 @@
+"""The overlap loop (step k+1 reads step k's tokens on the device while the host commits step k) changes when the
+host learns each token, never which token: every output must equal the one-step-at-a-time loop's, whatever mix
+of requests, and nothing may leak when requests finish or leave while a step is in flight."""
+
+import threading
+import time
+
+import pytest
+
+from sgjax.engine.engine import Engine
+from tests.engine.test_engine import SMALL, assert_no_leak
+
+
+def mixed_requests(prompt_ids, host_state: bool):
+    """Requests that finish at different steps and for every reason, sampled and greedy; with `host_state`, also
+    the kinds whose steps must not overlap (penalties, a grammar, min_new_tokens)."""
+    params = []
+    for i, _ in enumerate(prompt_ids):
+        p = {"max_new_tokens": 4 + 3 * (i % 5), "temperature": 0}
+        if i % 4 == 1:
+            p.update(temperature=0.9, top_p=0.9, sampling_seed=100 + i)
+        if i % 7 == 2:
+            p.update(stop=["\n"])
+        if host_state and i % 6 == 3:
+            p.update(frequency_penalty=0.7)
+        if host_state and i == 5:
+            p.update(regex="(yes|no|maybe) [0-9]{2}")
+        if host_state and i == 8:
+            p.update(min_new_tokens=3, max_new_tokens=8)
+        params.append(p)
+    return params
+
+
+def run(prompt_ids, host_state=False, longer=0, **server_args):
+    params = mixed_requests(prompt_ids, host_state)
+    for p in params:
+        p["max_new_tokens"] += longer
+    with Engine(**{**SMALL, **server_args}) as eng:
+        outs = eng.generate(input_ids=prompt_ids, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+        info = eng.get_server_info()
+        assert_no_leak(eng)
+    return [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"],
+             o["meta_info"]["output_token_logprobs"], o["meta_info"]["output_top_logprobs"]) for o in outs], info
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(prompt_ids):
+    return run(prompt_ids, disable_overlap_schedule=True)
+
+
+def assert_same(outs, ref):
+    for i, (got, want) in enumerate(zip(outs, ref)):
+        assert got[:3] == want[:3], f"request {i}"
+        for (lp, tok, _), (lp_ref, tok_ref, _) in zip(got[3], want[3]):
+            assert tok == tok_ref and lp == pytest.approx(lp_ref, abs=1e-4), f"request {i}"
+        ids = [[None if top is None else [t for _, t, _ in top] for top in o[4]] for o in (got, want)]
+        assert ids[0] == ids[1], f"request {i}"  # (forced jump-forward tokens have no top logprobs)
+    assert any(o[2]["type"] == "stop" for o in outs) and any(o[2]["type"] == "length" for o in outs)
+
+
+def test_overlap_gives_the_same_outputs_as_one_step_at_a_time(prompt_ids, one_at_a_time):
+    ref, ref_info = one_at_a_time
+    outs, info = run(prompt_ids)
+    assert ref_info["overlapped_steps"] == 0
+    assert info["overlapped_steps"] >= 10  # the decode steps after the prefills (max_new_tokens 4..16)
+    assert_same(outs, ref)
+
+
+def test_steps_with_grammar_penalty_or_min_tokens_rows_wait_and_stay_right(prompt_ids):
+    ref, _ = run(prompt_ids, host_state=True, disable_overlap_schedule=True)
+    outs, info = run(prompt_ids, host_state=True)
+    assert_same(outs, ref)
+    assert outs[5][1].split(" ")[0] in ("yes", "no", "maybe")
+
+
+def test_overlap_under_memory_pressure_retracts_and_stays_right(prompt_ids):
+    # 20 pages for 16 requests of up to ~100 tokens: retractions, which wait for the step in flight.
+    pressure = dict(longer=24, max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16,
+                    schedule_conservativeness=0.0)
+    ref, ref_info = run(prompt_ids, disable_overlap_schedule=True, **pressure)
+    outs, info = run(prompt_ids, **pressure)
+    assert ref_info["retractions"] > 0 and info["retractions"] > 0 and info["overlapped_steps"] > 0
+    assert_same(outs, ref)
+
+
+def test_requests_aborted_while_their_step_is_in_flight_free_everything(smollm2, prompt_ids):
+    with Engine(**SMALL) as eng:
+        results, started = {}, threading.Event()
+
+        def consume(i, ids):
+            for chunk in eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 200, "temperature": 0,
+                                                                        "ignore_eos": True}, stream=True):
+                started.set()
+                results[i] = chunk
+        threads = [threading.Thread(target=consume, args=(i, ids)) for i, ids in enumerate(prompt_ids[:6])]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while len(results) < 6 and time.monotonic() < deadline:  # every stream is decoding
+            started.wait(0.05)
+        for i in range(0, 6, 2):
+            eng.abort(results[i]["meta_info"]["id"])
+        for t in threads:
+            t.join(120)
+        assert {results[i]["meta_info"]["finish_reason"]["type"] for i in range(0, 6, 2)} == {"abort"}
+        for i in range(1, 6, 2):
+            assert results[i]["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+            assert len(results[i]["output_ids"]) == 200
+        assert eng.get_server_info()["overlapped_steps"] > 100
+        assert_no_leak(eng)
