@@ -139,18 +139,20 @@ class Runner:
         self.max_pages = -(-max_context // page_size)
         self.max_top_logprobs = max_top_logprobs
         self.num_pages = num_pages
-        self.future = jnp.zeros(max_reqs, jnp.int32)
+        self.max_reqs = max_reqs
         self.reset_pool()
         self.step = jitted_step(cfg, attention)
         self.shapes_seen: set[StepShape] = set()
 
     def reset_pool(self) -> None:
+        """A fresh KV pool and future-token array (both are donated to every step, so a failed step may take them)."""
         cfg = self.cfg
         self.pool = allocate_pool(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
                                   dtype=jnp.dtype(cfg.dtype))
+        self.future = jnp.zeros(self.max_reqs, jnp.int32)
 
     def pool_lost(self) -> bool:
-        return self.pool is None or self.pool.is_deleted()
+        return self.pool is None or self.pool.is_deleted() or self.future.is_deleted()
 
     @property
     def traces(self) -> int:
