@@ -253,6 +253,27 @@ def table_snapshot(cache: TableCache):
     return out
 
 
+def table_insert(c: TableCache, model: "TableModel", ns, full: list, reused) -> tuple | None:
+    """The engine's insert: `reused` pages (a match), fresh ones for the rest, evicting first if they are short.
+    Checks the return value and records the entry in the model; None when no pages could be found."""
+    need = len(full) // c.page_size - len(reused)
+    if c.allocator.num_free < need:
+        c.evict(need - c.allocator.num_free)
+        model.pages = {k: v for k, v in model.pages.items() if k in table_snapshot(c)}
+    best = model.longest(ns, full)
+    fresh = c.allocator.alloc(need)
+    if fresh is None:
+        return None
+    pages = np.concatenate([np.asarray(reused, np.int32), fresh]).astype(np.int32)
+    assert c.insert(full, pages, ns) == (len(best[1]) if best else 0)
+    key = (ns, tuple(full))
+    if key not in model.pages:
+        have = len(model.pages[best]) if best else 0
+        model.pages[key] = (model.pages[best] if best else ()) + tuple(pages[have:].tolist())
+        model.parent[key] = best
+    return key
+
+
 @pytest.mark.parametrize("page_size,num_pages,seed", [(1, 64, 3), (2, 48, 4)])
 def test_table_cache_agrees_with_brute_force_model(page_size, num_pages, seed):
     rng = np.random.default_rng(seed)
@@ -283,20 +304,8 @@ def test_table_cache_agrees_with_brute_force_model(page_size, num_pages, seed):
             full = full[: len(full) // page_size * page_size]
         best = model.longest(ns, full)
         if op == "grow" and locked and len(full) > len(seq):
-            need = (len(full) - len(seq)) // page_size
-            if a.num_free < need:
-                c.evict(need - a.num_free)
-                model.pages = {k: v for k, v in model.pages.items() if k in table_snapshot(c)}
-                best = model.longest(ns, full)
-            fresh = a.alloc(need)
-            if fresh is not None:
-                pages = np.concatenate([np.asarray(model.pages[key], np.int32), fresh]).astype(np.int32)
-                assert c.insert(full, pages, ns) == len(best[1])
-                new_key = (ns, tuple(full))
-                if new_key not in model.pages:
-                    have = len(model.pages[best])
-                    model.pages[new_key] = model.pages[best] + tuple(pages[have:].tolist())
-                    model.parent[new_key] = best
+            new_key = table_insert(c, model, ns, full, model.pages[key])
+            if new_key is not None:
                 m = c.match_prefix(full, ns)
                 assert m.num_tokens == len(full)
                 c.lock(m.last_node)
@@ -312,20 +321,11 @@ def test_table_cache_agrees_with_brute_force_model(page_size, num_pages, seed):
                 locked.append((m.last_node, best))
         elif op == "insert" and full:
             m = c.match_prefix(full, ns)
-            need = (len(full) - m.num_tokens) // page_size
-            if a.num_free < need:
-                c.evict(need - a.num_free)
-                model.pages = {k: v for k, v in model.pages.items() if k in table_snapshot(c)}
-                best = model.longest(ns, full)
-            fresh = a.alloc(need)
-            if fresh is not None:
-                pages = np.concatenate([m.pages, fresh]).astype(np.int32)
-                assert c.insert(full, pages, ns) == (len(best[1]) if best else 0)
-                key = (ns, tuple(full))
-                if key not in model.pages:
-                    have = len(model.pages[best]) if best else 0
-                    model.pages[key] = (model.pages[best] if best else ()) + tuple(pages[have:].tolist())
-                    model.parent[key] = best
+            if m.last_node is not None:
+                c.lock(m.last_node)  # as the scheduler does: an eviction for the new pages must not take these
+            table_insert(c, model, ns, full, m.pages)
+            if m.last_node is not None:
+                c.unlock(m.last_node)
         elif op == "unlock" and locked:
             c.unlock(locked.pop(rng.integers(len(locked)))[0])
         elif op == "evict":
