@@ -68,7 +68,7 @@ HTTP_FLAGS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sgjax.engine.engine import ServerArgs
+    from sgjax.engine.args import ServerArgs
     from sgjax.server.serving import HttpArgs
 
     parser = argparse.ArgumentParser(prog="sgjax", description="SGLang on JAX.")
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def split_args(ns: argparse.Namespace):
     """(ServerArgs, HttpArgs) from parsed flags."""
-    from sgjax.engine.engine import ServerArgs
+    from sgjax.engine.args import ServerArgs
     from sgjax.server.serving import HttpArgs
 
     engine = ServerArgs(**{name: getattr(ns, name) for name, _ in ENGINE_FLAGS})

@@ -14,7 +14,7 @@ from sgjax.model.vision import load_llava_dir
 from sgjax.model.weights import dummy_weights
 
 if TYPE_CHECKING:
-    from sgjax.engine.engine import ServerArgs
+    from sgjax.engine.args import ServerArgs
 
 MODELS: dict = {}
 VISION: dict = {}  # the vision tower of a LLaVA checkpoint, beside its text model in MODELS
