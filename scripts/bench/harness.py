@@ -37,6 +37,8 @@ CONFIGS = {
     "no_frontend_parallelism": Config("no_frontend_parallelism", parallel=False, max_programs=8),
     "no_frontend_hint": Config("no_frontend_hint", hint=False),
 }
+# Not the paper's, run only when named in --configs: the engine waits for each step's tokens (no overlap loop).
+EXTRA_CONFIGS = {"no_overlap": Config("no_overlap", engine={"disable_overlap_schedule": True})}
 
 
 def measure(workload, runner, threads: int, latency_programs: int, repeats: int = 1) -> dict:

@@ -163,7 +163,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes: every workload in a few minutes on 2 CPUs")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--configs", default=None,
-                    help=f"comma-separated of {', '.join(harness.CONFIGS)} (default: all; --quick: {QUICK_CONFIGS})")
+                    help=f"comma-separated of {', '.join({**harness.CONFIGS, **harness.EXTRA_CONFIGS})} (default: "
+                         f"the paper's {len(harness.CONFIGS)}; --quick: {QUICK_CONFIGS})")
     ap.add_argument("--baseline", default="hf", help="hf (transformers, one call at a time) or none")
     ap.add_argument("--hf-device", default="cpu", help="torch device of the HF baseline (cpu, cuda)")
     ap.add_argument("--num-programs", type=int, default=None, help="programs per workload (default 2 quick, 64)")
@@ -196,10 +197,11 @@ def main() -> None:
     latency_n = args.latency_programs if args.latency_programs is not None else (0 if args.quick else 8)
     names = [w for w in args.workloads.split(",") if w]
     config_names = args.configs or (QUICK_CONFIGS if args.quick else ",".join(harness.CONFIGS))
-    unknown = [c for c in config_names.split(",") if c and c not in harness.CONFIGS]
+    known = {**harness.CONFIGS, **harness.EXTRA_CONFIGS}
+    unknown = [c for c in config_names.split(",") if c and c not in known]
     if unknown:
-        raise SystemExit(f"unknown config(s) {unknown}; known: {', '.join(harness.CONFIGS)}")
-    configs = [harness.CONFIGS[c] for c in config_names.split(",") if c]
+        raise SystemExit(f"unknown config(s) {unknown}; known: {', '.join(known)}")
+    configs = [known[c] for c in config_names.split(",") if c]
     for w in names:
         if w not in WORKLOADS:
             raise SystemExit(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
