@@ -42,6 +42,10 @@ with warnings.catch_warnings():
 _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so masked rows never make inf - inf
 _EMPTY_LSE = -1e30  # log-sum-exp of a split that saw no key: weight exp2(-1e30 - m) = 0
+# A batch bucket goes to the Mosaic GPU prefill kernel only with this many rows per request slot: it
+# spends a tile of 64 tensor-core rows on each request's last rows, so decode rows would waste it (a bucket
+# of 64 decodes at 4k beside two 1k extends has 32 rows per slot and stays on Triton).
+MGPU_MIN_ROWS_PER_REQ = 64
 
 
 def _pow2_ceil(x: int) -> int:
@@ -149,19 +153,29 @@ def default_config(num_rows: int, num_reqs: int, group: int, num_kv_heads: int, 
                 num_stages=2 if decode else 3, prefetch_pages=not decode)
 
 
+def _is_hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+
+
 def _num_cores() -> int:
     dev = jax.devices()[0]
     return getattr(dev, "core_count", None) or 132
 
 
 def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float,
-                         interpret: bool = False, kv_write: str | None = None, **config):
+                         interpret: bool = False, kv_write: str | None = None, prefill_kernel: str = "auto",
+                         mgpu: dict | None = None, **config):
     """The `pallas` backend on GPU (and in interpret mode on CPU). Returns ([T, Hq, D], pool).
 
     `config` overrides default_config's block_q, block_k, num_splits, num_warps, num_stages,
     prefetch_pages. `kv_write`: "pallas" (kv_write_gpu's kernel, the GPU default: 41 against 104 us per
     layer for a 4k prefill on the H200) or "xla" (kv_pool.write_kv's scatter, the interpret-mode default,
     where the kernel's op-by-op run only slows the tests; test_kv_write covers it there).
+    `prefill_kernel`: "mgpu" sends prefill-shaped batches (at least MGPU_MIN_ROWS_PER_REQ rows per request slot)
+    that pallas_mgpu supports to its Hopper kernel, with `mgpu` as its block sizes (on the H200 it took a 4k
+    prefill from 631 to 372 us, docs/kernels.md); "triton" keeps everything on this module's kernel; "auto" (the
+    default) is "mgpu" on a Hopper GPU and "triton" elsewhere (wgmma exists only on sm_90).
     """
     kv_write = kv_write or ("xla" if interpret else "pallas")
     if kv_write == "pallas":
@@ -172,6 +186,15 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
         raise ValueError(f"kv_write must be 'xla' or 'pallas', got {kv_write!r}")
     (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
      pages_per_req) = rb.batch_dims(q, pool, meta)
+    if prefill_kernel not in ("auto", "triton", "mgpu"):
+        raise ValueError(f"prefill_kernel must be 'auto', 'triton' or 'mgpu', got {prefill_kernel!r}")
+    if prefill_kernel == "auto":
+        prefill_kernel = "triton" if interpret or not _is_hopper() else "mgpu"
+    if prefill_kernel == "mgpu" and not interpret and num_rows >= MGPU_MIN_ROWS_PER_REQ * num_reqs:
+        from sgjax.kernels import pallas_mgpu
+
+        if pallas_mgpu.supported(q.dtype, head_dim, page_size, (mgpu or {}).get("block_kv", 128)):
+            return pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=sm_scale, **(mgpu or {})), pool
     num_combined = 2 * num_kv_heads
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim {head_dim} must be a power of two for Pallas-Triton")

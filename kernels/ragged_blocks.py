@@ -34,9 +34,9 @@ def batch_dims(q, pool, meta: AttentionMetadata):
             num_reqs, pages_per_req)
 
 
-def num_blocks(num_rows: int, num_reqs: int, block_q: int) -> int:
+def num_blocks(num_rows: int, num_reqs: int, block_q: int, align: int = 1) -> int:
     """Static upper bound on the blocks any batch of this shape needs (R requests + the padding)."""
-    return -(-num_rows // block_q) + num_reqs + 1
+    return -(-(num_rows + (align - 1) * (num_reqs + 1)) // block_q) + num_reqs + 1
 
 
 def block_table(meta: AttentionMetadata, num_rows: int, block_q: int):
@@ -45,14 +45,25 @@ def block_table(meta: AttentionMetadata, num_rows: int, block_q: int):
 
     Unused blocks get row_start == row_end == 0, i.e. no rows and no keys.
     """
+    return aligned_block_table(meta, num_rows, block_q, align=1)[0]
+
+
+def aligned_block_table(meta: AttentionMetadata, num_rows: int, block_q: int, align: int):
+    """block_table with every block starting at a multiple of `align` rows (TMA tiles need 8), and i32[num_blocks]
+    holding each block's request's (or the padding's) first row.
+
+    A request's first block then starts up to align - 1 rows early, inside the previous request: the kernel
+    computes those rows but must not store them (they are below the first row).
+    """
     num_reqs = meta.kv_lens.shape[0]
     cu = meta.cu_q_lens.astype(jnp.int32)
     starts = cu  # R real requests, then the padding pseudo-request starting at cu[-1]
     lens = jnp.concatenate([cu[1:] - cu[:-1], jnp.int32(num_rows) - cu[-1:]])
     kv_lens = jnp.concatenate([meta.kv_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
-    blocks = (lens + block_q - 1) // block_q
+    first = starts - starts % align
+    blocks = jnp.where(lens > 0, (starts + lens - first + block_q - 1) // block_q, 0)
     ends = jnp.cumsum(blocks)
-    b = jnp.arange(num_blocks(num_rows, num_reqs, block_q), dtype=jnp.int32)
+    b = jnp.arange(num_blocks(num_rows, num_reqs, block_q, align), dtype=jnp.int32)
     # The request of block b is the number of requests whose blocks end at or before b. Counted by
     # one compare-and-sum fusion: jnp.searchsorted's default is a loop, which on a GPU costs a kernel
     # launch and a device-to-host sync per step (measured: ~150 us per call on the H200).
@@ -60,10 +71,10 @@ def block_table(meta: AttentionMetadata, num_rows: int, block_q: int):
     used = req <= num_reqs
     req = jnp.minimum(req, num_reqs)
     first_block = ends[req] - blocks[req]
-    row_start = starts[req] + (b - first_block) * block_q
+    row_start = first[req] + (b - first_block) * block_q
     row_end = starts[req] + lens[req]
     # New tokens sit at positions [kv_len - q_len, kv_len); the padding has kv_len 0, so every one of
     # its positions is negative and no key is attended.
     pos_offset = kv_lens[req] - lens[req] - starts[req]
     table = jnp.stack([row_start, row_end, pos_offset, jnp.minimum(req, num_reqs - 1)], axis=1)
-    return jnp.where(used[:, None], table, 0).astype(jnp.int32)
+    return jnp.where(used[:, None], table, 0).astype(jnp.int32), jnp.where(used, starts[req], 0)

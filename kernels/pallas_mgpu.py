@@ -1,0 +1,295 @@
+"""Ragged paged prefill attention for Hopper in Pallas-Mosaic GPU (installed as sgjax.kernels.pallas_mgpu).
+
+The Triton kernel (pallas_gpu) tops out near 30 % of the bf16 matmul rate on a 4k prefill: Triton
+gives no control over TMA, warpgroup MMAs or warp specialisation. This kernel is FlashAttention-3's
+forward in Mosaic GPU, over our paged pool:
+- one CTA per (query block of 2 x block_q rows of one request, query head); three warpgroups: two
+  compute the two halves of the rows, one only issues TMA copies of K and V tiles into a ring of
+  `stages` shared-memory slots (warp specialisation, so loads never wait behind math);
+- a K/V tile of block_kv keys is gathered page by page: one TMA copy of page_size rows per page,
+  all completing on one barrier that expects every page's arrival;
+- the two compute warpgroups take turns on the tensor cores (a shared "schedule" barrier): while one
+  runs its QK^T and PV wgmmas, the other does its softmax (FA3's ping-pong);
+- causal masking only on tiles that reach past a row block's first position, like pallas_gpu.
+
+TMA row offsets must be multiples of 8, so a request's blocks start at its first row rounded down to 8
+(ragged_blocks.aligned_block_table) and may compute a few rows of the previous request. A 64-row tile wholly
+inside its request is stored straight into the output; a partial one (a request's first or last tile) goes to
+a side buffer, two slots per request, and XLA scatters those few rows (at most 2 (R + 1) tiles), so no CTA
+ever writes rows of another request.
+
+Only for prefill-shaped batches: a decode row would still cost a whole tile of tensor-core rows.
+Needs bf16 or fp16, head_dim a multiple of 64, page_size a multiple of 8 dividing block_kv. On the H200 a
+4k prefill takes 348-372 us with its KV write against 631-658 us for the Triton kernel (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from sgjax.kernels import ragged_blocks as rb
+from sgjax.kernels.metadata import AttentionMetadata
+
+_LOG2E = math.log2(math.e)
+_FIRST_ROW = rb.NUM_FIELDS  # the extra column: the first row of the block's request
+_FIELDS = rb.NUM_FIELDS + 1
+_ALIGN = 8  # TMA copies into (8, 64)-tiled shared memory need row offsets that are multiples of 8
+
+
+def _plgpu():
+    # Imported on use: jax 0.10/0.11 CPU wheels have the module, but nothing here runs without a Hopper GPU.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped, *, block_q, block_kv, stages,
+            page_size, pages_per_req, pages_per_layer, group, num_blocks, scale):
+    plgpu = _plgpu()
+    (qo_smem2, k_smem, v_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+    b = num_blocks - 1 - lax.axis_index("blocks")  # the longest (last) blocks of a request start first
+    head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    # The block table is flat, _FIELDS per block: scalar loads at one index lower on every jax version.
+    row_start, row_end = blk_ref[b * _FIELDS + rb.ROW_START], blk_ref[b * _FIELDS + rb.ROW_END]
+    pos_offset, req = blk_ref[b * _FIELDS + rb.POS_OFFSET], blk_ref[b * _FIELDS + rb.REQUEST]
+    first_row = blk_ref[b * _FIELDS + _FIRST_ROW]  # row_start may be up to 7 rows below it (8-row TMA tiles)
+    layer, real_rows = scal_ref[0], scal_ref[1]
+    kv_head = lax.div(head, jnp.int32(group))
+
+    def steps_for(lo, hi):
+        """KV tiles that rows [lo, hi) attend (0 when the range is empty)."""
+        kv_end = jnp.maximum(jnp.minimum(hi, row_end) + pos_offset, 0)
+        return jnp.where(hi > lo, pl.cdiv(kv_end, jnp.int32(block_kv)), 0)
+
+    # Every tile the memory warpgroup loads must be waited on by a compute warpgroup before its slot is reloaded
+    # (a barrier re-armed before its phase completed hangs), so it loads exactly what the longer half needs.
+    block_steps = steps_for(row_start, row_start + 2 * block_q)
+
+    def sched_barrier():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        qo_smem = qo_smem2.at[wg]
+        row0 = pl.multiple_of(row_start + wg * block_q, _ALIGN)
+        row_hi = jnp.minimum(row0 + block_q, row_end)
+        kv_steps = steps_for(row0, row_hi)
+        # Tiles wholly at or below the first row's position need no mask.
+        full_steps = jnp.clip(lax.div(row0 + pos_offset + 1, jnp.int32(block_kv)), 0, kv_steps)
+
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, block_q), head], qo_smem, q_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((block_q, q_ref.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+        @pl.when(kv_steps > 0)
+        def _():
+            plgpu.barrier_wait(k_bar.at[0])
+
+        pl.when(wg == 1)(sched_barrier)  # offsets the two warpgroups by half a step
+
+        def step(kv_step, carry, masked):
+            acc, m_i, l_i = carry
+            slot = lax.rem(kv_step, jnp.int32(stages))
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                sched_barrier()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where(rows + (row0 + pos_offset) >= keys + kv_step * block_kv, s, -jnp.inf)
+            # m is kept in log2 units times the scale, so p is one FMA and an exp2 per element.
+            m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(q_ref.dtype)
+            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+            plgpu.barrier_arrive(sched)  # softmax done
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched)  # the tensor cores are ours again
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])  # P from registers, as FA3
+                nxt = kv_step + 1
+
+                @pl.when(nxt < kv_steps)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(stages))])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        def drain(kv_step, _):
+            # Tiles the other warpgroup needs: free their slots and keep the ping-pong in step.
+            slot = lax.rem(kv_step, jnp.int32(stages))
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            sched_barrier()
+            sched_barrier()
+
+        carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), carry)
+        lax.fori_loop(kv_steps, block_steps, drain, None)
+        pl.when(wg == 0)(sched_barrier)
+
+        # Rows with no key (padding, empty tiles) have l = 0: write zeros, not 0/0.
+        l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+        acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        qo_smem[...] = acc.astype(qo_smem.dtype)
+        plgpu.commit_smem()
+        whole = (row0 >= first_row) & (row0 + block_q <= row_end)
+
+        @pl.when(whole)
+        def _():
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(row0, block_q), head])
+
+        @pl.when(~whole & (row0 < row_end))
+        def _():
+            # Slots 2s (a tile starting below the first row) and 2s + 1 (the last tile) of request s; the
+            # padding rows are s = R.
+            s = jnp.where(first_row >= real_rows, side_ref.shape[0] // 2 - 1, req)
+            plgpu.copy_smem_to_gmem(qo_smem, side_ref.at[2 * s + (row0 >= first_row).astype(jnp.int32), :, head])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        base = (layer * pages_per_layer) * page_size
+
+        def load(kv_step, slot):
+            for i in range(block_kv // page_size):
+                idx = jnp.minimum(kv_step * (block_kv // page_size) + i, pages_per_req - 1)
+                first = pl.multiple_of(base + pt_ref[req * pages_per_req + idx] * page_size, _ALIGN)
+                rows = pl.ds(i * page_size, page_size)
+                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(first, page_size), 2 * kv_head], k_smem.at[slot, rows],
+                                        k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(first, page_size), 2 * kv_head + 1],
+                                        v_smem.at[slot, rows], v_bar.at[slot])
+
+        for i in range(stages):
+            pl.when(i < block_steps)(functools.partial(load, i, i))
+
+        @pl.loop(0, jnp.maximum(block_steps - stages, 0))
+        def _(kv_step):
+            slot = lax.rem(kv_step, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            load(kv_step + stages, slot)
+
+
+_SMEM_BYTES = 227 * 1024  # shared memory a Hopper CTA may use
+
+
+def _smem_bytes(block_q: int, block_kv: int, head_dim: int, stages: int) -> int:
+    return 2 * (2 * block_q * head_dim + 2 * stages * block_kv * head_dim) + 1024  # bf16 tiles, barriers
+
+
+def _stages(block_q: int, block_kv: int, head_dim: int) -> int:
+    """The deepest K/V ring (3 measured best, 2 the least that overlaps) that fits in shared memory, 0 if none."""
+    return next((s for s in (3, 2) if _smem_bytes(block_q, block_kv, head_dim, s) <= _SMEM_BYTES), 0)
+
+
+def supported(q_dtype, head_dim: int, page_size: int, block_kv: int = 128, block_q: int = 64) -> bool:
+    """Whether this kernel handles the shapes (the caller falls back to the Triton kernel otherwise)."""
+    return (jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 64 == 0
+            and page_size % 8 == 0 and block_kv % page_size == 0 and _stages(block_q, block_kv, head_dim) > 0)
+
+
+def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: float, block_q: int = 64,
+                           block_kv: int = 128, stages: int | None = None):
+    """Attention of q [T, Hq, D] over the pool (the new K/V already written). Returns [T, Hq, D].
+
+    Defaults from the H200 sweep (docs/kernels.md): 128-key tiles 3 deep (224 KB of shared memory at D 128)
+    took a 4k prefill with its KV write in 372 us, against 421 us 2 deep and 406-471 us with 64-key tiles.
+    `stages` None: 3, or 2 where 3 would not fit in shared memory (head_dim 256)."""
+    plgpu = _plgpu()
+    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
+     pages_per_req) = rb.batch_dims(q, pool, meta)
+    if not supported(q.dtype, head_dim, page_size, block_kv, block_q):
+        raise ValueError(f"mgpu prefill attention needs bf16/fp16, head_dim % 64 == 0, page_size % 8 == 0 "
+                         f"dividing block_kv, and tiles that fit in shared memory; got {q.dtype}, D {head_dim}, "
+                         f"page {page_size}, block_kv {block_kv}")
+    stages = stages or _stages(block_q, block_kv, head_dim)
+    blocks, first_rows = rb.aligned_block_table(meta, num_rows, 2 * block_q, _ALIGN)
+    num_blocks = blocks.shape[0]
+    blocks = jnp.concatenate([blocks, first_rows[:, None]], axis=1).reshape(-1)
+    dtype = q.dtype
+    tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kernel = functools.partial(
+        _kernel, block_q=block_q, block_kv=block_kv, stages=stages, page_size=page_size,
+        pages_per_req=pages_per_req, pages_per_layer=num_pages, group=group, num_blocks=num_blocks,
+        scale=sm_scale * _LOG2E)
+
+    def entry(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref):
+        pl.run_scoped(
+            lambda *scoped: kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped),
+            (plgpu.SMEM((2, block_q, head_dim), dtype, transforms=tiles),
+             plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+             plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles)),
+            (plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
+             plgpu.Barrier(num_barriers=2)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    # TMA copies into 8-row smem tiles need the row count of q and out to be a multiple of 8.
+    padded_rows = -(-num_rows // 8) * 8
+    if padded_rows != num_rows:
+        q = jnp.pad(q, ((0, padded_rows - num_rows), (0, 0), (0, 0)))
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), meta.cu_q_lens[-1].astype(jnp.int32)])
+    out, side = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((padded_rows, num_heads, head_dim), dtype),
+                  jax.ShapeDtypeStruct((2 * (num_reqs + 1), block_q, num_heads, head_dim), dtype)),
+        grid=(num_heads, num_blocks),
+        grid_names=("heads", "blocks"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(blocks, scalars, meta.page_table.reshape(-1).astype(jnp.int32), q,
+      pool.reshape(num_layers * num_pages * page_size, 2 * num_kv_heads, head_dim))
+    dst = _side_rows(meta, num_rows, block_q)
+    dst = jnp.where(dst < num_rows, dst, padded_rows)  # out of bounds even when q was padded: dropped
+    out = out.at[dst].set(side.reshape(-1, num_heads, head_dim), mode="drop")
+    return out[:num_rows]
+
+
+def _side_rows(meta: AttentionMetadata, num_rows: int, block_q: int):
+    """i32[2 (R + 1) block_q]: the output row of each side-buffer row, num_rows (dropped) where none.
+
+    Request s (s = R: the padding rows) has tiles of block_q rows from its first row rounded down to a multiple of
+    8. Slot 2s holds its first tile when that starts below the first row; slot 2s + 1 its last tile when that ends
+    past the request and starts at or above the first row (otherwise the kernel stored it straight)."""
+    cu = meta.cu_q_lens.astype(jnp.int32)
+    first = cu
+    ends = jnp.concatenate([cu[1:], jnp.full((1,), num_rows, jnp.int32)])
+    aligned = first - first % _ALIGN
+    last = aligned + jnp.maximum(ends - 1 - aligned, 0) // block_q * block_q
+    i = jnp.arange(block_q, dtype=jnp.int32)[None, :]
+    front = aligned[:, None] + i
+    front_ok = (first % _ALIGN != 0)[:, None] & (front >= first[:, None]) & (front < ends[:, None])
+    back = last[:, None] + i
+    back_ok = ((last >= first) & (ends > first) & (ends < last + block_q))[:, None] & (back < ends[:, None])
+    rows = jnp.stack([jnp.where(front_ok, front, num_rows), jnp.where(back_ok, back, num_rows)], axis=1)
+    return rows.reshape(-1)

@@ -1,0 +1,140 @@
+"""The Hopper Mosaic GPU prefill kernel (kernels/pallas_mgpu.py) against the numpy attention of test_ref_attention.
+
+Compiled runs need a Hopper GPU (the H200 session runs this file there). On CPU, what can run does:
+the lowering to a Mosaic GPU custom call for CUDA, the side-buffer row map, and the backend's routing.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgjax.kernels import pallas_attention
+from sgjax.kernels import pallas_mgpu
+from sgjax.kernels import ragged_blocks as rb
+from sgjax.kernels.kv_pool import write_kv
+from tests.kernels.test_ref_attention import make_case
+
+ON_HOPPER = jax.default_backend() == "gpu" and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="compiles only for a Hopper GPU")
+
+# Ragged batches with 64-row tiles cut at every place: exact multiples, partial last tiles, a
+# request shorter than one tile, cached prefixes not on page or tile boundaries, padding rows and
+# padding request slots.
+CASES = {
+    "ragged-prefix": dict(q_lens=[130, 64, 7, 200], prefix_lens=[0, 100, 33, 300], page_size=16, head_dim=128),
+    "one-long": dict(q_lens=[1024], prefix_lens=[0], page_size=16, head_dim=128),
+    "padded-d64-page8": dict(q_lens=[70, 129], prefix_lens=[5, 0], page_size=8, head_dim=64, num_tokens=256,
+                             num_reqs=4, pages_per_req=40),
+}
+HEADS = {"mha": (4, 4), "gqa4": (8, 2), "gqa8": (8, 1)}
+
+
+def _bf16_case(case, heads, seed):
+    args, expected, total = make_case(np.random.default_rng(seed), num_heads=heads[0], num_kv_heads=heads[1],
+                                      **CASES[case])
+    q, k, v, pool, layer, meta = args
+    q, k, v, pool = (x.astype(jnp.bfloat16) for x in (q, k, v, pool))
+    return (q, k, v, pool, layer, meta), expected, total
+
+
+def _rel_err(out, expected, total):
+    out = np.asarray(out, np.float32)[:total]
+    return float(np.linalg.norm(out - expected[:total]) / np.linalg.norm(expected[:total]))
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("heads", sorted(HEADS))
+def test_kernel_matches_expectation(case, heads):
+    (q, k, v, pool, layer, meta), expected, total = _bf16_case(case, HEADS[heads], seed=len(case) + len(heads))
+    pool = write_kv(pool, layer, k, v, meta.slot_mapping)
+    fn = jax.jit(functools.partial(pallas_mgpu.mgpu_prefill_attention, sm_scale=q.shape[-1] ** -0.5))
+    for _ in range(2):  # a race shows as a result that moves between runs
+        out = np.asarray(fn(q, pool, layer, meta), np.float32)
+        assert np.isfinite(out).all()  # padding rows too
+        assert _rel_err(out, expected, total) < 1e-2
+        np.testing.assert_array_equal(out[total:], 0.0)
+
+
+@needs_hopper
+@pytest.mark.parametrize("block_kv,stages", [(64, 2), (128, 3)])
+def test_tile_configs(block_kv, stages):
+    (q, k, v, pool, layer, meta), expected, total = _bf16_case("ragged-prefix", HEADS["gqa4"], seed=5)
+    pool = write_kv(pool, layer, k, v, meta.slot_mapping)
+    out = jax.jit(functools.partial(pallas_mgpu.mgpu_prefill_attention, sm_scale=q.shape[-1] ** -0.5,
+                                    block_kv=block_kv, stages=stages))(q, pool, layer, meta)
+    assert _rel_err(out, expected, total) < 1e-2
+
+
+@needs_hopper
+def test_backend_routes_prefill_to_mgpu():
+    (q, k, v, pool, layer, meta), expected, total = _bf16_case("ragged-prefix", HEADS["gqa4"], seed=9)
+    fn = jax.jit(functools.partial(pallas_attention, sm_scale=q.shape[-1] ** -0.5, prefill_kernel="mgpu"))
+    assert "mosaic_gpu" in fn.lower(q, k, v, pool, layer, meta).as_text()
+    out, new_pool = fn(q, k, v, pool, layer, meta)
+    assert _rel_err(out, expected, total) < 1e-2
+    flat = np.asarray(new_pool[layer].astype(jnp.float32)).reshape(-1, 4, q.shape[-1])
+    slots = np.asarray(meta.slot_mapping)[:total]
+    np.testing.assert_array_equal(flat[slots, 0::2], np.asarray(k.astype(jnp.float32))[:total])
+
+
+def test_lowers_to_a_mosaic_gpu_call_for_cuda():
+    (q, k, v, pool, layer, meta), _, _ = _bf16_case("ragged-prefix", HEADS["gqa4"], seed=1)
+    fn = jax.jit(functools.partial(pallas_mgpu.mgpu_prefill_attention, sm_scale=0.1))
+    text = jax.export.export(fn, platforms=["cuda"])(q, pool, layer, meta).mlir_module()
+    assert "mosaic_gpu" in text
+
+
+def test_side_rows_map_each_partial_tile_once():
+    # Requests of 130 (two whole tiles and 2 rows), 64 rows from row 130 (tiles from 128: a partial first and
+    # last tile), 7 rows, an empty slot, then 55 padding rows to 256.
+    cu = jnp.asarray([0, 130, 194, 201, 201], jnp.int32)
+    meta = type("M", (), dict(cu_q_lens=cu))
+    rows = np.asarray(pallas_mgpu._side_rows(meta, num_rows=256, block_q=64)).reshape(5, 2, 64)
+    drop = 256
+    assert (rows[0, 0] == drop).all()  # request 0 starts on a tile boundary: no front slot
+    np.testing.assert_array_equal(rows[0, 1, :2], [128, 129])
+    assert (rows[0, 1, 2:] == drop).all()
+    np.testing.assert_array_equal(rows[1, 0, :2], drop)  # rows 128-129 belong to request 0
+    np.testing.assert_array_equal(rows[1, 0, 2:], np.arange(130, 192))
+    np.testing.assert_array_equal(rows[1, 1, :2], [192, 193])  # its last tile starts at 192
+    assert (rows[1, 1, 2:] == drop).all()
+    np.testing.assert_array_equal(rows[2, 0, :2], drop)  # tile from 192: rows 194-200 are request 2's
+    np.testing.assert_array_equal(rows[2, 0, 2:9], np.arange(194, 201))
+    assert (rows[2, 1] == drop).all()  # one tile, already in the front slot
+    assert (rows[3] == drop).all()  # an empty request slot has no rows
+    np.testing.assert_array_equal(rows[4, 0, 1:56], np.arange(201, 256))  # the padding, from row 200
+    assert rows[4, 0, 0] == drop and (rows[4, 1] == drop).all()
+    # Every row below 256 appears at most once across the slots.
+    real = rows[rows < drop]
+    assert len(real) == len(set(real.tolist()))
+
+
+def test_aligned_blocks_cover_each_row_once():
+    cu = jnp.asarray([0, 130, 194, 201, 201], jnp.int32)
+    meta = type("M", (), dict(cu_q_lens=cu, kv_lens=jnp.asarray([130, 100, 7, 0], jnp.int32)))
+    table, first = (np.asarray(x) for x in rb.aligned_block_table(meta, 256, 128, 8))
+    owner = np.full(256, -1)
+    for (start, end, _, _), lo in zip(table, first):
+        assert start % 8 == 0 and lo - 8 < start + 128
+        rows = np.arange(max(start, lo), min(start + 128, end))
+        assert (owner[rows] == -1).all()
+        owner[rows] = 1
+    assert (owner == 1).all()
+
+
+def test_supported_shapes():
+    assert pallas_mgpu.supported(jnp.bfloat16, 128, 16) and pallas_mgpu.supported(jnp.float16, 64, 8)
+    assert not pallas_mgpu.supported(jnp.float32, 128, 16)  # the Triton kernel keeps fp32
+    assert not pallas_mgpu.supported(jnp.bfloat16, 96, 16) and not pallas_mgpu.supported(jnp.bfloat16, 128, 4)
+    # 128-key tiles: 3 deep fit in shared memory at head_dim 128 (measured: 4 deep did not), none at 256
+    assert pallas_mgpu._stages(64, 128, 128) == 3 and not pallas_mgpu.supported(jnp.bfloat16, 256, 16)
+
+
+def test_unknown_prefill_kernel_is_rejected():
+    (q, k, v, pool, layer, meta), _, _ = _bf16_case("padded-d64-page8", HEADS["gqa4"], seed=2)
+    with pytest.raises(ValueError, match="prefill_kernel"):
+        pallas_attention(q, k, v, pool, layer, meta, sm_scale=0.1, prefill_kernel="cuda")
