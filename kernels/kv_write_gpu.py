@@ -35,7 +35,24 @@ def _kernel(slot_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, *, block_t, c
         plgpu.store(pool_ref.at[row[:, None], col[None, :]], x.astype(pool_ref.dtype), mask=ok)
 
 
-def pallas_write_kv(pool, layer, k, v, slot_mapping, *, interpret: bool = False):
+def _kernel_by_head(slot_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, *, block_t, num_tokens, num_kv_heads,
+                    slots_per_layer):
+    # [tokens, heads, head_dim] blocks: the last index is a plain arange, so Triton can see each head's run is
+    # contiguous and store it in wide vectors (the flat kernel's column arithmetic may hide that).
+    t = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)
+    h = jnp.arange(pl.next_power_of_2(num_kv_heads), dtype=jnp.int32)
+    d = jnp.arange(k_ref.shape[-1], dtype=jnp.int32)
+    ok = ((t < num_tokens)[:, None] & (h < num_kv_heads)[None, :])[:, :, None]
+    row = layer_ref[0] * slots_per_layer + plgpu.load(slot_ref.at[t], mask=t < num_tokens, other=0)
+    idx = (t[:, None, None], h[None, :, None], d[None, None, :])
+    for src, part in ((k_ref, 0), (v_ref, 1)):
+        x = plgpu.load(src.at[idx], mask=ok, other=0)
+        plgpu.store(pool_ref.at[row[:, None, None], (2 * h + part)[None, :, None], d[None, None, :]],
+                    x.astype(pool_ref.dtype), mask=ok)
+
+
+def pallas_write_kv(pool, layer, k, v, slot_mapping, *, interpret: bool = False,
+                    elements_per_program: int = _ELEMENTS_PER_PROGRAM, num_warps: int = 4, by_head: bool = False):
     """kv_pool.write_kv's contract (pool [L, P, S, 2 Hkv, D]; k, v [T, Hkv, D]; slots into `layer`),
     updating the pool in place when it is donated. Padded rows point at the null page, so several
     programs may write it: its contents are never read unmasked, whichever write lands."""
@@ -44,18 +61,24 @@ def pallas_write_kv(pool, layer, k, v, slot_mapping, *, interpret: bool = False)
     if num_tokens == 0:
         return pool
     cols = num_kv_heads * head_dim
-    block_t = max(1, min(pl.next_power_of_2(num_tokens), _ELEMENTS_PER_PROGRAM // pl.next_power_of_2(cols)))
-    kernel = functools.partial(_kernel, block_t=block_t, cols=cols, num_tokens=num_tokens, head_dim=head_dim,
-                               slots_per_layer=num_pages * page_size)
-    flat = pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim)
+    block_t = max(1, min(pl.next_power_of_2(num_tokens), elements_per_program // pl.next_power_of_2(cols)))
+    if by_head:
+        kernel = functools.partial(_kernel_by_head, block_t=block_t, num_tokens=num_tokens,
+                                   num_kv_heads=num_kv_heads, slots_per_layer=num_pages * page_size)
+        flat = pool.reshape(num_layers * num_pages * page_size, num_combined, head_dim)
+        k, v = k.reshape(num_tokens, num_kv_heads, head_dim), v.reshape(num_tokens, num_kv_heads, head_dim)
+    else:
+        kernel = functools.partial(_kernel, block_t=block_t, cols=cols, num_tokens=num_tokens, head_dim=head_dim,
+                                   slots_per_layer=num_pages * page_size)
+        flat = pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim)
+        k, v = k.reshape(num_tokens, cols), v.reshape(num_tokens, cols)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_tokens, block_t),),
         out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
         input_output_aliases={4: 0},
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name="paged_kv_write",
-    )(slot_mapping.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), k.reshape(num_tokens, cols),
-      v.reshape(num_tokens, cols), flat)
+    )(slot_mapping.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), k, v, flat)
     return out.reshape(pool.shape)

@@ -17,7 +17,8 @@ INTERPRET = jax.default_backend() != "gpu"
     (3, 17, 8, 8, 128, 5, jnp.bfloat16),    # Llama-3-8B's heads, a decode-sized batch, page 8
     (2, 40, 16, 2, 64, 300, jnp.float32),   # more tokens than one program's block, with a remainder
 ])
-def test_matches_xla_scatter(layers, pages, page_size, kv_heads, head_dim, tokens, dtype):
+@pytest.mark.parametrize("by_head", [False, True], ids=["flat", "by-head"])
+def test_matches_xla_scatter(layers, pages, page_size, kv_heads, head_dim, tokens, dtype, by_head):
     keys = jax.random.split(jax.random.key(tokens), 3)
     pool = jax.random.normal(keys[0], (layers, pages, page_size, 2 * kv_heads, head_dim), dtype)
     k, v = (jax.random.normal(key, (tokens, kv_heads, head_dim), dtype) for key in keys[1:])
@@ -25,8 +26,8 @@ def test_matches_xla_scatter(layers, pages, page_size, kv_heads, head_dim, token
     slots[-2:] = 0  # padded rows point at the null page (page 0)
     slots = jnp.asarray(slots, jnp.int32)
     expected = np.array(write_kv(pool, jnp.int32(1), k, v, slots), np.float32)
-    got = np.array(jax.jit(pallas_write_kv, static_argnames="interpret")(pool, jnp.int32(1), k, v, slots,
-                                                                          interpret=INTERPRET), np.float32)
+    write = jax.jit(pallas_write_kv, static_argnames=("interpret", "by_head"))
+    got = np.array(write(pool, jnp.int32(1), k, v, slots, interpret=INTERPRET, by_head=by_head), np.float32)
     expected[1, 0] = got[1, 0] = 0  # the null page: the padded rows race there by design
     np.testing.assert_array_equal(got, expected)
 
