@@ -213,11 +213,13 @@ def kv_write_only(q, k, v, pool, layer, meta, *, sm_scale):
     return q, write_kv(pool, layer, k, v, meta.slot_mapping)
 
 
-def kv_write_pallas_only(q, k, v, pool, layer, meta, *, sm_scale):
-    """kv_write_only with the Pallas write kernel (kernels/kv_write_gpu.py)."""
+def kv_write_pallas_only(q, k, v, pool, layer, meta, *, sm_scale, elements=8192, warps=4, by_head=False):
+    """kv_write_only with the Pallas write kernel (kernels/kv_write_gpu.py): `elements` tokens x columns per
+    program, `warps` per program, `by_head` its [tokens, heads, head_dim] variant."""
     from sgjax.kernels.kv_write_gpu import pallas_write_kv
 
-    return q, pallas_write_kv(pool, layer, k, v, meta.slot_mapping, interpret=jax.default_backend() == "cpu")
+    return q, pallas_write_kv(pool, layer, k, v, meta.slot_mapping, interpret=jax.default_backend() == "cpu",
+                              elements_per_program=elements, num_warps=warps, by_head=by_head)
 
 
 def kv_write_unique_only(q, k, v, pool, layer, meta, *, sm_scale):
@@ -227,6 +229,13 @@ def kv_write_unique_only(q, k, v, pool, layer, meta, *, sm_scale):
     page_size = pool.shape[2]
     pages, offsets = meta.slot_mapping // page_size, meta.slot_mapping % page_size
     return q, pool.at[layer, pages, offsets].set(interleave_kv(k, v).astype(pool.dtype), unique_indices=True)
+
+
+def mgpu_only(q, k, v, pool, layer, meta, *, sm_scale):
+    """The Mosaic GPU prefill kernel alone: attention over the pool as it is, no KV write."""
+    from sgjax.kernels.pallas_mgpu import mgpu_prefill_attention
+
+    return mgpu_prefill_attention(q, pool, layer, meta, sm_scale=sm_scale), pool
 
 
 def time_dense_baselines(sets, reps):
@@ -300,6 +309,13 @@ SWEEP = {  # pallas configs tried with --sweep (defaults come from kernels.palla
                                           (64, 128, 8, 2, False), (32, 64, 4, 3, False), (32, 32, 4, 4, True))],
 }
 
+# Mosaic GPU prefill kernel (kernels/pallas_mgpu.py) configurations timed with --mgpu: (block_kv, stages).
+MGPU_SWEEP = [(128, 2), (64, 2), (128, 3), (64, 3), (64, 4)]  # (128, 4) needs 297 KB of smem, over 227
+
+# The KV write kernel's (elements per program, warps, by_head) timed per layer with --mgpu; the default is the first.
+KV_WRITE_SWEEP = [(8192, 4, False), (32768, 4, False), (8192, 4, True), (2048, 4, True), (32768, 4, True),
+                  (32768, 8, True), (65536, 8, True)]
+
 _SHORT = dict(num_splits="ns", block_k="bk", block_q="bq", num_stages="st", num_warps="w", prefetch_pages="pf")
 
 
@@ -312,6 +328,8 @@ def main():
     ap.add_argument("--tpu-interpret", action="store_true", help="only run jax's TPU kernel in interpret mode")
     ap.add_argument("--per-layer", default="", help="comma-separated cases also timed per layer, model-like")
     ap.add_argument("--layers", type=int, default=8, help="layers of the --per-layer pool (one batch, all layers)")
+    ap.add_argument("--mgpu", action="store_true", help="also time the Mosaic GPU prefill kernel (Hopper) on "
+                    "prefill and mixed cases, its MGPU_SWEEP configurations, and it alone without the KV write")
     args = ap.parse_args()
     if args.tpu_interpret:
         return tpu_interpret_check()
@@ -325,6 +343,11 @@ def main():
           f"torch {torch_rates.get('torch_copy_bytes_per_s', 0) / 1e9:.0f}); bf16 matmul {mm / 1e12:.0f} TFLOP/s "
           f"(XLA {jax_mm / 1e12:.0f}, torch {torch_rates.get('torch_matmul_flops_per_s', 0) / 1e12:.0f})", flush=True)
     rows = []
+
+    def save(results):
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
     results = dict(copy_bytes_per_s=bw, matmul_flops_per_s=mm, xla_copy_bytes_per_s=jax_bw,
                    xla_matmul_flops_per_s=jax_mm, **torch_rates, cases=rows, jax=jax.__version__)
     for name in args.cases.split(","):
@@ -336,6 +359,11 @@ def main():
             kind = "prefill" if name.startswith("prefill") else "decode"
             backends += [("pallas " + " ".join(f"{_SHORT[k]}{int(v)}" for k, v in cfg.items()),
                           functools.partial(pallas_attention, **cfg)) for cfg in SWEEP[kind]]
+        if args.mgpu and not name.startswith("decode"):
+            backends += [("pallas triton", functools.partial(pallas_attention, prefill_kernel="triton"))]
+            backends += [(f"mgpu bkv{bkv} st{st}", functools.partial(
+                pallas_attention, prefill_kernel="mgpu", mgpu=dict(block_kv=bkv, stages=st))) for bkv, st in MGPU_SWEEP]
+            backends += [("mgpu kernel only (no KV write)", mgpu_only)]
         outs = {}
         for label, attend in backends:
             try:
@@ -370,11 +398,16 @@ def main():
                       f"({100 * r['bw_frac']:5.1f}%) {r['tflops']:6.1f} TF/s ({100 * r['mm_frac']:5.1f}%) "
                       f"err {r.get('rel_err_vs_ref', 0):.1e}", flush=True)
         del pool, sets
+        save(results)
         if name in args.per_layer.split(","):
             pool, sets, _, _ = build_case(q_lens, kv_lens, layers=args.layers, n_rot=1)
+            mgpu_rows = (("mgpu kernel only", mgpu_only),) if args.mgpu else ()
+            write_rows = [(f"kv_write_pallas e{e} w{w}{' by_head' * bh}", functools.partial(
+                kv_write_pallas_only, elements=e, warps=w, by_head=bh)) for e, w, bh in KV_WRITE_SWEEP] \
+                if args.mgpu else [("kv_write_pallas", kv_write_pallas_only)]
             for label, attend in (("pallas", pallas_attention),
-                                  ("pallas+write", functools.partial(pallas_attention, kv_write="pallas")),
-                                  ("kv_write_only", kv_write_only), ("kv_write_pallas", kv_write_pallas_only),
+                                  ("pallas triton", functools.partial(pallas_attention, prefill_kernel="triton")),
+                                  *mgpu_rows, ("kv_write_only", kv_write_only), *write_rows,
                                   ("kv_write_unique", kv_write_unique_only)):
                 t, pool, _ = time_per_layer(attend, pool, sets[0], args.reps)
                 # a write alone moves the new tokens' K/V twice (read, then written into pages); no FLOPs
@@ -385,9 +418,8 @@ def main():
                 r = rows[-1]
                 print(f"{name:14s} {r['backend'][:34]:34s} {t * 1e6:9.1f} us {r['gbps']:7.0f} GB/s "
                       f"({100 * r['bw_frac']:5.1f}%) {r['tflops']:6.1f} TF/s ({100 * r['mm_frac']:5.1f}%)", flush=True)
+                save(results)  # a run cut by its time limit keeps every row measured so far
             del pool, sets
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ sgjax child, and every row is reported against them. Writes JSON lines to OUT/be
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -53,6 +54,7 @@ def cost(cfg, batch: int, context: int, new: int) -> tuple[float, float]:
 def run_sgjax(args):
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     sys.path.insert(0, os.path.dirname(__file__))
     from roofline import copy_bandwidth, matmul_rate, roofline, time_fn
@@ -72,12 +74,20 @@ def run_sgjax(args):
     page = 16
     workloads = SMALL_WORKLOADS if small else WORKLOADS
     max_pages = max(b * -(-c // page) for _, b, c, _ in workloads) + 1
+    first_logits = {}  # workload -> logits of the first backend, to compare the others against
     for backend in args.attention:
-        step = make_step(cfg, get_backend(backend))
+        # "pallas:triton" / "pallas:mgpu": the pallas backend with that prefill kernel (kernels/pallas_gpu.py)
+        name_, _, prefill = backend.partition(":")
+        attend = get_backend(name_)
+        if prefill:
+            attend = functools.partial(attend, prefill_kernel=prefill)
+        step = make_step(cfg, attend)
         pool = allocate_pool(cfg.num_layers, max_pages, page, cfg.num_kv_heads, cfg.head_dim, dtype=jnp.bfloat16)
         pool = jax.jit(lambda p: jax.random.normal(jax.random.PRNGKey(3), p.shape, p.dtype),
                        donate_argnums=0)(pool)  # random, never zeros: zeros can run faster than real data
         for name, batch, context, new in workloads:
+            if args.workloads and name not in args.workloads:
+                continue
             pages_per_req = -(-context // page)
             tables = [list(range(1 + i * pages_per_req, 1 + (i + 1) * pages_per_req)) for i in range(batch)]
             chunks = [[int(t) for t in jax.random.randint(jax.random.PRNGKey(i), (new,), 0, cfg.vocab_size)]
@@ -91,11 +101,16 @@ def run_sgjax(args):
                 logits, state["pool"] = step(weights, state["pool"], dev)
                 return logits
 
+            logits = np.asarray(call(), np.float32)  # one step on the fresh pool: the same input for every backend
+            key = (name, batch, context)
+            first_logits.setdefault(key, logits)
+            err = float(np.linalg.norm(logits - first_logits[key]) / np.linalg.norm(first_logits[key]))
             seconds = time_fn(call, warmup=2, iters=5 if name == "prefill" else 20)
             pool = state["pool"]
             nbytes, flops = cost(cfg, batch, context, new)
             rows.append({"kind": "step", "impl": f"sgjax-{backend}", "workload": name, "batch": batch,
-                         "context": context, "tokens": batch * new, **roofline(seconds, nbytes, flops, bw, rate)})
+                         "context": context, "tokens": batch * new, "logits_rel_err_vs_first_backend": err,
+                         **roofline(seconds, nbytes, flops, bw, rate)})
             print(json.dumps(rows[-1]), flush=True)
         del pool
     return rows
@@ -152,6 +167,7 @@ def main():
     parser.add_argument("--attention", nargs="+", default=["ref"], help="attention backends to time")
     parser.add_argument("--part", choices=["sgjax", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--workloads", nargs="*", default=[], help="only these workloads (decode, prefill)")
     args = parser.parse_args()
     if args.part:
         rows = run_sgjax(args) if args.part == "sgjax" else run_hf(args)
@@ -159,7 +175,8 @@ def main():
             json.dump(rows, f)
         return
     os.makedirs(args.out, exist_ok=True)
-    base = [sys.executable, __file__, "--out", args.out, "--attention", *args.attention] + (["--small"] * args.small)
+    base = ([sys.executable, __file__, "--out", args.out, "--attention", *args.attention] + (["--small"] * args.small)
+            + (["--workloads", *args.workloads] if args.workloads else []))
     subprocess.run(base + ["--part", "sgjax"], check=True)
     rows = json.load(open(os.path.join(args.out, "part_sgjax.json")))
     if not args.skip_hf:
@@ -183,8 +200,9 @@ def report(rows, args):
     hf = {(r["workload"], r["batch"], r["context"]): r["ms"] for r in steps if r["impl"] == "hf-transformers"}
     print(f"\n{ceiling['device']}, jax {ceiling['jax']}: copy {ceiling['copy_gb_per_s']:.0f} GB/s, "
           f"bf16 matmul {ceiling['bf16_tflop_per_s']:.0f} TFLOP/s; model {cfg.num_params() / 1e9:.2f}B params bf16")
+    print("logit err: |logits - first backend's| / |first backend's| on the same first step (sgjax rows only)")
     print(f"{'impl':18} {'workload':8} {'batch':>5} {'ctx':>5} {'ms':>9} {'GB/s':>7} {'bw%':>5} {'TFLOP/s':>8} "
-          f"{'mm%':>5} {'roof%':>6} {'vs HF':>6}")
+          f"{'mm%':>5} {'roof%':>6} {'vs HF':>6} {'logit err':>9}")
     with open(os.path.join(args.out, "bench_forward.jsonl"), "a") as f:
         for r in steps:
             key = (r["workload"], r["batch"], r["context"])
@@ -194,7 +212,8 @@ def report(rows, args):
             vs = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] else "-"
             print(f"{r['impl']:18} {r['workload']:8} {r['batch']:5d} {r['context']:5d} {r['ms']:9.2f} "
                   f"{r['gb_per_s']:7.0f} {100 * r['bw_ratio']:5.1f} {r['tflop_per_s']:8.1f} "
-                  f"{100 * r['flop_ratio']:5.1f} {100 * r['roofline_ratio']:6.1f} {vs:>6}")
+                  f"{100 * r['flop_ratio']:5.1f} {100 * r['roofline_ratio']:6.1f} {vs:>6} "
+                  f"{r.get('logits_rel_err_vs_first_backend', 0.0):9.1e}")
 
 
 if __name__ == "__main__":
