@@ -50,7 +50,7 @@ def _plgpu():
 
 
 def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped, *, block_q, block_kv, stages,
-            page_size, pages_per_req, pages_per_layer, group, num_blocks, scale):
+            page_size, pages_per_req, pages_per_layer, group, num_blocks, scale, interpret):
     plgpu = _plgpu()
     (qo_smem2, k_smem, v_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
     b = num_blocks - 1 - lax.axis_index("blocks")  # the longest (last) blocks of a request start first
@@ -72,6 +72,20 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
     # (a barrier re-armed before its phase completed hangs), so it loads exactly what the longer half needs.
     block_steps = steps_for(row_start, row_start + 2 * block_q)
 
+    # In jax's GPU interpret mode (CPU, tests) there are no register layouts, and its wgmma takes neither a
+    # transposed B nor a register A: the two dots read the same smem tiles as plain dots there. Everything else
+    # (TMA page copies, the barrier protocol, tables, masks, softmax, stores) is the compiled kernel's own code.
+    def layout(x, to):
+        return x if interpret else plgpu.layout_cast(x, to)
+
+    def iota(shape, dim):
+        if interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    def dot(a, b, dims):
+        return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+
     def sched_barrier():
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
@@ -88,9 +102,9 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
 
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, block_q), head], qo_smem, q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
-        m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((block_q, q_ref.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
+        m_i = layout(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = layout(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = layout(jnp.full((block_q, q_ref.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
 
         @pl.when(kv_steps > 0)
         def _():
@@ -107,11 +121,14 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
                 sched_barrier()
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+            if interpret:
+                s = dot(qo_smem[...], k_smem.at[slot][...], ((1,), (1,)))
+                sched_barrier()
+            else:
+                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             if masked:
-                rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                rows, keys = iota(s.shape, 0), iota(s.shape, 1)
                 s = jnp.where(rows + (row0 + pos_offset) >= keys + kv_step * block_kv, s, -jnp.inf)
             # m is kept in log2 units times the scale, so p is one FMA and an exp2 per element.
             m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
@@ -125,21 +142,29 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_wait(sched)  # the tensor cores are ours again
 
+            def wait_next_k():
+                @pl.when(kv_step + 1 < kv_steps)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[lax.rem(kv_step + 1, jnp.int32(stages))])
+
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])  # P from registers, as FA3
-                nxt = kv_step + 1
+                wait_next_k()
 
-                @pl.when(nxt < kv_steps)
-                def _():
-                    plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(stages))])
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            if interpret:
+                acc = acc + dot(p16, v_smem.at[slot][...], ((1,), (0,)))
+                wait_next_k()
+            else:
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
         def drain(kv_step, _):
             # Tiles the other warpgroup needs: free their slots and keep the ping-pong in step.
             slot = lax.rem(kv_step, jnp.int32(stages))
+            if interpret:  # the interpreter insists that every thread observes every phase of a barrier
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
             sched_barrier()
@@ -195,6 +220,12 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
             plgpu.barrier_wait(v_free.at[slot])
             load(kv_step + stages, slot)
 
+        if interpret:  # observe the last releases too (see drain)
+            @pl.loop(jnp.maximum(block_steps - stages, 0), block_steps)
+            def _(kv_step):
+                plgpu.barrier_wait(k_free.at[lax.rem(kv_step, jnp.int32(stages))])
+                plgpu.barrier_wait(v_free.at[lax.rem(kv_step, jnp.int32(stages))])
+
 
 _SMEM_BYTES = 227 * 1024  # shared memory a Hopper CTA may use
 
@@ -215,12 +246,13 @@ def supported(q_dtype, head_dim: int, page_size: int, block_kv: int = 128, block
 
 
 def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: float, block_q: int = 64,
-                           block_kv: int = 128, stages: int | None = None):
+                           block_kv: int = 128, stages: int | None = None, interpret: bool = False):
     """Attention of q [T, Hq, D] over the pool (the new K/V already written). Returns [T, Hq, D].
 
     Defaults from the H200 sweep (docs/kernels.md): 128-key tiles 3 deep (224 KB of shared memory at D 128)
     took a 4k prefill with its KV write in 372 us, against 421 us 2 deep and 406-471 us with 64-key tiles.
-    `stages` None: 3, or 2 where 3 would not fit in shared memory (head_dim 256)."""
+    `stages` None: 3, or 2 where 3 would not fit in shared memory (head_dim 256). `interpret`: run in jax's GPU
+    interpret mode on the CPU (tests; the two dots become plain dots there, see _kernel)."""
     plgpu = _plgpu()
     (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
      pages_per_req) = rb.batch_dims(q, pool, meta)
@@ -237,7 +269,7 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
     kernel = functools.partial(
         _kernel, block_q=block_q, block_kv=block_kv, stages=stages, page_size=page_size,
         pages_per_req=pages_per_req, pages_per_layer=num_pages, group=group, num_blocks=num_blocks,
-        scale=sm_scale * _LOG2E)
+        scale=sm_scale * _LOG2E, interpret=interpret)
 
     def entry(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref):
         pl.run_scoped(
@@ -257,6 +289,8 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
     padded_rows = -(-num_rows // 8) * 8
     if padded_rows != num_rows:
         q = jnp.pad(q, ((0, padded_rows - num_rows), (0, 0), (0, 0)))
+    if interpret:  # the hardware zero-fills a TMA read past the end; the interpreter raises instead
+        q = jnp.pad(q, ((0, 2 * block_q), (0, 0), (0, 0)))
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), meta.cu_q_lens[-1].astype(jnp.int32)])
     out, side = plgpu.kernel(
         entry,
@@ -267,12 +301,21 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        **_interpret_kwargs(interpret),
     )(blocks, scalars, meta.page_table.reshape(-1).astype(jnp.int32), q,
       pool.reshape(num_layers * num_pages * page_size, 2 * num_kv_heads, head_dim))
     dst = _side_rows(meta, num_rows, block_q)
     dst = jnp.where(dst < num_rows, dst, padded_rows)  # out of bounds even when q was padded: dropped
     out = out.at[dst].set(side.reshape(-1, num_heads, head_dim), mode="drop")
     return out[:num_rows]
+
+
+def _interpret_kwargs(interpret: bool) -> dict:
+    if not interpret:
+        return {}
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # not public in jax 0.10/0.11
+
+    return dict(interpret=InterpretGPUParams())
 
 
 def _side_rows(meta: AttentionMetadata, num_rows: int, block_q: int):

@@ -1,7 +1,8 @@
 """The Hopper Mosaic GPU prefill kernel (kernels/pallas_mgpu.py) against the numpy attention of test_ref_attention.
 
-Compiled runs need a Hopper GPU (the H200 session runs this file there). On CPU, what can run does:
-the lowering to a Mosaic GPU custom call for CUDA, the side-buffer row map, and the backend's routing.
+Compiled runs need a Hopper GPU (the H200 session runs this file there). On CPU, jax's GPU interpret mode runs
+the kernel's TMA copies, barrier protocol, tables, masks, softmax and stores (its two dots as plain dots), and
+the lowering to a Mosaic GPU custom call for CUDA, the side-buffer row map and the routing are checked.
 """
 
 import functools
@@ -57,6 +58,32 @@ def test_kernel_matches_expectation(case, heads):
         assert np.isfinite(out).all()  # padding rows too
         assert _rel_err(out, expected, total) < 1e-2
         np.testing.assert_array_equal(out[total:], 0.0)
+
+
+# Small enough for the interpreter (a thread per warpgroup, every op a callback): ~20-30 s each on 2 cores.
+INTERPRET_CASES = {
+    # two blocks of 128 rows for request 0 (3 key tiles of 64: the slot ring wraps, the shorter half drains),
+    # request 1 starting at row 150 (its block starts at 144, inside request 0) on a 100-token prefix
+    "ragged": dict(q_lens=[150, 9], prefix_lens=[0, 100], page_size=16, head_dim=64),
+    # page 8, 13 padding rows and an empty request slot
+    "padded-page8": dict(q_lens=[70, 5], prefix_lens=[3, 0], page_size=8, head_dim=64, num_tokens=88, num_reqs=3,
+                         pages_per_req=10),
+}
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the compiled tests above cover the GPU")
+@pytest.mark.parametrize("case,heads", [("ragged", (2, 1)), ("padded-page8", (2, 2))])
+def test_interpret_mode_matches_expectation(case, heads):
+    args, expected, total = make_case(np.random.default_rng(11), num_heads=heads[0], num_kv_heads=heads[1],
+                                      **INTERPRET_CASES[case])
+    q, k, v, pool, layer, meta = args
+    q, k, v, pool = (x.astype(jnp.bfloat16) for x in (q, k, v, pool))
+    pool = write_kv(pool, layer, k, v, meta.slot_mapping)
+    out = pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, block_kv=64,
+                                             stages=2, interpret=True)
+    out = np.asarray(out, np.float32)
+    assert _rel_err(out, expected, total) < 1e-2
+    np.testing.assert_array_equal(out[total:], 0.0)
 
 
 @needs_hopper
