@@ -2,6 +2,7 @@
 
     python scripts/bench_overlap.py                        # a tiny random model on this machine (host-bound steps)
     python scripts/bench_overlap.py --model-path PATH      # a real checkpoint (SmolLM2 by default with --smollm2)
+    python scripts/bench_overlap.py --model-path DIR --load-format dummy   # random weights for DIR's config
 
 Prints a table and appends JSON lines (--out): configuration, wall seconds (median of --repeats), output tokens per
 second, steps, overlapped steps, and the ratio to one step at a time measured in the same run. On a CPU the device
@@ -24,7 +25,7 @@ def make_engine(args, overlap: bool):
     common = dict(max_running_requests=args.batch, max_total_tokens=args.batch * (args.prompt + args.new + 32),
                   disable_overlap_schedule=not overlap)
     if args.model_path or args.smollm2:
-        return Engine(args.model_path, **common)
+        return Engine(args.model_path, load_format=args.load_format, **common)
     from sgjax.model.config import ModelConfig
     from sgjax.model.weights import dummy_weights
 
@@ -37,6 +38,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--smollm2", action="store_true", help="the embedded SmolLM2 (the engine's default model)")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights for --model-path's config (e.g. the "
+                    "Llama-3-8B directory scripts/h200_bench.sh writes)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
