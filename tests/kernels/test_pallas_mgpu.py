@@ -71,7 +71,6 @@ INTERPRET_CASES = {
 }
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the compiled tests above cover the GPU")
 @pytest.mark.parametrize("case,heads", [("ragged", (2, 1)), ("padded-page8", (2, 2))])
 def test_interpret_mode_matches_expectation(case, heads):
     args, expected, total = make_case(np.random.default_rng(11), num_heads=heads[0], num_kv_heads=heads[1],
