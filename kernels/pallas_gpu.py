@@ -134,19 +134,20 @@ def _kernel(blk_ref, layer_ref, pt_ref, q_ref, kv_ref, *out_refs, block_q, group
 
 
 def default_config(num_rows: int, num_reqs: int, group: int, num_kv_heads: int, context: int,
-                   num_cores: int = 132) -> dict:
+                   num_cores: int = 132, short_only: bool = False) -> dict:
     """Static block sizes from the shapes alone (the kernel is compiled once per bucket).
 
     Decode-shaped buckets (no more rows than requests) use M = 16 rows, the smallest tensor-core dot,
     since each block holds one token, and long key tiles; longer ones use M = 64. Splits are added
     until about two programs per core exist, but never below 4 key tiles per split. The numbers
-    come from the H200 sweeps in docs/kernels.md.
+    come from the H200 sweeps in docs/kernels.md. `short_only`: the kernel sees only a mixed bucket's decodes
+    and short extends (the Hopper kernel takes its long requests), so it gets decode blocks, about one per request.
     """
-    decode = num_rows <= num_reqs
+    decode = num_rows <= num_reqs or short_only
     block_m = 16 if decode else 64
     block_k = 128 if decode else 32
     block_q = max(1, block_m // group)
-    est_blocks = max(min(num_rows, num_reqs), -(-num_rows // block_q))
+    est_blocks = num_reqs if short_only else max(min(num_rows, num_reqs), -(-num_rows // block_q))
     want = (2 * num_cores) // (est_blocks * num_kv_heads)
     num_splits = min(_pow2_floor(want), _pow2_floor(context // (4 * block_k)))
     return dict(block_q=block_q, block_k=block_k, num_splits=num_splits, num_warps=4,
@@ -172,10 +173,12 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
     prefetch_pages. `kv_write`: "pallas" (kv_write_gpu's kernel, the GPU default: 41 against 104 us per
     layer for a 4k prefill on the H200) or "xla" (kv_pool.write_kv's scatter, the interpret-mode default,
     where the kernel's op-by-op run only slows the tests; test_kv_write covers it there).
-    `prefill_kernel`: "mgpu" sends prefill-shaped batches (at least MGPU_MIN_ROWS_PER_REQ rows per request slot)
-    that pallas_mgpu supports to its Hopper kernel, with `mgpu` as its block sizes (on the H200 it took a 4k
-    prefill from 631 to 372 us, docs/kernels.md); "triton" keeps everything on this module's kernel; "auto" (the
-    default) is "mgpu" on a Hopper GPU and "triton" elsewhere (wgmma exists only on sm_90).
+    `prefill_kernel`: "mgpu" sends the requests of at least MGPU_MIN_ROWS_PER_REQ new rows to pallas_mgpu's Hopper
+    kernel when it supports the shapes, with `mgpu` as its block sizes (on the H200 it took a 4k prefill from 631 to
+    372 us, docs/kernels.md); a prefill-shaped bucket (that many rows per request slot) goes to it whole, a mixed
+    one is split by request. "triton" keeps everything on this module's kernel; "auto" (the default) is "mgpu" on
+    a Hopper GPU and "triton" elsewhere (wgmma exists only on sm_90). With `interpret`, "mgpu" runs the Hopper
+    kernel in jax's GPU interpret mode (tests) and "auto" is "triton".
     """
     kv_write = kv_write or ("xla" if interpret else "pallas")
     if kv_write == "pallas":
@@ -190,11 +193,32 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
         raise ValueError(f"prefill_kernel must be 'auto', 'triton' or 'mgpu', got {prefill_kernel!r}")
     if prefill_kernel == "auto":
         prefill_kernel = "triton" if interpret or not _is_hopper() else "mgpu"
-    if prefill_kernel == "mgpu" and not interpret and num_rows >= MGPU_MIN_ROWS_PER_REQ * num_reqs:
+    # Decode-shaped buckets (no more rows than requests) stay on the Triton kernel: no request can be long there.
+    if prefill_kernel == "mgpu" and num_rows >= MGPU_MIN_ROWS_PER_REQ and num_rows > num_reqs:
         from sgjax.kernels import pallas_mgpu
 
-        if pallas_mgpu.supported(q.dtype, head_dim, page_size, (mgpu or {}).get("block_kv", 128)):
-            return pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=sm_scale, **(mgpu or {})), pool
+        mgpu = dict(mgpu or {}, interpret=interpret)
+        if pallas_mgpu.supported(q.dtype, head_dim, page_size, mgpu.get("block_kv", 128)):
+            if num_rows >= MGPU_MIN_ROWS_PER_REQ * num_reqs:  # prefill-shaped: every request on the Hopper kernel
+                return pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=sm_scale, **mgpu), pool
+            # A mixed bucket: requests of at least MGPU_MIN_ROWS_PER_REQ new rows (and the padding) go to the
+            # Hopper kernel, the decodes and short extends to the Triton kernel with its decode blocks; each
+            # kernel's grid has programs for the other's requests that find no rows, and rows are picked after.
+            long_req = rb.long_requests(meta, MGPU_MIN_ROWS_PER_REQ)
+            long_out = pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=sm_scale, include=long_req,
+                                                          **mgpu)
+            short_out = _triton_attention(q, pool, layer, meta, sm_scale=sm_scale, interpret=interpret,
+                                          include=~long_req, config=config)
+            return jnp.where(rb.row_mask(meta, num_rows, long_req)[:, None, None], long_out, short_out), pool
+    return _triton_attention(q, pool, layer, meta, sm_scale=sm_scale, interpret=interpret, config=config), pool
+
+
+def _triton_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: float, interpret: bool, config: dict,
+                      include=None):
+    """This module's kernel over the requests in `include` (bool[R + 1], padding last; None: all). With
+    `include`, the bucket's other requests are the Hopper kernel's, so the blocks are sized for decodes."""
+    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
+     pages_per_req) = rb.batch_dims(q, pool, meta)
     num_combined = 2 * num_kv_heads
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim {head_dim} must be a power of two for Pallas-Triton")
@@ -203,12 +227,12 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
         q = jnp.pad(q.reshape(num_rows, num_kv_heads, group, head_dim), ((0, 0), (0, 0), (0, g - group), (0, 0)))
         q = q.reshape(num_rows, num_kv_heads * g, head_dim)
     cfg = default_config(num_rows, num_reqs, g, num_kv_heads, pages_per_req * page_size,
-                         1 if interpret else _num_cores())
+                         1 if interpret else _num_cores(), short_only=include is not None)
     cfg.update(config)
     block_q, num_splits = cfg["block_q"], cfg["num_splits"]
     heads = num_kv_heads * g
 
-    blocks = rb.block_table(meta, num_rows, block_q)
+    blocks = rb.block_table(meta, num_rows, block_q, include)
     kernel = functools.partial(
         _kernel, block_q=block_q, group=g, block_k=cfg["block_k"], page_size=page_size,
         pages_per_req=pages_per_req, pages_per_layer=num_pages, num_heads=heads, head_dim=head_dim,
@@ -230,7 +254,7 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
       pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim))
     out = outs[0] if num_splits == 1 else _combine(*outs).astype(q.dtype)
     out = out.reshape(num_rows, num_kv_heads, g, head_dim)[:, :, :group]
-    return out.reshape(num_rows, num_heads, head_dim), pool
+    return out.reshape(num_rows, num_heads, head_dim)
 
 
 def _combine(o, lse):

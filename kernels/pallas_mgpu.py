@@ -18,9 +18,10 @@ inside its request is stored straight into the output; a partial one (a request'
 a side buffer, two slots per request, and XLA scatters those few rows (at most 2 (R + 1) tiles), so no CTA
 ever writes rows of another request.
 
-Only for prefill-shaped batches: a decode row would still cost a whole tile of tensor-core rows.
+Only for prefill-shaped requests: a decode row would still cost a whole tile of tensor-core rows, so a mixed
+bucket gives this kernel only its long requests (`include`) and its decodes to the Triton kernel (pallas_gpu).
 Needs bf16 or fp16, head_dim a multiple of 64, page_size a multiple of 8 dividing block_kv. On the H200 a
-4k prefill takes 348-372 us with its KV write against 631-658 us for the Triton kernel (docs/kernels.md).
+4k prefill takes 339-372 us with its KV write against 628-658 us for the Triton kernel (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -246,13 +247,14 @@ def supported(q_dtype, head_dim: int, page_size: int, block_kv: int = 128, block
 
 
 def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: float, block_q: int = 64,
-                           block_kv: int = 128, stages: int | None = None, interpret: bool = False):
+                           block_kv: int = 128, stages: int | None = None, interpret: bool = False, include=None):
     """Attention of q [T, Hq, D] over the pool (the new K/V already written). Returns [T, Hq, D].
 
     Defaults from the H200 sweep (docs/kernels.md): 128-key tiles 3 deep (224 KB of shared memory at D 128)
     took a 4k prefill with its KV write in 372 us, against 421 us 2 deep and 406-471 us with 64-key tiles.
     `stages` None: 3, or 2 where 3 would not fit in shared memory (head_dim 256). `interpret`: run in jax's GPU
-    interpret mode on the CPU (tests; the two dots become plain dots there, see _kernel)."""
+    interpret mode on the CPU (tests; the two dots become plain dots there, see _kernel). `include` (bool[R + 1],
+    the last entry the padding rows): compute only those requests; the other rows of the result are undefined."""
     plgpu = _plgpu()
     (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
      pages_per_req) = rb.batch_dims(q, pool, meta)
@@ -261,7 +263,7 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
                          f"dividing block_kv, and tiles that fit in shared memory; got {q.dtype}, D {head_dim}, "
                          f"page {page_size}, block_kv {block_kv}")
     stages = stages or _stages(block_q, block_kv, head_dim)
-    blocks, first_rows = rb.aligned_block_table(meta, num_rows, 2 * block_q, _ALIGN)
+    blocks, first_rows = rb.aligned_block_table(meta, num_rows, 2 * block_q, _ALIGN, include)
     num_blocks = blocks.shape[0]
     blocks = jnp.concatenate([blocks, first_rows[:, None]], axis=1).reshape(-1)
     dtype = q.dtype

@@ -39,16 +39,17 @@ def num_blocks(num_rows: int, num_reqs: int, block_q: int, align: int = 1) -> in
     return -(-(num_rows + (align - 1) * (num_reqs + 1)) // block_q) + num_reqs + 1
 
 
-def block_table(meta: AttentionMetadata, num_rows: int, block_q: int):
+def block_table(meta: AttentionMetadata, num_rows: int, block_q: int, include=None):
     """i32[num_blocks, 4]: for each block its first row, its request's end row, the offset that turns
     a row index into its absolute position (pos = row + offset), and its request (for the page table).
 
-    Unused blocks get row_start == row_end == 0, i.e. no rows and no keys.
+    Unused blocks get row_start == row_end == 0, i.e. no rows and no keys. `include` (bool[R + 1], the last
+    entry the padding rows) keeps only those requests' blocks: two kernels can then split one batch.
     """
-    return aligned_block_table(meta, num_rows, block_q, align=1)[0]
+    return aligned_block_table(meta, num_rows, block_q, align=1, include=include)[0]
 
 
-def aligned_block_table(meta: AttentionMetadata, num_rows: int, block_q: int, align: int):
+def aligned_block_table(meta: AttentionMetadata, num_rows: int, block_q: int, align: int, include=None):
     """block_table with every block starting at a multiple of `align` rows (TMA tiles need 8), and i32[num_blocks]
     holding each block's request's (or the padding's) first row.
 
@@ -61,7 +62,8 @@ def aligned_block_table(meta: AttentionMetadata, num_rows: int, block_q: int, al
     lens = jnp.concatenate([cu[1:] - cu[:-1], jnp.int32(num_rows) - cu[-1:]])
     kv_lens = jnp.concatenate([meta.kv_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
     first = starts - starts % align
-    blocks = jnp.where(lens > 0, (starts + lens - first + block_q - 1) // block_q, 0)
+    wanted = lens > 0 if include is None else (lens > 0) & include
+    blocks = jnp.where(wanted, (starts + lens - first + block_q - 1) // block_q, 0)
     ends = jnp.cumsum(blocks)
     b = jnp.arange(num_blocks(num_rows, num_reqs, block_q, align), dtype=jnp.int32)
     # The request of block b is the number of requests whose blocks end at or before b. Counted by
@@ -78,3 +80,16 @@ def aligned_block_table(meta: AttentionMetadata, num_rows: int, block_q: int, al
     pos_offset = kv_lens[req] - lens[req] - starts[req]
     table = jnp.stack([row_start, row_end, pos_offset, jnp.minimum(req, num_reqs - 1)], axis=1)
     return jnp.where(used[:, None], table, 0).astype(jnp.int32), jnp.where(used, starts[req], 0)
+
+
+def long_requests(meta: AttentionMetadata, min_rows: int):
+    """bool[R + 1]: the requests with at least min_rows new rows, and True for the padding pseudo-request."""
+    cu = meta.cu_q_lens.astype(jnp.int32)
+    return jnp.concatenate([cu[1:] - cu[:-1] >= min_rows, jnp.ones((1,), bool)])
+
+
+def row_mask(meta: AttentionMetadata, num_rows: int, per_request):
+    """bool[T]: per_request (bool[R + 1], the last entry the padding rows) spread over each request's rows."""
+    # Request of each row by a cumulative count of request starts: O(T), no T x R compare.
+    starts = jnp.zeros((num_rows + 1,), jnp.int32).at[meta.cu_q_lens[1:].astype(jnp.int32)].add(1)
+    return per_request[jnp.cumsum(starts)[:num_rows]]

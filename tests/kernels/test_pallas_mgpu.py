@@ -15,6 +15,7 @@ import pytest
 from sgjax.kernels import pallas_attention
 from sgjax.kernels import pallas_mgpu
 from sgjax.kernels import ragged_blocks as rb
+from sgjax.kernels.pallas_gpu import pallas_gpu_attention
 from sgjax.kernels.kv_pool import write_kv
 from tests.kernels.test_ref_attention import make_case
 
@@ -105,6 +106,59 @@ def test_backend_routes_prefill_to_mgpu():
     flat = np.asarray(new_pool[layer].astype(jnp.float32)).reshape(-1, 4, q.shape[-1])
     slots = np.asarray(meta.slot_mapping)[:total]
     np.testing.assert_array_equal(flat[slots, 0::2], np.asarray(k.astype(jnp.float32))[:total])
+
+
+# A mixed bucket (96 rows, 5 request slots: fewer than 64 rows per slot): decodes and a short extend beside an
+# 80-row extend, a padding row block and an empty slot. The router splits it by request between the two kernels.
+MIXED = dict(q_lens=[1, 80, 1, 3], prefix_lens=[40, 20, 70, 10], page_size=16, head_dim=64, num_tokens=96,
+             num_reqs=5, pages_per_req=8)
+
+
+def _mixed_case(heads, seed):
+    args, expected, total = make_case(np.random.default_rng(seed), num_heads=heads[0], num_kv_heads=heads[1], **MIXED)
+    return tuple(x.astype(jnp.bfloat16) if i < 4 else x for i, x in enumerate(args)), expected, total
+
+
+def test_mixed_bucket_splits_between_kernels_in_interpret_mode():
+    (q, k, v, pool, layer, meta), expected, total = _mixed_case((2, 1), seed=4)
+    out, _ = pallas_gpu_attention(q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, prefill_kernel="mgpu",
+                                  interpret=True, mgpu=dict(block_kv=64, stages=2))
+    out = np.asarray(out, np.float32)
+    for rows in ([0], range(1, 81), [81], range(82, 85)):  # each request: a wrong pick or mask shows here
+        rows = list(rows)
+        np.testing.assert_allclose(out[rows], expected[rows], atol=3e-2, rtol=3e-2)
+    np.testing.assert_array_equal(out[total:], 0.0)
+
+
+@needs_hopper
+def test_mixed_bucket_compiled():
+    (q, k, v, pool, layer, meta), expected, total = _mixed_case((8, 2), seed=6)
+    fn = jax.jit(functools.partial(pallas_attention, sm_scale=q.shape[-1] ** -0.5, prefill_kernel="mgpu"))
+    text = fn.lower(q, k, v, pool, layer, meta).as_text()
+    assert "mosaic_gpu" in text and "ragged_paged_attention" in text  # both kernels
+    for _ in range(2):
+        out = np.asarray(fn(q, k, v, pool, layer, meta)[0], np.float32)
+        assert _rel_err(out, expected, total) < 1e-2
+        for rows in ([0], [81], [82, 83, 84]):  # the Triton kernel's requests
+            assert _rel_err(out[rows], expected[rows], len(rows)) < 1e-2
+        np.testing.assert_array_equal(out[total:], 0.0)
+
+
+def test_split_tables_give_each_row_one_kernel():
+    cu = jnp.asarray([0, 1, 81, 82, 85, 85], jnp.int32)
+    meta = type("M", (), dict(cu_q_lens=cu, kv_lens=jnp.asarray([41, 100, 71, 13, 0], jnp.int32)))
+    long_req = np.asarray(rb.long_requests(meta, 64))
+    np.testing.assert_array_equal(long_req, [False, True, False, False, False, True])  # the padding is long
+    row_long = np.asarray(rb.row_mask(meta, 96, jnp.asarray(long_req)))
+    np.testing.assert_array_equal(np.flatnonzero(~row_long), [0, 81, 82, 83, 84])
+    for include, block, align in ((long_req, 128, 8), (~long_req, 4, 1)):
+        table, first = (np.asarray(x) for x in rb.aligned_block_table(meta, 96, block, align, jnp.asarray(include)))
+        covered = np.zeros(96, bool)
+        for (start, end, _, _), lo in zip(table, first):
+            rows = np.arange(max(start, lo), min(start + block, end))
+            assert not covered[rows].any()
+            covered[rows] = True
+        np.testing.assert_array_equal(covered, row_long if include[-1] else ~row_long)
 
 
 def test_lowers_to_a_mosaic_gpu_call_for_cuda():
