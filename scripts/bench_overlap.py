@@ -3,6 +3,7 @@
     python scripts/bench_overlap.py                        # a tiny random model on this machine (host-bound steps)
     python scripts/bench_overlap.py --model-path PATH      # a real checkpoint (SmolLM2 by default with --smollm2)
     python scripts/bench_overlap.py --model-path DIR --load-format dummy   # random weights for DIR's config
+    python scripts/bench_overlap.py --dummy llama3-8b      # random Llama-3-8B weights (bf16), no tokenizer
 
 Prints a table and appends JSON lines (--out): configuration, wall seconds (median of --repeats), output tokens per
 second, steps, overlapped steps, and the ratio to one step at a time measured in the same run. On a CPU the device
@@ -26,9 +27,16 @@ def make_engine(args, overlap: bool):
                   disable_overlap_schedule=not overlap)
     if args.model_path or args.smollm2:
         return Engine(args.model_path, load_format=args.load_format, **common)
-    from sgjax.model.config import ModelConfig
+    from sgjax.model.config import ModelConfig, llama3_8b_config
     from sgjax.model.weights import dummy_weights
 
+    if args.dummy:
+        if args.dummy != "llama3-8b":
+            raise SystemExit(f"unknown --dummy {args.dummy!r}; known: llama3-8b")
+        if not hasattr(args, "weights"):  # both engines share one set of 16 GB of random weights
+            args.cfg = llama3_8b_config("bfloat16")
+            args.weights = dummy_weights(args.cfg)
+        return Engine.from_weights(args.cfg, args.weights, None, **common)
     cfg = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048)
     return Engine.from_weights(cfg, dummy_weights(cfg), **common)
@@ -40,6 +48,7 @@ def main() -> None:
     ap.add_argument("--smollm2", action="store_true", help="the embedded SmolLM2 (the engine's default model)")
     ap.add_argument("--load-format", default="auto", help="dummy: random weights for --model-path's config (e.g. the "
                     "Llama-3-8B directory scripts/h200_bench.sh writes)")
+    ap.add_argument("--dummy", default=None, help="llama3-8b: random Llama-3-8B weights (bf16), no tokenizer")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
@@ -68,7 +77,7 @@ def main() -> None:
                              wall_s_runs=times, output_tok_per_s=args.batch * args.new / wall,
                              steps=after["steps"] - before["steps"],
                              overlapped_steps=after["overlapped_steps"] - before["overlapped_steps"],
-                             model=args.model_path or ("smollm2" if args.smollm2 else "tiny-random"),
+                             model=args.model_path or args.dummy or ("smollm2" if args.smollm2 else "tiny-random"),
                              outputs_hash=hash(tuple(tuple(o["output_ids"]) for o in outs))))
     base = rows[0]["wall_s"]
     for r in rows:
