@@ -28,7 +28,7 @@ from sgjax.engine.images import ImageEncoder
 from sgjax.engine.loading import VISION, default_dtype, load_model_cached, pool_pages
 from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.engine.request import Req
-from sgjax.engine.runner import Runner, uses_penalties
+from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.fsm import GrammarCache, GrammarError, RegexError, from_tokenizer
 from sgjax.kernels import default_backend
@@ -405,13 +405,13 @@ class Engine:
 
     def _overlaps(self, works) -> bool:
         """Whether the next step may read this step's tokens on the device: every row decodes a request whose
-        next step needs nothing from the host (no FSM state, no penalty history: those read the real token)."""
+        next step needs nothing from the host (no FSM state: its mask needs the real token). A penalty window reads
+        the in-flight token from the device like the input does."""
         if self.args.disable_overlap_schedule:
             return False
         for w in works:
             req = w.req
-            if not (w.sample and len(w.tokens) == 1 and req.prefill_done and req.grammar is None
-                    and not uses_penalties(req.params)):
+            if not (w.sample and len(w.tokens) == 1 and req.prefill_done and req.grammar is None):
                 return False
         return True
 

@@ -106,6 +106,10 @@ def jitted_step(cfg: ModelConfig, attention: str):
         ids = batch.input_ids
         slots = future.shape[0]
         batch = dataclasses.replace(batch, input_ids=jnp.where(ids < 0, future[jnp.clip(-1 - ids, 0, slots - 1)], ids))
+        if shape.history:  # a penalty window's -2 - s is the same kind of token (-1 is the window's padding)
+            hist = rows.history
+            rows = dataclasses.replace(rows, history=jnp.where(hist <= -2, future[jnp.clip(-2 - hist, 0, slots - 1)],
+                                                               hist))
         embeds = None
         if shape.image_rows:  # image tokens take their feature rows instead of the (pad id) embeddings
             t = shape.batch.num_tokens
@@ -387,8 +391,10 @@ def uses_penalties(p) -> bool:
 
 
 def _history(req, vocab: int) -> np.ndarray:
-    """The sampler's penalty window: generated ids, then the prompt's distinct ids + vocab (repetition only)."""
+    """The sampler's penalty window: generated ids, then the prompt's distinct ids + vocab (repetition only).
+    A token still on the device (the overlap loop's placeholder -1 - slot) enters as -2 - slot: -1 pads."""
     out = np.asarray(req.output_ids, np.int32)
+    out = np.where(out < 0, out - 1, out)
     if req.params.repetition_penalty == 1.0:
         return out
     prompt = np.unique(np.asarray(req.input_ids, np.int32)) + vocab

@@ -13,7 +13,8 @@ from tests.engine.test_engine import SMALL, assert_no_leak
 
 def mixed_requests(prompt_ids, host_state: bool):
     """Requests that finish at different steps and for every reason, sampled and greedy; with `host_state`, also
-    the kinds whose steps must not overlap (penalties, a grammar, min_new_tokens)."""
+    the kinds that need host state (penalties, a grammar, min_new_tokens); a grammar row keeps its step from
+    overlapping."""
     params = []
     for i, _ in enumerate(prompt_ids):
         p = {"max_new_tokens": 4 + 3 * (i % 5), "temperature": 0}
@@ -71,6 +72,25 @@ def test_steps_with_grammar_penalty_or_min_tokens_rows_wait_and_stay_right(promp
     outs, info = run(prompt_ids, host_state=True)
     assert_same(outs, ref)
     assert outs[5][1].split(" ")[0] in ("yes", "no", "maybe")
+
+
+def test_penalty_rows_overlap_and_count_the_token_in_flight(prompt_ids):
+    # Every row penalised, so every decode step overlaps only if penalty rows may; the step after each overlapped
+    # one must count the token the host has not read yet (its window holds it as a placeholder), or greedy
+    # choices move away from the one-step-at-a-time loop's.
+    kinds = [dict(frequency_penalty=1.5), dict(presence_penalty=1.2), dict(repetition_penalty=1.8),
+             dict(frequency_penalty=0.8, presence_penalty=0.5, temperature=0.8, sampling_seed=7)]
+    params = [{"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, **kinds[i % 4]}
+              for i in range(len(prompt_ids))]
+    results = []
+    for disable in (True, False):
+        with Engine(**{**SMALL, "disable_overlap_schedule": disable}) as eng:
+            outs = eng.generate(input_ids=prompt_ids, sampling_params=params)
+            results.append(([o["output_ids"] for o in outs], eng.get_server_info()["overlapped_steps"]))
+            assert_no_leak(eng)
+    (ref, ref_overlapped), (got, overlapped) = results
+    assert ref_overlapped == 0 and overlapped >= 10
+    assert got == ref
 
 
 def test_overlap_under_memory_pressure_retracts_and_stays_right(prompt_ids):
