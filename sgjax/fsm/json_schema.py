@@ -25,6 +25,10 @@ FORMATS = {
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
 }
 FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
+# Nesting levels of a free-form value (`{}`, an object without properties, an array without items, a
+# json_object response). Any JSON is not regular, so containers nest at most this deep. One more level would not
+# compile: each level holds four copies of the one below, and at 5 the DFA construction passes 50000 states.
+FREE_DEPTH = 4
 # Keywords that only describe or annotate; they never constrain what we emit.
 _IGNORED = {"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
             "readOnly", "writeOnly", "additionalProperties", "$defs", "definitions", "type", "format",
@@ -65,7 +69,7 @@ class _Converter:
 
     def convert(self, schema, path: str, refs: tuple) -> str:
         if schema is True or schema == {}:
-            raise GrammarError(f"{path}: an unconstrained schema (any JSON value) is recursive; give it a type")
+            return self.free_value(FREE_DEPTH)
         if not isinstance(schema, dict):
             raise GrammarError(f"{path}: a schema must be an object, got {schema!r}")
         unknown = set(schema) - _IGNORED - _HANDLED
@@ -161,11 +165,29 @@ class _Converter:
             return NUMBER[2:]  # drop the optional minus sign
         return NUMBER
 
+    def free_value(self, depth: int) -> str:
+        """Any JSON value whose containers nest at most `depth` deep."""
+        scalar = f'(?:"{STRING_CHAR}*"|{NUMBER}|true|false|null)'
+        if depth == 0:
+            return scalar
+        inner = self.free_value(depth - 1)
+        return f"(?:{scalar}|{self.free_array(inner)}|{self.free_object(inner)})"
+
+    def free_array(self, item: str) -> str:
+        ws = self.open_ws
+        return rf"\[{ws}(?:{item}(?:{self.item_sep}{item})*)?{ws}\]"
+
+    def free_object(self, value: str) -> str:
+        """An object with any keys, each value matching `value`."""
+        ws, pair = self.open_ws, f'"{STRING_CHAR}*"{self.key_sep}{value}'
+        return rf"\{{{ws}(?:{pair}(?:{self.item_sep}{pair})*)?{ws}\}}"
+
     def array(self, schema: dict, path: str, refs: tuple) -> str:
         items = schema.get("items")
-        if items is None:
-            raise GrammarError(f"{path}: arrays need an 'items' schema")
-        item = self.convert(items, f"{path}/items", refs)
+        if items is None:  # any items
+            item = self.free_value(FREE_DEPTH - 1)
+        else:
+            item = self.convert(items, f"{path}/items", refs)
         lo = int(schema.get("minItems", 0))
         hi = schema.get("maxItems")
         hi = None if hi is None else int(hi)
@@ -191,7 +213,13 @@ class _Converter:
                   f'(?:{self.convert(sub, f"{path}/properties/{name}", refs)})', name in required)
                  for name, sub in props.items()]
         if not parts:
-            return rf"\{{{ws}\}}"
+            # No properties: any keys, unless additionalProperties says none (False) or gives their schema.
+            extra = schema.get("additionalProperties", True)
+            if extra is False:
+                return rf"\{{{ws}\}}"
+            if extra is True or extra == {}:
+                return self.free_object(self.free_value(FREE_DEPTH - 1))
+            return self.free_object(f"(?:{self.convert(extra, f'{path}/additionalProperties', refs)})")
         # Any subset of the properties, in order, containing the required ones: choose the first
         # emitted property i (all before it optional), then each later one is `sep prop`, optional or not.
         alternatives = []

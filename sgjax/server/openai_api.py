@@ -1,6 +1,7 @@
 """OpenAI-compatible /v1/completions and /v1/chat/completions over the engine.
 
-Requests map onto SamplingParams (max_tokens -> max_new_tokens, response_format's json_schema -> json_schema; SGLang's
+Requests map onto SamplingParams (max_tokens -> max_new_tokens, response_format's json_schema -> json_schema, and
+json_object -> the schema {"type": "object"}, any object, as SGLang maps it; SGLang's
 extras such as top_k, min_p and regex pass through). Prompts are templated and tokenized in a worker thread first,
 so that the prompt and max_tokens are checked against the context before anything is queued. Answers follow the
 shapes the official client parses: choices indexed prompt-major (n copies per prompt), finish_reason, logprobs, usage
@@ -167,9 +168,8 @@ def _response_schema(req: ChatCompletionRequest):
     rf = req.response_format
     if rf is None or rf.type == "text":
         return None
-    if rf.type == "json_object":
-        raise ApiError("response_format.type: json_object is not supported (any JSON object is not a regular "
-                       "language); give a json_schema", param="response_format.type")
+    if rf.type == "json_object":  # as SGLang maps it: any object (containers nest at most FREE_DEPTH deep here)
+        return {"type": "object"}
     if rf.json_schema is None or rf.json_schema.schema_ is None:
         raise ApiError("response_format.json_schema.schema: required for type json_schema",
                        param="response_format.json_schema.schema")

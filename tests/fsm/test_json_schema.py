@@ -34,7 +34,7 @@ NESTED = {"type": "object", "properties": {
     "meta": {"type": "object", "properties": {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}},
         "flag": {"type": ["boolean", "null"]}}},
-    "empty": {"type": "object"}}}
+    "empty": {"type": "object", "additionalProperties": False}}}
 SCHEMAS = [PERSON, ORDER, NESTED]
 
 
@@ -82,10 +82,44 @@ def test_fixed_separators_and_optional_properties():
 @pytest.mark.parametrize("schema,path", [
     ({"type": "object", "properties": {"child": {"$ref": "#"}}}, "#/properties/child"),
     ({"type": "object", "properties": {"x": {"type": "string", "not": {}}}}, "#/properties/x"),
-    ({"type": "array", "items": {"type": "object", "properties": {"a": {}}}}, "#/items/properties/a"),
+    ({"type": "array", "items": {"type": "object", "properties": {"a": {"type": "string", "patternProperties": {}}}}},
+     "#/items/properties/a"),
     ({"type": "number", "maximum": 3}, "#"),
 ])
 def test_unsupported_raises_with_path(schema, path):
     with pytest.raises(GrammarError) as err:
         schema_to_regex(schema)
     assert str(err.value).startswith(path + ":")
+
+
+FREE = [{"type": "object"}, {}, {"type": "array", "maxItems": 3},
+        {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
+        {"type": "object", "properties": {"id": {"type": "integer"}, "extra": {}}, "required": ["id"]}]
+
+
+@pytest.mark.parametrize("schema", FREE, ids=["object", "any", "array", "map", "nested-any"])
+def test_free_form_values_validate(schema):
+    # Free-form parts (json_object's {"type": "object"}, `{}`, an array without items, a map): any JSON of
+    # containers nested at most FREE_DEPTH deep.
+    g = compile_grammar(schema_to_regex(schema), TOY)
+    rng = np.random.default_rng(1)
+    done = 0
+    for _ in range(60):
+        ids = _random_walk(g, rng)
+        if ids is None:
+            continue
+        jsonschema.validate(json.loads(decode(TOY, ids)), schema)
+        done += 1
+    assert done >= 10
+
+
+def test_free_object_accepts_any_json_object_up_to_the_depth():
+    g = compile_grammar(schema_to_regex({"type": "object"}), TOY)
+    deep = '{"a": [1, {"b": [null]}]}'  # 4 levels of containers
+    for text in ['{}', '{"a": 1}', '{"a": -1.5e3, "b": "x\\n", "": [true, false, null]}', deep,
+                 '{"k": {"k": {"k": {}}}}']:
+        assert g.dfa.accepts(text.encode()), text
+    for text in ['[]', '{"a": 1,}', "{'a': 1}", '{"a" 1}', '{"a": [1, {"b": [[null]]}]}', '{"a": 01}']:
+        assert not g.dfa.accepts(text.encode()), text
+    empty = compile_grammar(schema_to_regex({"type": "object", "additionalProperties": False}), TOY)
+    assert empty.dfa.accepts(b"{}") and not empty.dfa.accepts(b'{"a": 1}')

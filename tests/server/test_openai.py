@@ -1,5 +1,5 @@
 """The official `openai` client against the server: completions, chat, streaming, n, logprobs, seeds, stops,
-response_format json_schema (outputs validated with jsonschema), and errors as the client raises them."""
+response_format json_schema (outputs validated with jsonschema) and json_object, and errors as the client raises them."""
 
 import json
 
@@ -121,6 +121,16 @@ def test_response_format_json_schema(oai, model):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == out.choices[0].message.content
 
 
+def test_response_format_json_object(oai, model):
+    # JSON mode: any object, containers nested at most FREE_DEPTH deep; the answer must parse as a JSON object.
+    out = oai.chat.completions.create(
+        model=model, max_tokens=64, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Output a JSON object with the keys name and age for Alice, who is 30."}])
+    assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+    value = json.loads(out.choices[0].message.content)
+    assert isinstance(value, dict) and "name" in value, value
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=5000), "max_tokens"),
     (dict(temperature=-1), "temperature"),
@@ -131,7 +141,6 @@ def test_response_format_json_schema(oai, model):
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
                                                                                            "not": {}}}}),
      "response_format.json_schema.schema"),
-    (dict(response_format={"type": "json_object"}), "response_format.type"),
     (dict(extra_body={"regex": "(unclosed"}), "regex"),
     (dict(logit_bias={"1": 5}), "logit_bias"),
 ])
