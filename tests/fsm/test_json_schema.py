@@ -55,17 +55,21 @@ def _random_walk(g, rng, max_steps=300):
 @pytest.mark.parametrize("options", [JsonOptions(), JsonOptions(whitespace="[ \n]?")])
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "order", "nested"])
 def test_random_walks_validate(schema, options):
+    assert _validated_walks(schema, options, seed=0, tries=40) >= 10
+
+
+def _validated_walks(schema, options, seed, tries):
+    """How many of `tries` random walks through the schema's grammar ended; each one must validate."""
     g = compile_grammar(schema_to_regex(schema, options), TOY)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     done = 0
-    for _ in range(40):
+    for _ in range(tries):
         ids = _random_walk(g, rng)
         if ids is None:
             continue
-        value = json.loads(decode(TOY, ids))
-        jsonschema.validate(value, schema)
+        jsonschema.validate(json.loads(decode(TOY, ids)), schema)
         done += 1
-    assert done >= 10
+    return done
 
 
 def test_fixed_separators_and_optional_properties():
@@ -101,16 +105,7 @@ FREE = [{"type": "object"}, {}, {"type": "array", "maxItems": 3},
 def test_free_form_values_validate(schema):
     # Free-form parts (json_object's {"type": "object"}, `{}`, an array without items, a map): any JSON of
     # containers nested at most FREE_DEPTH deep.
-    g = compile_grammar(schema_to_regex(schema), TOY)
-    rng = np.random.default_rng(1)
-    done = 0
-    for _ in range(60):
-        ids = _random_walk(g, rng)
-        if ids is None:
-            continue
-        jsonschema.validate(json.loads(decode(TOY, ids)), schema)
-        done += 1
-    assert done >= 10
+    assert _validated_walks(schema, None, seed=1, tries=60) >= 10
 
 
 def test_free_object_accepts_any_json_object_up_to_the_depth():
