@@ -20,6 +20,7 @@ from typing import Any
 _GREEDY_EPS = 1e-6
 _ALIASES = {"sampling_seed": "seed"}
 _ALIAS_OF = {v: k for k, v in _ALIASES.items()}
+MAX_LOGIT_BIAS = 1024  # entries per request: each is a slot of the sampler's window (a compiled width)
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
@@ -48,6 +49,9 @@ class SamplingParams:
     json_schema: str | None = None  # a JSON string; a dict is serialized
     n: int = 1
     seed: int | None = None  # SGLang's sampling_seed
+    # (token id, bias) pairs added to the logits after the penalties (OpenAI's / SGLang's logit_bias; a dict of
+    # ids, as ints or the strings JSON keys are, to biases in [-100, 100])
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         # Normalize the shapes callers commonly pass; anything else is left for validate() to report.
@@ -67,6 +71,10 @@ class SamplingParams:
                 object.__setattr__(self, name, float(value))
         if isinstance(self.json_schema, (dict, list)):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if self.logit_bias is None:
+            object.__setattr__(self, "logit_bias", ())
+        elif isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple((_token_key(k), v) for k, v in self.logit_bias.items()))
 
     @classmethod
     def from_dict(cls, d: dict | SamplingParams | None) -> SamplingParams:
@@ -140,6 +148,7 @@ class SamplingParams:
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
                 raise SamplingParamsError(f"stop_token_ids must hold ids in {bound}, got {t!r}")
 
+        self._validate_logit_bias(vocab_size)
         if self.regex is not None and not isinstance(self.regex, str):
             raise SamplingParamsError(f"regex must be a string, got {self.regex!r}")
         if self.json_schema is not None:
@@ -151,6 +160,21 @@ class SamplingParams:
                 raise SamplingParamsError(f"json_schema is not valid JSON: {e}") from None
         if self.regex is not None and self.json_schema is not None:
             raise SamplingParamsError("regex and json_schema are mutually exclusive: give at most one")
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if not isinstance(self.logit_bias, tuple):
+            raise SamplingParamsError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for entry in self.logit_bias:
+            token, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, None)
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0 or (
+                    vocab_size is not None and token >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise SamplingParamsError(f"logit_bias keys must be token ids in {bound}, got {token!r}")
+            _check_float("logit_bias", bias)
+            if not -100 <= bias <= 100:
+                raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
 
     @property
     def is_greedy(self) -> bool:
@@ -166,6 +190,13 @@ class SamplingParams:
             return seed
         raw = seed.to_bytes((seed.bit_length() + 8) // 8, "little", signed=True)
         return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") % 2**31
+
+
+def _token_key(key):
+    """A logit_bias key as an int token id where it is one (JSON object keys are strings); else left to validate."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    return key
 
 
 def _check_float(name: str, value) -> None:

@@ -264,10 +264,10 @@ class Runner:
 
     def _sampling_rows(self, works, num_logits, sample_rows, prompt_rows):
         vocab = self.cfg.vocab_size
-        penalised = [w for w in works if w.sample and uses_penalties(w.req.params)]
-        histories = {id(w): _history(w.req, vocab) for w in penalised}
+        windowed = [w for w in works if w.sample and (uses_penalties(w.req.params) or w.req.params.logit_bias)]
+        histories = {id(w): _window(w.req, vocab) for w in windowed}
         # A coarse ladder: the history length varies with every prompt, and each width is a compilation.
-        width = bucket(max(map(len, histories.values())), 64, factor=4) if histories else 0
+        width = bucket(max(len(ids) for ids, _ in histories.values()), 64, factor=4) if histories else 0
         wanted = max((w.req.top_logprobs_num for w in works if w.req.return_logprob), default=0)
         top = self.buckets.top(wanted)
         rows = default_rows(num_logits, width)
@@ -288,11 +288,13 @@ class Runner:
                 rows["min_p"][srow] = p.min_p
                 needs_filter |= p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
             h = histories.get(id(w))
-            if h is not None:  # a penalised row (the rest keep default_rows' neutral values)
+            if h is not None:  # a penalised or biased row (the rest keep default_rows' neutral values)
                 rows["frequency_penalty"][srow] = p.frequency_penalty
                 rows["presence_penalty"][srow] = p.presence_penalty
                 rows["repetition_penalty"][srow] = p.repetition_penalty
-                rows["history"][srow, :len(h)] = h
+                ids, bias = h
+                rows["history"][srow, :len(ids)] = ids
+                rows["bias"][srow, :len(ids)] = bias
         rows["needs_filter"] = np.asarray(int(needs_filter), np.int32)
         rows["needs_top"] = np.asarray(int(wanted > 0), np.int32)
         return rows, width, top
@@ -388,6 +390,16 @@ class Runner:
 
 def uses_penalties(p) -> bool:
     return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _window(req, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sampler's window of one row (ids, biases): the penalty history when penalised, then the logit_bias
+    entries as id + 2V with their biases (0 for the history's entries)."""
+    hist = _history(req, vocab) if uses_penalties(req.params) else np.zeros(0, np.int32)
+    pairs = req.params.logit_bias
+    ids = np.asarray([t for t, _ in pairs], np.int32).reshape(-1) + 2 * vocab
+    bias = np.concatenate([np.zeros(len(hist), np.float32), np.asarray([b for _, b in pairs], np.float32)])
+    return np.concatenate([hist, ids]), bias
 
 
 def _history(req, vocab: int) -> np.ndarray:

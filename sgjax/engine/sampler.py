@@ -13,7 +13,9 @@ Why it is built this way:
   in the window, prompt or generated; then the OpenAI frequency (`-= f * count`) and presence
   (`-= p * (count > 0)`) penalties, which count generated tokens only (vLLM's order). Top-p runs on
   the distribution renormalised after top-k, as chained HF warpers do. The mask comes before the
-  filters so that top-k / top-p choose among the allowed tokens only.
+  filters so that top-k / top-p choose among the allowed tokens only. `logit_bias` is added right after the
+  penalties (SGLang's order); its entries share the penalty window (id + 2V, the bias in `bias`), so a request
+  with a bias needs no new compiled shape beyond a window width.
 * Gumbel-max sampling with a per-(seed, step) key: `argmax(logits + gumbel)` is an exact sample of
   softmax(logits), and the noise of a row comes from `fold_in(fold_in(key(0), seed), step)`,
   generated per row (vmap). A request's token therefore depends only on its seed, how many tokens
@@ -74,12 +76,14 @@ class SamplingBatch:
     seed: Array  # i32[L]; the request's seed (any int32)
     step: Array  # i32[L]; tokens the request generated before this one
     target: Array  # i32[L]; -1: the row samples; >= 0: a prompt row, report the logprob of this token
-    history: Array  # i32[L, W]; token id (generated), id + V (prompt: repetition penalty only), -1 pad
+    # i32[L, W]; token id (generated), id + V (prompt: repetition penalty only), id + 2V (logit_bias), -1 pad
+    history: Array
     needs_filter: Array  # i32[]; 1 when any row uses top_k / top_p / min_p (else the sort is skipped)
     # i32[]; 0 when no row wants top logprobs: a step shape with K > 0 then skips the top-k (0.4 ms for 64 rows of
     # a 49k vocabulary on the H200), so K can stay fixed across batches (the coarse step-shape ladder)
     needs_top: Array = 1
     slot: Array = None  # i32[L]: where the step stores each row's sampled token for the next step (-1: nowhere)
+    bias: Array = None  # f32[L, W]: the logit_bias of each id + 2V window entry (0 elsewhere); None: none
 
 
 @jax.tree_util.register_dataclass
@@ -99,6 +103,7 @@ def default_rows(num_rows: int, width: int) -> dict[str, np.ndarray]:
     """Host arrays with every parameter off: greedy, no penalties, target -1, empty history."""
     rows = {name: np.full(num_rows, value, dtype) for name, dtype, value in ROW_FIELDS}
     rows["history"] = np.full((num_rows, width), -1, np.int32)
+    rows["bias"] = np.zeros((num_rows, width), np.float32)
     rows["needs_filter"] = np.array(0, np.int32)
     rows["needs_top"] = np.array(1, np.int32)
     return rows
@@ -113,8 +118,8 @@ def uses_filter(rows: dict[str, np.ndarray]) -> bool:
 
 
 def sampling_size(num_rows: int, width: int) -> int:
-    """Length of the packed buffer: the per-row fields, the history window, needs_filter, needs_top."""
-    return len(ROW_FIELDS) * num_rows + num_rows * width + 2
+    """Length of the packed buffer: the per-row fields, the window and its biases, needs_filter, needs_top."""
+    return len(ROW_FIELDS) * num_rows + 2 * num_rows * width + 2
 
 
 def pack_sampling(rows: dict[str, np.ndarray]) -> np.ndarray:
@@ -126,6 +131,9 @@ def pack_sampling(rows: dict[str, np.ndarray]) -> np.ndarray:
     num_rows, width = np.shape(rows["history"])
     parts = [np.asarray(rows[name], dtype).reshape(num_rows).view(np.int32) for name, dtype, _ in ROW_FIELDS]
     parts.append(np.asarray(rows["history"], np.int32).reshape(-1))
+    bias = rows.get("bias")
+    parts.append(np.zeros(num_rows * width, np.int32) if bias is None
+                 else np.asarray(bias, np.float32).reshape(-1).view(np.int32))
     needs_filter = bool(np.any(rows.get("needs_filter", 0))) or uses_filter(rows)
     parts.append(np.array([needs_filter, bool(np.any(rows.get("needs_top", 1)))], np.int32))
     return np.concatenate(parts)
@@ -141,7 +149,9 @@ def unpack_sampling(buffer, num_rows: int, width: int) -> SamplingBatch:
     start = len(ROW_FIELDS) * num_rows
     history = buffer[start:start + num_rows * width].reshape(num_rows, width)
     end = start + num_rows * width
-    return SamplingBatch(**fields, history=history, needs_filter=buffer[end], needs_top=buffer[end + 1])
+    bias = jax.lax.bitcast_convert_type(buffer[end:end + num_rows * width], jnp.float32).reshape(num_rows, width)
+    end += num_rows * width
+    return SamplingBatch(**fields, history=history, needs_filter=buffer[end], needs_top=buffer[end + 1], bias=bias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,7 +167,7 @@ def _history_counts(history, vocab: int):
     """
     num_rows, width = history.shape
     big = width + 1
-    valid = history >= 0
+    valid = (history >= 0) & (history < 2 * vocab)  # logit_bias entries (>= 2V) count for nothing
     generated = valid & (history < vocab)
     weight = jnp.where(generated, big + 1, jnp.where(valid, big, 0)).astype(jnp.int32)
     ids = jnp.where(valid, history % vocab, 0)
@@ -167,15 +177,23 @@ def _history_counts(history, vocab: int):
 
 
 def apply_penalties(logits, batch: SamplingBatch):
-    """Repetition (HF), then frequency and presence (OpenAI) penalties; a no-op when W == 0."""
+    """Repetition (HF), then frequency and presence (OpenAI) penalties, then logit_bias; a no-op when W == 0."""
     if batch.history.shape[1] == 0:
         return logits
+    vocab = logits.shape[-1]
+    if batch.bias is not None:  # padding rows and penalty entries add 0
+        is_bias = batch.history >= 2 * vocab
+        rows = jnp.arange(logits.shape[0])[:, None]
+        bias = jnp.zeros_like(logits).at[rows, jnp.where(is_bias, batch.history - 2 * vocab, 0)].add(
+            jnp.where(is_bias, batch.bias, 0.0))
+    else:
+        bias = 0.0
     count, seen = _history_counts(batch.history, logits.shape[-1])
     rep = batch.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     count = count.astype(jnp.float32)
     return (logits - batch.frequency_penalty[:, None] * count
-            - batch.presence_penalty[:, None] * (count > 0).astype(jnp.float32))
+            - batch.presence_penalty[:, None] * (count > 0).astype(jnp.float32)) + bias
 
 
 def _at(values, index):

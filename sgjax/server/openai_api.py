@@ -182,8 +182,6 @@ def _sampling(serving: Serving, req, ids: list[list[int]], prompt_field: str, as
     """SamplingParams of an OpenAI request. Unlike /generate (which clips, as SGLang's native API does), a
     max_tokens that does not fit beside the prompt is an error, as in OpenAI's API. `expanded`: the rows the
     engine adds when it expands image tokens, which count against the limit too."""
-    if req.logit_bias:
-        raise ApiError("logit_bias: not supported", param="logit_bias")
     limit = serving.token_limit
     longest = max(len(x) for x in ids) + expanded
     for x in ids:
@@ -201,7 +199,7 @@ def _sampling(serving: Serving, req, ids: list[list[int]], prompt_field: str, as
          "repetition_penalty": req.repetition_penalty, "min_new_tokens": req.min_tokens,
          "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
          "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim, "regex": req.regex,
-         "json_schema": json_schema}
+         "json_schema": json_schema, "logit_bias": req.logit_bias}
     try:
         return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
     except SamplingParamsError as e:

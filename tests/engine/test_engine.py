@@ -125,6 +125,20 @@ def test_penalties_change_the_output_and_keep_it_valid(engine):
     assert pen["meta_info"]["completion_tokens"] == 8
 
 
+def test_logit_bias_forces_and_bans_tokens(engine):
+    greedy = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    base = engine.generate("The capital of France is", greedy)["output_ids"]
+    forced = engine.generate("The capital of France is", {**greedy, "logit_bias": {"42": 100}})["output_ids"]
+    assert forced == [42] * 4
+    banned = engine.generate("The capital of France is", {**greedy, "logit_bias": {str(base[0]): -100}})
+    assert banned["output_ids"][0] != base[0]
+    # beside penalties in one window, and in a batch with rows that have neither
+    both = engine.generate(["The capital of France is", "Hi"], [
+        {**greedy, "frequency_penalty": 1.0, "logit_bias": {base[0]: -100, 7: 100}}, greedy])
+    assert both[0]["output_ids"] == [7] * 4
+    assert both[1]["output_ids"] == engine.generate("Hi", greedy)["output_ids"]
+
+
 def test_steady_state_compiles_nothing(engine, prompt_ids):
     def run(params):
         engine.flush_cache()  # the same cache state each time, hence the same batches
@@ -207,6 +221,8 @@ def test_logprobs_match_hf(engine, hf_smollm2, smollm2):
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"),
     ({"max_new_tokens": -1}, "max_new_tokens"), ({"min_p": 2}, "min_p"), ({"nucleus": 0.5}, "nucleus"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"stop_token_ids": [10 ** 6]}, "stop_token_ids"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"), ({"logit_bias": {str(10 ** 6): 1}}, "logit_bias"),
+    ({"logit_bias": {"one": 1}}, "logit_bias"),
 ])
 def test_bad_sampling_params_are_clear_errors_and_the_engine_keeps_serving(engine, params, field):
     with pytest.raises(SamplingParamsError, match=field):

@@ -28,17 +28,19 @@ def softmax(x):
 
 
 def ref_process(logits, rows, mask=None, filters=True):
-    """Penalties -> mask -> temperature -> top-k -> top-p -> min-p, one row at a time."""
+    """Penalties -> logit_bias -> mask -> temperature -> top-k -> top-p -> min-p, one row at a time."""
     out = np.array(logits, np.float32)
     vocab = out.shape[-1]
     for r, x in enumerate(out):
-        hist = rows["history"][r]
-        hist = hist[hist >= 0]
+        window = rows["history"][r]
+        hist = window[(window >= 0) & (window < 2 * vocab)]
         seen = np.unique(hist % vocab)
         p = rows["repetition_penalty"][r]
         x[seen] = np.where(x[seen] > 0, x[seen] / p, x[seen] * p)
         count = np.bincount(hist[hist < vocab], minlength=vocab).astype(np.float32)
         x -= rows["frequency_penalty"][r] * count + rows["presence_penalty"][r] * (count > 0)
+        biased = window >= 2 * vocab
+        np.add.at(x, window[biased] - 2 * vocab, rows["bias"][r][biased])
         if mask is not None and mask[r].any():
             x[~mask[r]] = -np.inf
         if rows["temperature"][r] > 0:
@@ -79,13 +81,18 @@ def random_rows(rng, num_rows=L, width=W, vocab=V):
     ids = rng.integers(0, 12, (num_rows, width)) * 7 % vocab
     rows["history"][:] = np.where(rng.random((num_rows, width)) < 0.3, ids + vocab, ids)
     rows["history"][rng.random((num_rows, width)) < 0.2] = -1
+    # logit_bias entries (id + 2V, the bias beside it), a repeated id among them adding up
+    biased = rng.random((num_rows, width)) < 0.15
+    rows["history"][biased] = rng.integers(0, 20, biased.sum()) * 5 % vocab + 2 * vocab
+    rows["bias"][biased] = rng.uniform(-100, 100, biased.sum())
     return rows
 
 
 def device_batch(rows, needs_filter=None) -> SamplingBatch:
     fields = {name: jnp.asarray(rows[name], dtype) for name, dtype, _ in ROW_FIELDS}
     nf = int(rows["needs_filter"]) if needs_filter is None else needs_filter
-    return SamplingBatch(**fields, history=jnp.asarray(rows["history"]), needs_filter=jnp.int32(nf))
+    return SamplingBatch(**fields, history=jnp.asarray(rows["history"]), needs_filter=jnp.int32(nf),
+                         bias=jnp.asarray(rows["bias"]))
 
 
 def random_logits(rng, num_rows=L, vocab=V, scale=3.0):
@@ -169,6 +176,7 @@ def test_pack_unpack_round_trip():
         assert got.dtype == dtype, name
         np.testing.assert_array_equal(got.view(np.int32), rows[name].view(np.int32), err_msg=name)  # bit-exact
     np.testing.assert_array_equal(np.asarray(batch.history), rows["history"])
+    np.testing.assert_array_equal(np.asarray(batch.bias).view(np.int32), rows["bias"].view(np.int32))
     assert int(batch.needs_filter) == 1  # rows use top-k/top-p/min-p: set even though rows said 0
     assert int(unpack_sampling(pack_sampling(default_rows(L, W)), L, W).needs_filter) == 0
     empty = unpack_sampling(pack_sampling(default_rows(3, 0)), 3, 0)

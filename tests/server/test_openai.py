@@ -131,6 +131,17 @@ def test_response_format_json_object(oai, model):
     assert isinstance(value, dict) and "name" in value, value
 
 
+def test_logit_bias(oai, model):
+    # OpenAI's keys are token ids as strings; +100 forces a token (banning with -100: tests/engine/test_engine.py).
+    out = oai.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                 logit_bias={"42": 100}, logprobs=0)
+    tokens = out.choices[0].logprobs.tokens
+    assert out.usage.completion_tokens == 3 and len(set(tokens)) == 1 and out.choices[0].text == "".join(tokens)
+    chat = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                       temperature=0, logit_bias={"42": 100})
+    assert chat.choices[0].message.content == out.choices[0].text
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=5000), "max_tokens"),
     (dict(temperature=-1), "temperature"),
@@ -142,7 +153,8 @@ def test_response_format_json_object(oai, model):
                                                                                            "not": {}}}}),
      "response_format.json_schema.schema"),
     (dict(extra_body={"regex": "(unclosed"}), "regex"),
-    (dict(logit_bias={"1": 5}), "logit_bias"),
+    (dict(logit_bias={"1": 500}), "logit_bias"),
+    (dict(logit_bias={str(10 ** 7): 5}), "logit_bias"),  # past the vocabulary: found by the engine
 ])
 def test_errors_name_the_field(oai, model, kwargs, field):
     with pytest.raises(openai.BadRequestError) as e:
