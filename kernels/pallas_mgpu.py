@@ -294,6 +294,11 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
     if interpret:  # the hardware zero-fills a TMA read past the end; the interpreter raises instead
         q = jnp.pad(q, ((0, 2 * block_q), (0, 0), (0, 0)))
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), meta.cu_q_lens[-1].astype(jnp.int32)])
+    # A Mosaic GPU call rejects inputs that are not 256-byte aligned ("Input buffer 2 is not 256-byte aligned" in
+    # the engine on the H200). The engine unpacks its metadata from one packed step buffer, and XLA hands a slice of
+    # a buffer to a custom call as an offset into it; an elementwise op (page ids are >= 0) gives the table a buffer
+    # of its own. The other inputs are already computed here (blocks, scalars) or come out of the model (q).
+    page_table = jnp.maximum(meta.page_table.reshape(-1).astype(jnp.int32), 0)
     out, side = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((padded_rows, num_heads, head_dim), dtype),
@@ -304,7 +309,7 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **_interpret_kwargs(interpret),
-    )(blocks, scalars, meta.page_table.reshape(-1).astype(jnp.int32), q,
+    )(blocks, scalars, page_table, q,
       pool.reshape(num_layers * num_pages * page_size, 2 * num_kv_heads, head_dim))
     dst = _side_rows(meta, num_rows, block_q)
     dst = jnp.where(dst < num_rows, dst, padded_rows)  # out of bounds even when q was padded: dropped

@@ -17,6 +17,7 @@ from sgjax.kernels import pallas_mgpu
 from sgjax.kernels import ragged_blocks as rb
 from sgjax.kernels.pallas_gpu import pallas_gpu_attention
 from sgjax.kernels.kv_pool import write_kv
+from sgjax.kernels.metadata import AttentionMetadata
 from tests.kernels.test_ref_attention import make_case
 
 ON_HOPPER = jax.default_backend() == "gpu" and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
@@ -142,6 +143,27 @@ def test_mixed_bucket_compiled():
         for rows in ([0], [81], [82, 83, 84]):  # the Triton kernel's requests
             assert _rel_err(out[rows], expected[rows], len(rows)) < 1e-2
         np.testing.assert_array_equal(out[total:], 0.0)
+
+
+@needs_hopper
+def test_metadata_sliced_out_of_one_buffer_as_the_engine_packs_it():
+    # The engine's step unpacks the metadata from one int32 buffer; a slice at an offset that is not a multiple of
+    # 64 ints must still reach the kernel aligned (Mosaic GPU rejects inputs that are not 256-byte aligned).
+    (q, k, v, pool, layer, meta), expected, total = _mixed_case((8, 2), seed=8)
+    parts = [np.zeros(3, np.int32), np.asarray(meta.slot_mapping), np.asarray(meta.cu_q_lens),
+             np.asarray(meta.kv_lens), np.asarray(meta.page_table).reshape(-1)]
+    packed = jnp.asarray(np.concatenate(parts))
+    sizes = np.cumsum([len(x) for x in parts])
+
+    @jax.jit
+    def step(packed, q, k, v, pool):
+        m = AttentionMetadata(slot_mapping=packed[sizes[0]:sizes[1]], cu_q_lens=packed[sizes[1]:sizes[2]],
+                              kv_lens=packed[sizes[2]:sizes[3]],
+                              page_table=packed[sizes[3]:sizes[4]].reshape(meta.page_table.shape))
+        return pallas_attention(q, k, v, pool, layer, m, sm_scale=q.shape[-1] ** -0.5, prefill_kernel="mgpu")[0]
+
+    out = np.asarray(step(packed, q, k, v, pool), np.float32)
+    assert _rel_err(out, expected, total) < 1e-2
 
 
 def test_split_tables_give_each_row_one_kernel():
