@@ -292,11 +292,12 @@ class Engine:
 
     def _stream(self, req: Req):
         chunks: queue.Queue = queue.Queue()
-        req.sink = lambda r, new_text, finished: chunks.put(self._result(r))
+        # The loop thread only takes a snapshot (O(1)); the caller's thread copies the lists (O(n) per chunk).
+        req.sink = lambda r, new_text, finished: chunks.put(_snapshot(r))
         self._inbox.put(("add", req))
         try:
             while True:
-                item = chunks.get()
+                item = self._result(req, chunks.get())
                 yield item
                 if item["meta_info"]["finish_reason"] is not None:
                     return
@@ -324,11 +325,11 @@ class Engine:
     async def _async_stream(self, req: Req):
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
-        req.sink = lambda r, new_text, finished: loop.call_soon_threadsafe(chunks.put_nowait, self._result(r))
+        req.sink = lambda r, new_text, finished: loop.call_soon_threadsafe(chunks.put_nowait, _snapshot(r))
         self._inbox.put(("add", req))
         try:
             while True:
-                item = await chunks.get()
+                item = self._result(req, await chunks.get())
                 yield item
                 if item["meta_info"]["finish_reason"] is not None:
                     return
@@ -336,16 +337,20 @@ class Engine:
             if not req.finished:
                 self.abort(req.rid)
 
-    def _result(self, req: Req) -> dict:
-        meta = {"id": req.rid, "prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
-                "cached_tokens": max(req.cached_tokens, 0), "finish_reason": req.finish_reason}
+    def _result(self, req: Req, snap: tuple | None = None) -> dict:
+        """The request's result as it was at `snap` (a _snapshot; None: now, on the loop thread). The lists only
+        grow at their ends (an overlap placeholder is replaced past the snapshot's length), so their first n
+        entries can be read from another thread."""
+        text, n, n_lp, cached, finish = snap or _snapshot(req)
+        meta = {"id": req.rid, "prompt_tokens": len(req.input_ids), "completion_tokens": n,
+                "cached_tokens": cached, "finish_reason": finish}
         if req.return_logprob:
             meta["input_token_logprobs"] = [(lp, t, None) for lp, t in req.input_logprobs]
-            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in req.output_logprobs]
+            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in req.output_logprobs[:n_lp]]
             if req.top_logprobs_num:
                 meta["input_top_logprobs"] = [_tops(x) for x in req.input_top_logprobs]
-                meta["output_top_logprobs"] = [_tops(x) for x in req.output_top_logprobs]
-        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+                meta["output_top_logprobs"] = [_tops(x) for x in req.output_top_logprobs[:n_lp]]
+        return {"text": text, "output_ids": req.output_ids[:n], "meta_info": meta}
 
     # -- the loop ---------------------------------------------------------------------------------------
     def _call(self, fn):
@@ -572,6 +577,11 @@ class Engine:
             "generated_tokens": self._sampled_tokens + self._jumped_tokens,
             "grammar_cache": dataclasses.asdict(self._grammars.stats),
         }
+
+
+def _snapshot(req: Req) -> tuple:
+    """What a stream chunk needs of the request now, in O(1): its text, list lengths, cached tokens, finish."""
+    return req.text, len(req.output_ids), len(req.output_logprobs), max(req.cached_tokens, 0), req.finish_reason
 
 
 def _tops(entries):
