@@ -181,19 +181,18 @@ def apply_penalties(logits, batch: SamplingBatch):
     if batch.history.shape[1] == 0:
         return logits
     vocab = logits.shape[-1]
-    if batch.bias is not None:  # padding rows and penalty entries add 0
-        is_bias = batch.history >= 2 * vocab
-        rows = jnp.arange(logits.shape[0])[:, None]
-        bias = jnp.zeros_like(logits).at[rows, jnp.where(is_bias, batch.history - 2 * vocab, 0)].add(
-            jnp.where(is_bias, batch.bias, 0.0))
-    else:
-        bias = 0.0
-    count, seen = _history_counts(batch.history, logits.shape[-1])
+    count, seen = _history_counts(batch.history, vocab)
     rep = batch.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     count = count.astype(jnp.float32)
-    return (logits - batch.frequency_penalty[:, None] * count
-            - batch.presence_penalty[:, None] * (count > 0).astype(jnp.float32)) + bias
+    logits = (logits - batch.frequency_penalty[:, None] * count
+              - batch.presence_penalty[:, None] * (count > 0).astype(jnp.float32))
+    if batch.bias is None:
+        return logits
+    # Scattered straight into the logits (no [L, V] bias array); padding and penalty entries add 0 at id 0.
+    is_bias = batch.history >= 2 * vocab
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, jnp.where(is_bias, batch.history - 2 * vocab, 0)].add(jnp.where(is_bias, batch.bias, 0.0))
 
 
 def _at(values, index):
