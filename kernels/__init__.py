@@ -11,7 +11,12 @@ from sgjax.kernels.metadata import AttentionMetadata
 from sgjax.kernels.pallas import default_backend, pallas_attention
 from sgjax.kernels.ref import ref_attention
 
-BACKENDS = {"ref": ref_attention, "pallas": pallas_attention}
+import functools
+
+BACKENDS = {"ref": ref_attention, "pallas": pallas_attention,
+            # the pallas backend with its prefill kernel pinned (kernels/pallas_gpu.py): "auto" is mgpu on Hopper
+            "pallas:triton": functools.partial(pallas_attention, prefill_kernel="triton"),
+            "pallas:mgpu": functools.partial(pallas_attention, prefill_kernel="mgpu")}
 
 
 def get_backend(name: str):

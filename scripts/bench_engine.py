@@ -67,6 +67,7 @@ CONFIGS = {
     "fcfs": {"schedule_policy": "fcfs"},
     "random": {"schedule_policy": "random"},
     "nocache": {"disable_radix_cache": True},
+    "no_overlap": {"schedule_policy": "lpm", "disable_overlap_schedule": True},  # lpm, one step at a time
 }
 WARMUP_REQUESTS = 4
 DEFAULT_JAX_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
@@ -169,8 +170,12 @@ def model_setup(args):
     from sgjax.engine.loading import default_dtype, load_model_cached
 
     dtype = args.dtype or default_dtype(ServerArgs())
-    cfg, _ = load_model_cached(None, dtype)  # loaded once; every Engine below shares it
-    return "smollm2-135m-instruct", dtype, lambda **kw: Engine(None, dtype=dtype, **kw), cfg
+    # loaded once; every Engine below shares it
+    cfg, _ = load_model_cached(args.model_path, dtype, args.load_format)
+    name = os.path.basename(args.model_path.rstrip("/")) if args.model_path else "smollm2-135m-instruct"
+    if args.load_format == "dummy":
+        name += " (random weights)"
+    return name, dtype, lambda **kw: Engine(args.model_path, dtype=dtype, load_format=args.load_format, **kw), cfg
 
 
 def roofline_terms(cfg, dtype: str):
@@ -195,9 +200,11 @@ COUNTERS = ("prompt_tokens", "cached_tokens", "tree_seconds", "admit_seconds", "
             "traces")
 
 
-def run_config(make_engine, server_args: dict, wl: dict, repeat: int) -> dict:
-    """Warm up, then time the whole batch `repeat` times (cache flushed before each). Returns the median wall time
-    and the counters of the first timed repetition (the only one with compilations in it)."""
+def run_config(make_engine, server_args: dict, wl: dict, repeat: int, profile_dir: str | None = None) -> dict:
+    """Warm up, then time the whole batch `repeat` times (cache flushed before each). Returns the median wall time,
+    the counters of the first timed repetition (the only one with compilations in it) and the step timeline of the
+    last one (`steplog`). With profile_dir, one more pass of the batch (8 output tokens each) runs under the JAX
+    profiler."""
     def params(reqs, cap=None):
         return [{"max_new_tokens": min(r["max_new_tokens"], cap or r["max_new_tokens"]), "temperature": 0.0,
                  "ignore_eos": True} for r in reqs]
@@ -210,18 +217,31 @@ def run_config(make_engine, server_args: dict, wl: dict, repeat: int) -> dict:
         for _ in range(repeat):
             assert eng.flush_cache()
             before = eng.get_server_info()
+            eng.step_log = []
             t0 = time.perf_counter()
             results = eng.generate(input_ids=ids, sampling_params=sp)
             walls.append(time.perf_counter() - t0)
             after = eng.get_server_info()
             if first is None:
                 first = {k: after[k] - before[k] for k in COUNTERS}
+        steps, eng.step_log = eng.step_log, None
+        trace = None
+        if profile_dir:
+            import jax
+            from trace_summary import summarize_trace
+
+            assert eng.flush_cache()
+            jax.profiler.start_trace(profile_dir)
+            eng.generate(input_ids=ids, sampling_params=params(wl["requests"], 8))
+            jax.profiler.stop_trace()
+            trace = summarize_trace(profile_dir)
         eng.check_invariants()
     out_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     expected = sum(r["max_new_tokens"] for r in wl["requests"])
     if out_tokens != expected:
         print(f"  warning: {out_tokens} output tokens, expected {expected}", flush=True)
-    return {"wall": statistics.median(walls), "walls": walls, "output_tokens": out_tokens, **first}
+    return {"wall": statistics.median(walls), "walls": walls, "output_tokens": out_tokens, "steplog": steps,
+            "trace": trace, **first}
 
 
 def main() -> None:
@@ -243,12 +263,23 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="timed repetitions per configuration (median reported)")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32 on CPU, else bfloat16)")
     ap.add_argument("--dummy", default=None, help="llama3-8b: random Llama-3-8B weights, no tokenizer")
+    ap.add_argument("--model-path", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights for --model-path's config")
     ap.add_argument("--dump-workload", default=None, help="tokenize the workloads, write them to this JSON, exit")
     ap.add_argument("--workload-file", default=None, help="read the workloads from this JSON instead of building")
     ap.add_argument("--jax-cache", default=DEFAULT_JAX_CACHE,
                     help="persistent JAX compilation cache directory ('' for none; default: the repo's .jax_cache, "
                          "which the tests use too)")
     ap.add_argument("--out", default=None, help="JSON lines (overwritten; default /tmp/bench_engine_<platform>.jsonl)")
+    ap.add_argument("--roof-min-rows", type=int, default=None,
+                    help="decode steps with at least this many rows count in decode_roofline_ratio (default: "
+                         "min(32, max_running_requests))")
+    ap.add_argument("--profile-dir", default=None,
+                    help="after each configuration's timed runs, one pass (8 tokens per request) under the JAX "
+                         "profiler: trace in DIR/<workload>_<config>, its device-time summary in the row")
+    ap.add_argument("--tag", default=None, help="a label copied into every row")
+    ap.add_argument("--attention-backend", default=None, help="ref | pallas | pallas:triton | pallas:mgpu (default: "
+                    "the platform's)")
     args = ap.parse_args()
     args.workloads = [w for w in args.workloads.split(",") if w]
     configs = [c for c in args.configs.split(",") if c]
@@ -275,6 +306,7 @@ def main() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sgjax.cache.optimal import optimal_hit_rate
+    from sgjax.engine.steplog import summarize
 
     platform = jax.devices()[0].platform
     device_kind = str(jax.devices()[0].device_kind)
@@ -291,6 +323,7 @@ def main() -> None:
     args.max_running_requests = args.max_running_requests or (8 if cpu else 64)
     args.chunked_prefill_size = args.chunked_prefill_size or (240 if cpu else 512)
     server_args = {"page_size": args.page_size, "max_total_tokens": max_total,
+                   **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
                    "max_running_requests": args.max_running_requests,
                    "chunked_prefill_size": args.chunked_prefill_size}
     bw = rate = None
@@ -300,11 +333,16 @@ def main() -> None:
         bw, rate = copy_bandwidth(), matmul_rate()
         print(f"ceilings: copy {bw / 1e9:.0f} GB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     common = {"platform": platform, "device_kind": device_kind, "model": model, "dtype": dtype,
+              "attention_backend": args.attention_backend or "default",
               "page_size": args.page_size, "max_total_tokens": max_total,
               "max_running_requests": args.max_running_requests, "chunked_prefill_size": args.chunked_prefill_size,
               "jax": jax.__version__, "command": command}
     if bw:
         common.update(copy_gb_per_s=bw / 1e9, bf16_tflop_per_s=rate / 1e12)
+    if args.tag:
+        common["tag"] = args.tag
+    _, weight_bytes, kv_per_token = roofline_terms(cfg, dtype)
+    min_rows = args.roof_min_rows or min(32, args.max_running_requests)
     print(f"{model} {dtype} on {platform} ({device_kind}), page {args.page_size}, pool {max_total} tokens",
           flush=True)
 
@@ -316,7 +354,8 @@ def main() -> None:
         opt = optimal_hit_rate(prompts, args.page_size)
         for cname in configs:
             t0 = time.perf_counter()
-            m = run_config(make_engine, {**server_args, **CONFIGS[cname]}, wl, args.repeat)
+            pdir = os.path.join(args.profile_dir, f"{wname}_{cname}") if args.profile_dir else None
+            m = run_config(make_engine, {**server_args, **CONFIGS[cname]}, wl, args.repeat, pdir)
             hit = m["cached_tokens"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0
             row = {**common, "workload": wname, "config": cname, "requests": len(reqs),
                    "prompt_tokens": prompt_tokens, "output_tokens": m["output_tokens"],
@@ -328,7 +367,10 @@ def main() -> None:
                    "tree_s": m["tree_seconds"], "tree_share": m["tree_seconds"] / m["wall"],
                    "admit_s": m["admit_seconds"], "admit_share": m["admit_seconds"] / m["wall"],
                    "step_s": m["step_seconds"], "steps": m["steps"], "retractions": m["retractions"],
-                   "compiles": m["traces"], "config_s": time.perf_counter() - t0}
+                   "compiles": m["traces"], "config_s": time.perf_counter() - t0,
+                   "timeline": summarize(m["steplog"], weight_bytes, kv_per_token, bw, min_rows)}
+            if m["trace"] is not None:
+                row["trace"] = m["trace"]
             if bw:
                 ideal = ideal_seconds(reqs, prompt_tokens - m["cached_tokens"], cfg, dtype,
                                       args.max_running_requests, bw, rate)
@@ -354,7 +396,7 @@ def main() -> None:
 def print_table(rows, roof: bool) -> None:
     head = (f"{'workload':9} {'config':8} {'reqs':>4} {'prompt':>7} {'out':>5} {'wall s':>7} {'out tok/s':>9} "
             f"{'tot tok/s':>9} {'req/s':>6} {'hit':>6} {'opt':>6} {'hit/opt':>7} {'tree%':>6} {'admit%':>6} {'retr':>4} "
-            f"{'comp':>4} {'steps':>5} {'speedup':>7}" + (f" {'roof%':>6}" if roof else ""))
+            f"{'comp':>4} {'steps':>5} {'speedup':>7} {'idle%':>6}" + (f" {'roof%':>6} {'droof%':>6}" if roof else ""))
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         ho = f"{r['hit_over_optimal']:.3f}" if r["hit_over_optimal"] is not None else "-"
@@ -363,11 +405,18 @@ def print_table(rows, roof: bool) -> None:
               f"{r['wall_s']:7.2f} {r['output_tok_per_s']:9.1f} {r['total_tok_per_s']:9.1f} "
               f"{r['requests_per_s']:6.2f} {r['hit_rate']:6.3f} {r['optimal_hit_rate']:6.3f} {ho:>7} "
               f"{100 * r['tree_share']:6.2f} {100 * r.get('admit_share', 0):6.2f} {r['retractions']:4d} {r['compiles']:4d} {r['steps']:5d} {sp:>7}"
-              + (f" {100 * r['roofline_ratio']:6.1f}" if roof else ""))
+              f" {100 * r['timeline'].get('idle_share', 0):6.2f}"
+              + (f" {100 * r['roofline_ratio']:6.1f} {_pct(r['timeline'].get('decode_roofline_ratio'))}" if roof else ""))
     print("hit: cached/prompt tokens; opt: Theorem 3.1 optimum at the page size (cold cache); tree%: RadixAttention "
           "bookkeeping (match/insert/lock/evict) / wall; admit%: the whole admission (policy order, page accounting, "
-          "its matches) / wall; comp: compilations inside the timed call; speedup: nocache wall / wall"
-          + ("; roof%: ideal (roofline) / measured time" if roof else ""))
+          "its matches) / wall; comp: compilations inside the timed call; speedup: nocache wall / wall; idle%: device "
+          "idle between steps / the steps' span (steplog.py)"
+          + ("; roof%: ideal (roofline) / measured time; droof%: the decode steps' (at least --roof-min-rows rows) "
+             "weights + KV bytes / bandwidth over their device time" if roof else ""))
+
+
+def _pct(x) -> str:
+    return f"{100 * x:6.1f}" if x is not None else f"{'-':>6}"
 
 
 if __name__ == "__main__":

@@ -19,12 +19,17 @@ import time
 
 import numpy as np
 
+from sgjax.engine.steplog import summarize
+
 
 def make_engine(args, overlap: bool):
     from sgjax.engine.engine import Engine
 
-    common = dict(max_running_requests=args.batch, max_total_tokens=args.batch * (args.prompt + args.new + 32),
+    common = dict(max_running_requests=args.batch,
+                  max_total_tokens=args.max_total_tokens or args.batch * (args.prompt + args.new + 32),
                   disable_overlap_schedule=not overlap)
+    if args.chunked_prefill_size:
+        common["chunked_prefill_size"] = args.chunked_prefill_size
     if args.model_path or args.smollm2:
         return Engine(args.model_path, load_format=args.load_format, **common)
     from sgjax.model.config import ModelConfig, llama3_8b_config
@@ -53,6 +58,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool (default: what the batch needs)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None,
+                    help="the engine's default otherwise; smaller means fewer step shapes to compile at start")
     ap.add_argument("--out", default="bench_overlap.jsonl")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -66,6 +74,7 @@ def main() -> None:
             times, outs = [], None
             for _ in range(args.repeats):
                 before = eng.get_server_info()
+                eng.step_log = []
                 t0 = time.perf_counter()
                 outs = eng.generate(input_ids=prompts, sampling_params=params)
                 times.append(time.perf_counter() - t0)
@@ -77,6 +86,7 @@ def main() -> None:
                              wall_s_runs=times, output_tok_per_s=args.batch * args.new / wall,
                              steps=after["steps"] - before["steps"],
                              overlapped_steps=after["overlapped_steps"] - before["overlapped_steps"],
+                             timeline=summarize(eng.step_log),
                              model=args.model_path or args.dummy or ("smollm2" if args.smollm2 else "tiny-random"),
                              outputs_hash=hash(tuple(tuple(o["output_ids"]) for o in outs))))
     base = rows[0]["wall_s"]
@@ -84,10 +94,15 @@ def main() -> None:
         r["speedup_vs_one_step_at_a_time"] = base / r["wall_s"]
     if rows[0]["outputs_hash"] != rows[1]["outputs_hash"]:
         raise SystemExit("overlap changed the outputs")
-    print(f"{'config':22s} {'wall s':>8s} {'tok/s':>9s} {'steps':>6s} {'overlapped':>10s} {'vs sync':>8s}")
+    print(f"{'config':22s} {'wall s':>8s} {'tok/s':>9s} {'steps':>6s} {'overlapped':>10s} {'vs sync':>8s} "
+          f"{'idle%':>6s} {'decode ms':>9s}")
     for r in rows:
+        t = r["timeline"]
         print(f"{r['config']:22s} {r['wall_s']:8.3f} {r['output_tok_per_s']:9.1f} {r['steps']:6d} "
-              f"{r['overlapped_steps']:10d} {r['speedup_vs_one_step_at_a_time']:8.2f}")
+              f"{r['overlapped_steps']:10d} {r['speedup_vs_one_step_at_a_time']:8.2f} "
+              f"{100 * t.get('idle_share', 0):6.2f} {1e3 * t.get('decode_busy_s', 0) / max(t.get('decode_steps', 0), 1):9.2f}")
+    print("idle%: device idle between steps / the steps' span of the last repeat (sgjax/engine/steplog.py); decode "
+          "ms: device time per decode step")
     with open(args.out, "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

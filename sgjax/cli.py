@@ -30,7 +30,7 @@ ENGINE_FLAGS = [
     ("disable_radix_cache", dict(action="store_true", help="no prefix reuse (the paper's no-cache ablation)")),
     ("cache", dict(choices=["radix", "table", "none"],
                    help="prefix cache: radix tree, flat table (the no-tree ablation) or none")),
-    ("attention_backend", dict(choices=["ref", "pallas"],
+    ("attention_backend", dict(choices=["ref", "pallas", "pallas:triton", "pallas:mgpu"],
                                help="attention implementation (default: ref on CPU, pallas on GPU and TPU)")),
     ("context_length", dict(type=int, help="longest prompt plus output (default: the model's)")),
     ("max_top_logprobs_num", dict(type=int, help="largest top_logprobs_num (logprobs, top_logprobs) a request "

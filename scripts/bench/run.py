@@ -135,11 +135,12 @@ class BaselineRunner:
 
 
 def engine_factory(args):
-    """make_engine(**server_args) over weights loaded once, and the model path for the HF baseline."""
+    """make_engine(**server_args) over weights loaded once, and what the HF baseline loads: the model path, or
+    (config, weights, tokenizer) of --dummy weights, which HF then gets a copy of."""
     from sgjax.engine.engine import Engine
 
     common = {"max_running_requests": args.max_running_requests, "max_total_tokens": args.max_total_tokens,
-              "page_size": args.page_size}
+              "page_size": args.page_size, "attention_backend": args.attention_backend}
     common = {k: v for k, v in common.items() if v is not None}
     if args.dummy:
         from sgjax.model.config import llama3_8b_config
@@ -150,7 +151,7 @@ def engine_factory(args):
         # Llama-3-8B's shapes with the tokenizer's vocabulary, so every sampled id decodes to text.
         cfg = dataclasses.replace(llama3_8b_config(args.dtype or "bfloat16"), vocab_size=tok.vocab_size)
         weights = dummy_weights(cfg)
-        return (lambda **kw: Engine.from_weights(cfg, weights, tok, **common, **kw)), None
+        return (lambda **kw: Engine.from_weights(cfg, weights, tok, **common, **kw)), (cfg, weights, tok)
     from sgjax.model.paths import default_model_path
 
     path = args.model_path or default_model_path()
@@ -181,6 +182,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--max-total-tokens", type=int, default=None)
     ap.add_argument("--max-running-requests", type=int, default=None)
+    ap.add_argument("--attention-backend", default=None, help="ref | pallas | pallas:triton | pallas:mgpu")
     ap.add_argument("--dump-workloads", default=None,
                     help="build the workloads, write their data to this JSON file and exit (for machines without "
                          "the datasets)")
@@ -215,19 +217,22 @@ def main() -> None:
     if args.workload_file:
         with open(args.workload_file) as f:
             stored = {e["name"]: e for e in json.load(f)["workloads"]}
-    make_engine, hf_path = engine_factory(args)
+    make_engine, hf_source = engine_factory(args)
     baseline = None
     if args.baseline == "hf":
-        if hf_path is None:
-            raise SystemExit("--baseline hf needs real weights (not --dummy)")
-        from hf_backend import HFBackend, load_hf_model
+        from hf_backend import HFBackend, hf_model_from_weights, load_hf_model
         from sgjax.model.tokenizer import load_tokenizer
 
         import torch
 
-        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-        baseline = BaselineRunner(HFBackend(load_hf_model(hf_path, args.hf_device, dtype), load_tokenizer(hf_path),
-                                            args.hf_device))
+        if isinstance(hf_source, str):
+            dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+            model, tok = load_hf_model(hf_source, args.hf_device, dtype), load_tokenizer(hf_source)
+        else:  # --dummy: HF gets the engine's random weights
+            cfg, weights, tok = hf_source
+            dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+            model = hf_model_from_weights(cfg, weights, args.hf_device, dtype)
+        baseline = BaselineRunner(HFBackend(model, tok, args.hf_device))
         if args.gen_cap:
             baseline.backend.generate = _capped(baseline.backend.generate, args.gen_cap)
 

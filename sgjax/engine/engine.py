@@ -30,6 +30,7 @@ from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.engine.request import Req
 from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
+from sgjax.engine.steplog import StepRecord, StepWatcher, record_of
 from sgjax.fsm import GrammarCache, GrammarError, RegexError, from_tokenizer
 from sgjax.kernels import default_backend
 from sgjax.model.config import ModelConfig
@@ -101,6 +102,9 @@ class Engine:
         # Benchmarks set a list here to get every request the engine was given, with its output once finished
         # (for the Theorem 3.1 optimum).
         self.request_log: list[Req] | None = None
+        # Benchmarks set a list here to get a StepRecord per step (steplog.py: device busy and idle time).
+        self.step_log: list[StepRecord] | None = None
+        self._watcher: StepWatcher | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._step_seconds = 0.0
         self._detokenize_seconds = 0.0
@@ -161,6 +165,8 @@ class Engine:
             self._inbox.put(("stop", None))
             self._thread.join()
             self.runner.pool = None
+            if self._watcher is not None:
+                self._watcher.close()
 
     def __enter__(self):
         return self
@@ -375,13 +381,20 @@ class Engine:
                 if not self._drain(block=not sched.has_work and ahead is None):
                     break
                 had_ahead = ahead is not None
-                works = sched.schedule(retract=ahead is None)
+                with jax.profiler.TraceAnnotation("sgjax.schedule"):
+                    works = sched.schedule(retract=ahead is None)
                 if works is None:  # a retraction must see real tokens: finish the step in flight first
                     self._commit(*ahead)
                     ahead = None
-                    works = sched.schedule()
+                    with jax.profiler.TraceAnnotation("sgjax.schedule"):
+                        works = sched.schedule()
                 t0 = time.perf_counter()
-                handle = (works, self.runner.dispatch(works), t0) if works else None
+                handle = record = None
+                if works:
+                    with jax.profiler.TraceAnnotation("sgjax.dispatch"):
+                        handle = (works, self.runner.dispatch(works), t0)
+                    if self.step_log is not None:
+                        record = self._log_step(works, handle, t0)
                 if ahead is not None:
                     self._commit(*ahead)
                     ahead = None
@@ -396,6 +409,8 @@ class Engine:
                     sched.commit_ahead(works)
                     ahead = handle
                     self._overlapped_steps += 1
+                    if record is not None:
+                        record.overlapped = True
                 else:
                     self._commit(*handle)
             except Exception as e:  # a bug or a device error: fail what ran, keep serving
@@ -421,13 +436,23 @@ class Engine:
         return True
 
     def _commit(self, works, handle, t0) -> None:
-        tokens, logprobs, top = self.runner.collect(works, handle)
+        with jax.profiler.TraceAnnotation("sgjax.collect"):
+            tokens, logprobs, top = self.runner.collect(works, handle)
         dt = time.perf_counter() - t0
         self._step_seconds += dt
         if self.on_step is not None:
             self.on_step(dt)
-        for req in self.scheduler.commit(works, tokens, logprobs, top):
-            self._after_token(req)
+        with jax.profiler.TraceAnnotation("sgjax.commit"):
+            for req in self.scheduler.commit(works, tokens, logprobs, top):
+                self._after_token(req)
+
+    def _log_step(self, works, handle, t0) -> StepRecord:
+        record = record_of(works, t0, time.perf_counter())
+        if self._watcher is None:
+            self._watcher = StepWatcher()
+        self._watcher.watch(record, handle[1][0].tokens)
+        self.step_log.append(record)
+        return record
 
     def _drain(self, block: bool) -> bool:
         """Handle inbox messages; wait for one when idle. False when asked to stop."""

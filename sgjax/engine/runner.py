@@ -163,7 +163,7 @@ class Runner:
         return self.step.counter.traces
 
     def _width(self, pages: int) -> int:
-        if self.attention == "pallas" or self.buckets.coarse:
+        if self.attention.startswith("pallas") or self.buckets.coarse:
             return self.max_pages
         return min(bucket(pages, 16), self.max_pages)
 

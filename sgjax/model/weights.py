@@ -199,3 +199,24 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str]) -> Weights:
             missing = [i for i, p in enumerate(present) if not p]
             raise ValueError(f"checkpoint has {ours} for some layers but not for layers {missing}")
     return assemble(cfg, flat)
+
+
+def to_hf_state_dict(cfg: ModelConfig, weights: Weights, convert: Any = np.asarray) -> dict[str, Any]:
+    """HF tensor names -> convert(tensor in torch layout (out, in)): the inverse of from_hf_state_dict (benchmarks
+    give HF transformers the same dummy weights). A tied head has no lm_head entry."""
+    out: dict[str, Any] = {}
+    for hf_name, ours in _HF_TOP.items():
+        a = getattr(weights, ours)
+        if a is not None:
+            out[hf_name] = convert(a.T if ours == "lm_head" else a)
+    hf_layer = {v: k for k, v in _HF_LAYER.items()}
+    stacked = not isinstance(weights.layers, (tuple, list))
+    for i in range(cfg.num_layers):
+        layer = weights.layers if stacked else weights.layers[i]
+        for f in dataclasses.fields(LayerWeights):
+            a = getattr(layer, f.name)
+            if a is None:
+                continue
+            a = a[i] if stacked else a
+            out[f"model.layers.{i}.{hf_layer[f.name]}"] = convert(a.T if a.ndim == 2 else a)
+    return out
