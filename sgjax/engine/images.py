@@ -25,18 +25,23 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from sgjax.errors import RequestError
 from sgjax.model.vision import VisionConfig, VisionWeights, encode_images, preprocess
 
 
-class ImageDataError(ValueError):
+class ImageDataError(RequestError):
     """An image argument refused. `prompt` (the prompt's index in a batch; None for one prompt) and `image` (the
     image's index in its prompt's list; None when the prompt's images as a whole are wrong) let an API layer name
     its own field (the server: `image_data.1.0`, or the chat message part the image came from)."""
 
     def __init__(self, reason: str, prompt: int | None = None, image: int | None = None):
         where = "image_data" + "".join(f"[{i}]" for i in (prompt, image) if i is not None)
-        super().__init__(f"{where}: {reason}")
-        self.reason, self.prompt, self.image = reason, prompt, image
+        super().__init__(f"{where}: {reason}", "image_data")
+        self._reason, self.prompt, self.image = reason, prompt, image
+
+    @property
+    def reason(self) -> str:
+        return self._reason
 
 
 @dataclass(frozen=True)

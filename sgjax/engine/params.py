@@ -17,6 +17,8 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
+from sgjax.errors import RequestError
+
 _GREEDY_EPS = 1e-6
 _ALIASES = {"sampling_seed": "seed"}
 _ALIAS_OF = {v: k for k, v in _ALIASES.items()}
@@ -24,8 +26,11 @@ MAX_LOGIT_BIAS = 1024  # entries per request: each is a slot of the sampler's wi
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
-class SamplingParamsError(ValueError):
-    """A sampling parameter is invalid; the message names the field."""
+class SamplingParamsError(RequestError):
+    """A sampling parameter is invalid; `field` names it (the message starts with it too)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message, field)
 
 
 @dataclass(frozen=True)
@@ -85,17 +90,17 @@ class SamplingParams:
             d.validate()
             return d
         if not isinstance(d, dict):
-            raise SamplingParamsError(f"sampling_params must be a dict, got {type(d).__name__}")
+            raise SamplingParamsError(f"sampling_params must be a dict, got {type(d).__name__}", "sampling_params")
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
             name = _ALIASES.get(key, key)
             if name not in known:
-                raise SamplingParamsError(f"{key!r} is not a known sampling parameter")
+                raise SamplingParamsError(f"{key!r} is not a known sampling parameter", key)
             if value is None:
                 continue
             if name in kwargs:
-                raise SamplingParamsError(f"{name} is given twice (as {name} and as {_ALIAS_OF[name]})")
+                raise SamplingParamsError(f"{name} is given twice (as {name} and as {_ALIAS_OF[name]})", name)
             kwargs[name] = value
         params = cls(**kwargs)
         params.validate()
@@ -109,72 +114,76 @@ class SamplingParams:
             _check_int(name, getattr(self, name))
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
-                raise SamplingParamsError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise SamplingParamsError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
 
         if self.temperature < 0:
-            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
         if not 0 < self.top_p <= 1:
-            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not 0 <= self.min_p <= 1:
-            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if self.top_k != -1 and self.top_k < 1:
-            raise SamplingParamsError(f"top_k must be -1 (all tokens) or >= 1, got {self.top_k!r}")
+            raise SamplingParamsError(f"top_k must be -1 (all tokens) or >= 1, got {self.top_k!r}", "top_k")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}", name)
         if not 0 < self.repetition_penalty <= 2:
-            raise SamplingParamsError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+            raise SamplingParamsError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}",
+                                      "repetition_penalty")
         if self.max_new_tokens < 0:
-            raise SamplingParamsError(f"max_new_tokens must be >= 0, got {self.max_new_tokens!r}")
+            raise SamplingParamsError(f"max_new_tokens must be >= 0, got {self.max_new_tokens!r}", "max_new_tokens")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise SamplingParamsError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                                      f"got {self.min_new_tokens!r}")
+                                      f"got {self.min_new_tokens!r}", "min_new_tokens")
         if self.n < 1:
-            raise SamplingParamsError(f"n must be >= 1, got {self.n!r}")
+            raise SamplingParamsError(f"n must be >= 1, got {self.n!r}", "n")
         if self.seed is not None:
             _check_int("seed", self.seed)
 
         if not isinstance(self.stop, tuple):
-            raise SamplingParamsError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise SamplingParamsError(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise SamplingParamsError(f"stop must hold non-empty strings, got {s!r}")
+                raise SamplingParamsError(f"stop must hold non-empty strings, got {s!r}", "stop")
         if not isinstance(self.stop_token_ids, tuple):
-            raise SamplingParamsError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+            raise SamplingParamsError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}", "stop_token_ids")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise SamplingParamsError(f"stop_token_ids must hold ints, got {t!r}")
+                raise SamplingParamsError(f"stop_token_ids must hold ints, got {t!r}", "stop_token_ids")
             if t < 0 or (vocab_size is not None and t >= vocab_size):
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-                raise SamplingParamsError(f"stop_token_ids must hold ids in {bound}, got {t!r}")
+                raise SamplingParamsError(f"stop_token_ids must hold ids in {bound}, got {t!r}", "stop_token_ids")
 
         self._validate_logit_bias(vocab_size)
         if self.regex is not None and not isinstance(self.regex, str):
-            raise SamplingParamsError(f"regex must be a string, got {self.regex!r}")
+            raise SamplingParamsError(f"regex must be a string, got {self.regex!r}", "regex")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str):
-                raise SamplingParamsError(f"json_schema must be a JSON string or an object, got {self.json_schema!r}")
+                raise SamplingParamsError(f"json_schema must be a JSON string or an object, got {self.json_schema!r}",
+                                          "json_schema")
             try:
                 json.loads(self.json_schema)
             except ValueError as e:
-                raise SamplingParamsError(f"json_schema is not valid JSON: {e}") from None
+                raise SamplingParamsError(f"json_schema is not valid JSON: {e}", "json_schema") from None
         if self.regex is not None and self.json_schema is not None:
-            raise SamplingParamsError("regex and json_schema are mutually exclusive: give at most one")
+            raise SamplingParamsError("regex and json_schema are mutually exclusive: give at most one", "regex")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if not isinstance(self.logit_bias, tuple):
-            raise SamplingParamsError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            raise SamplingParamsError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}", "logit_bias")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise SamplingParamsError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+            raise SamplingParamsError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
+                                      "logit_bias")
         for entry in self.logit_bias:
             token, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, None)
             if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0 or (
                     vocab_size is not None and token >= vocab_size):
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-                raise SamplingParamsError(f"logit_bias keys must be token ids in {bound}, got {token!r}")
+                raise SamplingParamsError(f"logit_bias keys must be token ids in {bound}, got {token!r}", "logit_bias")
             _check_float("logit_bias", bias)
             if not -100 <= bias <= 100:
-                raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+                raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}",
+                                          "logit_bias")
 
     @property
     def is_greedy(self) -> bool:
@@ -201,11 +210,11 @@ def _token_key(key):
 
 def _check_float(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise SamplingParamsError(f"{name} must be a number, got {value!r}")
+        raise SamplingParamsError(f"{name} must be a number, got {value!r}", name)
     if not math.isfinite(value):
-        raise SamplingParamsError(f"{name} must be finite, got {value!r}")
+        raise SamplingParamsError(f"{name} must be finite, got {value!r}", name)
 
 
 def _check_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise SamplingParamsError(f"{name} must be an int, got {value!r}")
+        raise SamplingParamsError(f"{name} must be an int, got {value!r}", name)

@@ -30,11 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgjax.engine.sampler import default_rows, pack_sampling, sample, sampling_size, unpack_sampling
+from sgjax.engine.sampler import default_rows, sample
 from sgjax.engine.scheduler import Work
+from sgjax.engine.sentinels import bias_entry, future_history, future_input, future_slot, prompt_entry, resolve_future
+from sgjax.engine.step import DeviceState, StepShape, unpack
+from sgjax.engine.step import pack as pack_step
 from sgjax.fsm.device import unpack_bits
 from sgjax.kernels import allocate_pool, get_backend
-from sgjax.model.batch import BatchShape, build_batch, pack, unpack
+from sgjax.model.batch import BatchShape, build_batch
 from sgjax.model.config import ModelConfig
 from sgjax.model.llama import forward
 from sgjax.model.weights import Weights, for_platform
@@ -78,56 +81,35 @@ class Buckets:
         return out
 
 
-@dataclass(frozen=True)
-class StepShape:
-    batch: BatchShape
-    history: int  # W
-    top_logprobs: int  # K
-    mask_words: int = 0  # ceil(V / 32) when a row is constrained (packed allowed-token bits per row), else 0
-    image_rows: int = 0  # M: feature rows of the images in the step's chunks (vision models), else 0
-
-
 @functools.lru_cache(maxsize=None)
 def jitted_step(cfg: ModelConfig, attention: str):
-    """The jitted (weights, pool, buffer, shape, future) -> (SampleOutput, pool, future); one per (model, backend)
-    per process, so every engine in a process shares its compiled executables. `traces` counts compilations
-    (tests). `future` holds each running request's latest sampled token at its slot, on the device."""
+    """The jitted (weights, state, buffer, shape, image_features) -> (SampleOutput, state); one per (model,
+    backend) per process, so every engine in a process shares its compiled executables. The DeviceState (pool and
+    future tokens) is donated. `traces` counts compilations (tests)."""
     attend = get_backend(attention)
 
-    def step(weights, pool, buffer, shape: StepShape, future, image_features=None):
+    def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None):
         step.traces += 1
-        n = sum(shape.batch.sizes)
-        num_rows = shape.batch.num_logits
-        m = n + sampling_size(num_rows, shape.history)
-        batch = unpack(buffer[:n], shape.batch)
-        rows = unpack_sampling(buffer[n:m], num_rows, shape.history)
-        # A negative id -1 - s is a token the previous step sampled and the host has not read yet (the overlap
-        # loop): it is in slot s of `future`.
-        ids = batch.input_ids
-        slots = future.shape[0]
-        batch = dataclasses.replace(batch, input_ids=jnp.where(ids < 0, future[jnp.clip(-1 - ids, 0, slots - 1)], ids))
-        if shape.history:  # a penalty window's -2 - s is the same kind of token (-1 is the window's padding)
-            hist = rows.history
-            rows = dataclasses.replace(rows, history=jnp.where(hist <= -2, future[jnp.clip(-2 - hist, 0, slots - 1)],
-                                                               hist))
+        batch, rows, image_rows, mask_words = unpack(buffer, shape)
+        future = state.future
+        batch = dataclasses.replace(batch, input_ids=resolve_future(batch.input_ids, future, future_input(0)))
+        if shape.history:
+            rows = dataclasses.replace(rows, history=resolve_future(rows.history, future, future_history(0)))
         embeds = None
         if shape.image_rows:  # image tokens take their feature rows instead of the (pad id) embeddings
-            t = shape.batch.num_tokens
-            which = buffer[m:m + t]
-            m += t
             embeds = weights.embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
-            picked = image_features[jnp.clip(which, 0, shape.image_rows - 1)].astype(embeds.dtype)
-            embeds = jnp.where((which >= 0)[:, None], picked, embeds)
-        logits, pool = forward(weights, pool, batch, cfg=cfg, attention=attend, input_embeds=embeds)
-        mask = None
-        if shape.mask_words:
-            mask = unpack_bits(buffer[m:].reshape(num_rows, shape.mask_words), cfg.vocab_size)
-        out = sample(logits, rows, num_top_logprobs=shape.top_logprobs, mask=mask)
+            picked = image_features[jnp.clip(image_rows, 0, shape.image_rows - 1)].astype(embeds.dtype)
+            embeds = jnp.where((image_rows >= 0)[:, None], picked, embeds)
+        logits, pool = forward(weights, state.pool, batch, cfg=cfg, attention=attend, input_embeds=embeds)
+        mask = None if mask_words is None else unpack_bits(mask_words, cfg.vocab_size)
+        with jax.named_scope("sampler"):
+            out = sample(logits, rows, num_top_logprobs=shape.top_logprobs, mask=mask)
+        slots = future.shape[0]
         future = future.at[jnp.where(rows.slot >= 0, rows.slot, slots)].set(out.tokens, mode="drop")
-        return out, pool, future
+        return out, DeviceState(pool=pool, future=future)
 
     step.traces = 0
-    fn = jax.jit(step, donate_argnames=("pool", "future"), static_argnames=("shape",))
+    fn = jax.jit(step, donate_argnames=("state",), static_argnames=("shape",))
     fn.counter = step
     return fn
 
@@ -144,19 +126,28 @@ class Runner:
         self.max_top_logprobs = max_top_logprobs
         self.num_pages = num_pages
         self.max_reqs = max_reqs
+        self.state: DeviceState | None = None
         self.reset_pool()
         self.step = jitted_step(cfg, attention)
         self.shapes_seen: set[StepShape] = set()
 
     def reset_pool(self) -> None:
-        """A fresh KV pool and future-token array (both are donated to every step, so a failed step may take them)."""
+        """A fresh DeviceState (donated to every step, so a failed step may take it)."""
         cfg = self.cfg
-        self.pool = allocate_pool(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
-                                  dtype=jnp.dtype(cfg.dtype))
-        self.future = jnp.zeros(self.max_reqs, jnp.int32)
+        pool = allocate_pool(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
+                             dtype=jnp.dtype(cfg.dtype))
+        self.state = DeviceState(pool=pool, future=jnp.zeros(self.max_reqs, jnp.int32))
+
+    def release(self) -> None:
+        """Drop the device state (shutdown): the pool's memory goes back to the device."""
+        self.state = None
+
+    @property
+    def pool(self):
+        return None if self.state is None else self.state.pool
 
     def pool_lost(self) -> bool:
-        return self.pool is None or self.pool.is_deleted() or self.future.is_deleted()
+        return self.state is None or self.state.lost()
 
     @property
     def traces(self) -> int:
@@ -177,8 +168,7 @@ class Runner:
         buffer, shape, sample_rows, prompt_rows, features = self.prepare(works)
         # features only when there are some: the call must match the precompiled (lowered) one to hit jit's cache
         extra = () if features is None else (jnp.asarray(features),)
-        out, self.pool, self.future = self.step(self.weights, self.pool, jnp.asarray(buffer), shape, self.future,
-                                                *extra)
+        out, self.state = self.step(self.weights, self.state, jnp.asarray(buffer), shape, *extra)
         self.shapes_seen.add(shape)
         return out, sample_rows, prompt_rows
 
@@ -212,9 +202,7 @@ class Runner:
         which, features = self._image_rows(works, num_tokens)
         shape = StepShape(BatchShape.of(batch), history, top_k, 0 if masks is None else masks.shape[1],
                           0 if features is None else features.shape[0])
-        parts = [pack(batch), pack_sampling(rows)] + ([] if which is None else [which])
-        parts += [] if masks is None else [masks.reshape(-1)]
-        return np.concatenate(parts), shape, sample_rows, prompt_rows, features
+        return pack_step(shape, batch, rows, which, masks), shape, sample_rows, prompt_rows, features
 
     def _image_rows(self, works, num_tokens):
         """For a step whose chunks cover image positions: each token row's feature row (-1: none) and the
@@ -344,8 +332,8 @@ class Runner:
         todo = [s for s in shapes if s not in self.shapes_seen]
 
         def compile_one(shape):
-            buffer = jax.ShapeDtypeStruct(self._dummy_buffer(shape).shape, jnp.int32)
-            self.step.lower(self.weights, self.pool, buffer, shape, self.future).compile()
+            buffer = jax.ShapeDtypeStruct((shape.size,), jnp.int32)
+            self.step.lower(self.weights, self.state, buffer, shape).compile()
             return shape
 
         if threads <= 1:
@@ -364,10 +352,9 @@ class Runner:
                             num_logits=b.num_logits)
         rows = default_rows(b.num_logits, shape.history)
         rows["needs_filter"] = np.asarray(0, np.int32)
-        parts = [pack(batch), pack_sampling(rows)]
-        if shape.mask_words:
-            parts.append(np.full(b.num_logits * shape.mask_words, -1, np.int32))
-        return np.concatenate(parts)
+        mask = np.full((b.num_logits, shape.mask_words), -1, np.int32) if shape.mask_words else None
+        which = np.full(b.num_tokens, -1, np.int32) if shape.image_rows else None
+        return pack_step(shape, batch, rows, which, mask)
 
     def warm(self, shapes: list[StepShape]) -> None:
         """Run each shape once on the dummy buffer (it writes only the null page). A GPU loads an executable's
@@ -382,8 +369,7 @@ class Runner:
 
     def run_dummy(self, shape: StepShape):
         """One step of `shape` on the dummy buffer (compiles it the first time); returns the sampled tokens."""
-        out, self.pool, self.future = self.step(self.weights, self.pool, jnp.asarray(self._dummy_buffer(shape)),
-                                                shape, self.future)
+        out, self.state = self.step(self.weights, self.state, jnp.asarray(self._dummy_buffer(shape)), shape)
         self.shapes_seen.add(shape)
         return out.tokens
 
@@ -397,7 +383,7 @@ def _window(req, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     entries as id + 2V with their biases (0 for the history's entries)."""
     hist = _history(req, vocab) if uses_penalties(req.params) else np.zeros(0, np.int32)
     pairs = req.params.logit_bias
-    ids = np.asarray([t for t, _ in pairs], np.int32).reshape(-1) + 2 * vocab
+    ids = bias_entry(np.asarray([t for t, _ in pairs], np.int32).reshape(-1), vocab)
     bias = np.concatenate([np.zeros(len(hist), np.float32), np.asarray([b for _, b in pairs], np.float32)])
     return np.concatenate([hist, ids]), bias
 
@@ -406,10 +392,10 @@ def _history(req, vocab: int) -> np.ndarray:
     """The sampler's penalty window: generated ids, then the prompt's distinct ids + vocab (repetition only).
     A token still on the device (the overlap loop's placeholder -1 - slot) enters as -2 - slot: -1 pads."""
     out = np.asarray(req.output_ids, np.int32)
-    out = np.where(out < 0, out - 1, out)
+    out = np.where(out < 0, future_history(future_slot(out)), out)  # the placeholder's slot, as a window entry
     if req.params.repetition_penalty == 1.0:
         return out
-    prompt = np.unique(np.asarray(req.input_ids, np.int32)) + vocab
+    prompt = prompt_entry(np.unique(np.asarray(req.input_ids, np.int32)), vocab)
     return np.concatenate([out, prompt])
 
 

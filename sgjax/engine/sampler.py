@@ -43,6 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sgjax.engine.sentinels import HISTORY_PAD, bias_token, is_bias_entry
+from sgjax.model import packing
+from sgjax.model.packing import Segment
+
 Array = Any
 
 # The per-row fields in buffer order: (name, host dtype, the "off" default).
@@ -102,7 +106,7 @@ class SampleOutput:
 def default_rows(num_rows: int, width: int) -> dict[str, np.ndarray]:
     """Host arrays with every parameter off: greedy, no penalties, target -1, empty history."""
     rows = {name: np.full(num_rows, value, dtype) for name, dtype, value in ROW_FIELDS}
-    rows["history"] = np.full((num_rows, width), -1, np.int32)
+    rows["history"] = np.full((num_rows, width), HISTORY_PAD, np.int32)
     rows["bias"] = np.zeros((num_rows, width), np.float32)
     rows["needs_filter"] = np.array(0, np.int32)
     rows["needs_top"] = np.array(1, np.int32)
@@ -117,41 +121,42 @@ def uses_filter(rows: dict[str, np.ndarray]) -> bool:
     return bool(np.any(samples & filters))
 
 
+def sampling_layout(num_rows: int, width: int) -> tuple[Segment, ...]:
+    """The sampling rows' segments of the step buffer (model/packing.py): the per-row fields, the window and its
+    biases, then the two flags."""
+    rows = tuple(Segment(name, (num_rows,), np.dtype(dtype).name) for name, dtype, _ in ROW_FIELDS)
+    return rows + (Segment("history", (num_rows, width)), Segment("bias", (num_rows, width), "float32"),
+                   Segment("needs_filter", ()), Segment("needs_top", ()))
+
+
 def sampling_size(num_rows: int, width: int) -> int:
-    """Length of the packed buffer: the per-row fields, the window and its biases, needs_filter, needs_top."""
-    return len(ROW_FIELDS) * num_rows + 2 * num_rows * width + 2
+    return packing.size(sampling_layout(num_rows, width))
+
+
+def sampling_values(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The host rows as the layout's values. needs_filter is rows["needs_filter"] or'ed with `uses_filter(rows)`, so
+    forgetting to set it cannot silently drop a filter."""
+    num_rows, width = np.shape(rows["history"])
+    bias = rows.get("bias")
+    return {**{name: rows[name] for name, _, _ in ROW_FIELDS}, "history": rows["history"],
+            "bias": np.zeros((num_rows, width), np.float32) if bias is None else bias,
+            "needs_filter": int(bool(np.any(rows.get("needs_filter", 0))) or uses_filter(rows)),
+            "needs_top": int(bool(np.any(rows.get("needs_top", 1))))}
 
 
 def pack_sampling(rows: dict[str, np.ndarray]) -> np.ndarray:
-    """All of a batch's sampling parameters in one int32 buffer (floats bit-cast, exact).
-
-    needs_filter is rows["needs_filter"] or'ed with `uses_filter(rows)`, so forgetting to set it
-    cannot silently drop a filter.
-    """
+    """All of a batch's sampling parameters in one int32 buffer (floats bit-cast, exact)."""
     num_rows, width = np.shape(rows["history"])
-    parts = [np.asarray(rows[name], dtype).reshape(num_rows).view(np.int32) for name, dtype, _ in ROW_FIELDS]
-    parts.append(np.asarray(rows["history"], np.int32).reshape(-1))
-    bias = rows.get("bias")
-    parts.append(np.zeros(num_rows * width, np.int32) if bias is None
-                 else np.asarray(bias, np.float32).reshape(-1).view(np.int32))
-    needs_filter = bool(np.any(rows.get("needs_filter", 0))) or uses_filter(rows)
-    parts.append(np.array([needs_filter, bool(np.any(rows.get("needs_top", 1)))], np.int32))
-    return np.concatenate(parts)
+    return packing.pack(sampling_layout(num_rows, width), sampling_values(rows))
+
+
+def from_values(d: dict) -> SamplingBatch:
+    return SamplingBatch(**d)
 
 
 def unpack_sampling(buffer, num_rows: int, width: int) -> SamplingBatch:
     """The inverse of pack_sampling, inside the jitted step (static slices of one buffer)."""
-    buffer = jnp.asarray(buffer)
-    fields = {}
-    for i, (name, dtype, _) in enumerate(ROW_FIELDS):
-        part = buffer[i * num_rows:(i + 1) * num_rows]
-        fields[name] = jax.lax.bitcast_convert_type(part, jnp.float32) if dtype == np.float32 else part
-    start = len(ROW_FIELDS) * num_rows
-    history = buffer[start:start + num_rows * width].reshape(num_rows, width)
-    end = start + num_rows * width
-    bias = jax.lax.bitcast_convert_type(buffer[end:end + num_rows * width], jnp.float32).reshape(num_rows, width)
-    end += num_rows * width
-    return SamplingBatch(**fields, history=history, needs_filter=buffer[end], needs_top=buffer[end + 1], bias=bias)
+    return from_values(packing.unpack(sampling_layout(num_rows, width), jnp.asarray(buffer)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,7 +172,7 @@ def _history_counts(history, vocab: int):
     """
     num_rows, width = history.shape
     big = width + 1
-    valid = (history >= 0) & (history < 2 * vocab)  # logit_bias entries (>= 2V) count for nothing
+    valid = (history >= 0) & ~is_bias_entry(history, vocab)  # logit_bias entries count for nothing
     generated = valid & (history < vocab)
     weight = jnp.where(generated, big + 1, jnp.where(valid, big, 0)).astype(jnp.int32)
     ids = jnp.where(valid, history % vocab, 0)
@@ -190,9 +195,10 @@ def apply_penalties(logits, batch: SamplingBatch):
     if batch.bias is None:
         return logits
     # Scattered straight into the logits (no [L, V] bias array); padding and penalty entries add 0 at id 0.
-    is_bias = batch.history >= 2 * vocab
+    is_bias = is_bias_entry(batch.history, vocab)
     rows = jnp.arange(logits.shape[0])[:, None]
-    return logits.at[rows, jnp.where(is_bias, batch.history - 2 * vocab, 0)].add(jnp.where(is_bias, batch.bias, 0.0))
+    return logits.at[rows, jnp.where(is_bias, bias_token(batch.history, vocab), 0)].add(
+        jnp.where(is_bias, batch.bias, 0.0))
 
 
 def _at(values, index):

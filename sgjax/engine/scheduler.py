@@ -20,6 +20,7 @@ import numpy as np
 
 from sgjax.cache import POLICIES, PageAllocator, make_cache, schedule_order
 from sgjax.engine.request import Req
+from sgjax.engine.sentinels import future_input
 
 EMPTY = np.zeros(0, np.int32)
 
@@ -313,7 +314,7 @@ class Scheduler:
             req = w.req
             if not req.finished:
                 req.kv_len = w.start + len(w.tokens)
-                req.output_ids.append(-1 - req.slot)
+                req.output_ids.append(future_input(req.slot))
 
     # -- pages ------------------------------------------------------------------------------------------
     def _pages_for(self, num_tokens: int) -> int:

@@ -10,6 +10,8 @@ import jax
 import numpy as np
 
 from sgjax.kernels.metadata import AttentionMetadata
+from sgjax.model import packing
+from sgjax.model.packing import Segment
 
 Array = Any
 
@@ -84,23 +86,32 @@ class BatchShape:
         return cls(num_tokens=batch.input_ids.shape[0], num_reqs=batch.attn.kv_lens.shape[0],
                    pages_per_req=batch.attn.page_table.shape[1], num_logits=batch.logits_idx.shape[0])
 
-    @property
-    def sizes(self) -> tuple[int, ...]:
+    def layout(self) -> tuple[Segment, ...]:
+        """The batch's segments of the step buffer (model/packing.py), in order."""
         t, r = self.num_tokens, self.num_reqs
-        return (t, t, t, r + 1, r, r * self.pages_per_req, self.num_logits)
+        return (Segment("input_ids", (t,)), Segment("positions", (t,)), Segment("slot_mapping", (t,)),
+                Segment("cu_q_lens", (r + 1,)), Segment("kv_lens", (r,)),
+                Segment("page_table", (r, self.pages_per_req)), Segment("logits_idx", (self.num_logits,)))
+
+
+def fields(batch: StepBatch) -> dict[str, Array]:
+    """The batch's arrays by segment name."""
+    a = batch.attn
+    return {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": a.slot_mapping,
+            "cu_q_lens": a.cu_q_lens, "kv_lens": a.kv_lens, "page_table": a.page_table, "logits_idx": batch.logits_idx}
+
+
+def from_fields(d: dict[str, Array]) -> StepBatch:
+    return StepBatch(input_ids=d["input_ids"], positions=d["positions"], logits_idx=d["logits_idx"],
+                     attn=AttentionMetadata(slot_mapping=d["slot_mapping"], cu_q_lens=d["cu_q_lens"],
+                                            kv_lens=d["kv_lens"], page_table=d["page_table"]))
 
 
 def pack(batch: StepBatch) -> np.ndarray:
     """All of a host batch's int32 metadata in one buffer, so a step costs one host->device transfer."""
-    a = batch.attn
-    parts = (batch.input_ids, batch.positions, a.slot_mapping, a.cu_q_lens, a.kv_lens, a.page_table, batch.logits_idx)
-    return np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in parts])
+    return packing.pack(BatchShape.of(batch).layout(), fields(batch))
 
 
 def unpack(buffer, shape: BatchShape) -> StepBatch:
     """The inverse of pack, inside the jitted step (static slices of the one transferred buffer)."""
-    offsets = np.cumsum((0,) + shape.sizes)
-    ids, pos, slots, cu, lens, table, logits = (buffer[offsets[i]:offsets[i + 1]] for i in range(7))
-    table = table.reshape(shape.num_reqs, shape.pages_per_req)
-    return StepBatch(input_ids=ids, positions=pos, logits_idx=logits,
-                     attn=AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=lens, page_table=table))
+    return from_fields(packing.unpack(shape.layout(), buffer))

@@ -12,15 +12,16 @@ import asyncio
 import dataclasses
 import logging
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from sgjax.engine.engine import Engine, EngineError
+from sgjax.engine.engine import Engine
 from sgjax.engine.images import ImageDataError
 from sgjax.engine.params import SamplingParams, SamplingParamsError
+from sgjax.engine.requests import copy_rid, copy_seed
+from sgjax.errors import CLIENT, SHUTDOWN, EngineError, RequestError, SgjaxError
 from sgjax.fsm import from_tokenizer
 from sgjax.server.connection import until_disconnected
 from sgjax.server.metrics import Metrics
@@ -147,9 +148,8 @@ class Serving:
         for i, (prompt, params) in enumerate(zip(work.prompts, work.params)):
             base = work.rids[i] if work.rids else None
             for j in range(params.n):
-                seed = None if params.seed is None else (params.seed32 + j) % 2 ** 31
-                copy = dataclasses.replace(params, n=1, seed=seed)
-                rid = base if base is None or params.n == 1 else f"{base}-{j}"
+                copy = dataclasses.replace(params, n=1, seed=copy_seed(params, j))
+                rid = copy_rid(base, params, j)
                 images = work.images[i] if work.images else None
                 call = self.engine.async_generate(**{kind: prompt}, sampling_params=copy, rid=rid, stream=True,
                                                   image_data=images, **work.engine_kwargs())
@@ -206,17 +206,17 @@ class Serving:
     async def _engine_errors(self, call, work: Work, prompt: int | None = None):
         try:
             return await call
-        except SamplingParamsError as e:
-            raise params_error(e, work.params_field, work.renames) from None
         except ImageDataError as e:  # the engine counts prompts in its own call; a stream's call has one
             where = work.image_field(e.prompt if e.prompt is not None else prompt, e.image)
             raise ApiError(f"{where}: {e.reason}", param=where) from None
-        except EngineError as e:
-            raise ApiError(str(e), status=503, kind="unavailable") from None
-        except ValueError as e:
-            if str(e).startswith("the prompt"):
-                raise ApiError(f"{work.prompt_field}: {e}", param=work.prompt_field) from None
-            raise params_error(e) from None
+        except SgjaxError as e:
+            if e.kind == SHUTDOWN:
+                raise ApiError(str(e), status=503, kind="unavailable") from None
+            if e.kind != CLIENT:
+                raise
+            if isinstance(e, SamplingParamsError):
+                raise params_error(e, work.params_field, work.renames) from None
+            raise params_error(e, renames={"prompt": work.prompt_field}) from None
 
     # -- helpers for the APIs --------------------------------------------------------------------------------
     async def info(self) -> dict:
@@ -256,33 +256,25 @@ class Serving:
                          _clip(r["text"]))
 
 
-def params_error(e: Exception, prefix: str = "", renames: dict | None = None) -> ApiError:
-    """The API's view of an engine error about a field ("temperature must be >= 0"): "field: message", the field
-    renamed to the API's ("max_new_tokens" -> "max_tokens") and, on /generate, under "sampling_params"."""
-    msg = str(e)
-    for old, new in (renames or {}).items():
-        if msg.startswith(old):
-            msg = new + msg[len(old):]
-            break
-    m = re.match(r"'?([A-Za-z_][\w.]*)'?(:?)\s*(.*)", msg, re.S)
-    if m is None:
-        return ApiError(f"{prefix}: {msg}" if prefix else msg, param=prefix or None)
-    name, colon, rest = m.groups()
-    if not colon and not rest.startswith("must "):
-        rest = msg  # the name is part of a sentence: keep it whole
+def params_error(e: RequestError, prefix: str = "", renames: dict | None = None) -> ApiError:
+    """The API's view of an engine error about a field: "field: reason", the field renamed to the API's
+    ("max_new_tokens" -> "max_tokens", "prompt" -> "messages") and, on /generate, under "sampling_params"."""
+    name = (renames or {}).get(e.field, e.field) if e.field else None
+    if name is None:
+        return ApiError(f"{prefix}: {e}" if prefix else str(e), param=prefix or None)
     param = f"{prefix}.{name}" if prefix else name
-    return ApiError(f"{param}: {rest}", param=param)
+    return ApiError(f"{param}: {e.reason}", param=param)
 
 
 def _raise_if_failed(results: list[dict]) -> None:
-    """An engine-side abort that carries a message (shut down, a failed step) is the answer's error; a plain abort
-    (/abort_request) is a result."""
+    """An engine-side abort that carries a message (shut down, a failed step) is the answer's error, with the status
+    the engine gave it; a plain abort (/abort_request) is a result."""
     for r in results:
         reason = r["meta_info"]["finish_reason"] or {}
         if reason.get("type") == "abort" and reason.get("message"):
-            if "shut down" in reason["message"]:
-                raise ApiError(reason["message"], status=503, kind="unavailable")
-            raise ApiError(reason["message"], status=500, kind="server_error")
+            status = reason.get("status_code", 500)
+            kind = {503: "unavailable", 400: "invalid_request_error"}.get(status, "server_error")
+            raise ApiError(reason["message"], status=status, kind=kind)
 
 
 def _clip(text: str, n: int = 200) -> str:

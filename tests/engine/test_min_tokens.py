@@ -50,7 +50,7 @@ def test_min_new_tokens_masks_stop_token_ids(engine):
 
 def test_ignore_eos_with_min_new_tokens_only_bans_listed_stops(engine):
     # With ignore_eos, EOS is an ordinary token: min_new_tokens must not mask it.
-    assert engine._min_tokens_stops(SamplingParams(min_new_tokens=2, ignore_eos=True)) == ()
-    assert engine._min_tokens_stops(SamplingParams(min_new_tokens=2, stop_token_ids=(7,), ignore_eos=True)) == (7,)
-    assert set(engine._min_tokens_stops(SamplingParams(min_new_tokens=2))) == set(engine.eos_ids)
-    assert engine._min_tokens_stops(SamplingParams()) == ()
+    assert engine.requests.min_tokens_stops(SamplingParams(min_new_tokens=2, ignore_eos=True)) == ()
+    assert engine.requests.min_tokens_stops(SamplingParams(min_new_tokens=2, stop_token_ids=(7,), ignore_eos=True)) == (7,)
+    assert set(engine.requests.min_tokens_stops(SamplingParams(min_new_tokens=2))) == set(engine.eos_ids)
+    assert engine.requests.min_tokens_stops(SamplingParams()) == ()

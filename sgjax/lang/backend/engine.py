@@ -7,7 +7,7 @@ one).
 
 from __future__ import annotations
 
-from sgjax.engine.engine import EngineError
+from sgjax.errors import INTERNAL, SHUTDOWN, EngineError
 from sgjax.lang.backend.base import Backend, decoded_token_ends, logprobs_by_start
 from sgjax.lang.chat_template import from_tokenizer
 from sgjax.lang.ir import LOGPROB_PARAMS
@@ -83,7 +83,8 @@ def _served(out: dict) -> dict:
     a program must fail there, naming the reason, not carry on with a cut text or with no logprobs to score."""
     reason = out["meta_info"].get("finish_reason") or {}
     if reason.get("type") == "abort" and reason.get("message"):
-        raise EngineError(f"the engine aborted the request: {reason['message']}")
+        kind = SHUTDOWN if reason.get("status_code") == 503 else INTERNAL
+        raise EngineError(f"the engine aborted the request: {reason['message']}", kind)
     return out
 
 

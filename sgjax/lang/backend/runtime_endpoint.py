@@ -24,7 +24,12 @@ from sgjax.lang.ir import LOGPROB_PARAMS
 
 
 class ServerError(RuntimeError):
-    """The server refused a request or could not be reached; the message names the URL and the server's reason."""
+    """The server refused a request (`status`: its HTTP status) or could not be reached (`status` None); the message
+    names the URL and the server's reason."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class RuntimeEndpoint(Backend):
@@ -52,7 +57,7 @@ class RuntimeEndpoint(Backend):
             raise ServerError(f"cannot reach the server at {self.base_url}{path}: {type(e).__name__}: {e} "
                               f"(is `sgjax serve` running there?)") from None
         if r.status_code != 200:
-            raise ServerError(f"{self.base_url}{path} answered {r.status_code}: {_message(r.text)}")
+            raise ServerError(f"{self.base_url}{path} answered {r.status_code}: {_message(r.text)}", r.status_code)
         return r.json()
 
     def _generate(self, body: dict):
@@ -70,7 +75,7 @@ class RuntimeEndpoint(Backend):
             with self.client.stream("POST", "/generate", json=body) as r:
                 if r.status_code != 200:
                     reason = _message(r.read().decode())
-                    raise ServerError(f"{self.base_url}/generate answered {r.status_code}: {reason}")
+                    raise ServerError(f"{self.base_url}/generate answered {r.status_code}: {reason}", r.status_code)
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -111,7 +116,7 @@ class RuntimeEndpoint(Backend):
         try:
             return bool(self._request("POST", "/flush_cache").get("success"))
         except ServerError as e:
-            if "answered 400" in str(e):  # requests are running: the server refuses, as SGLang's does
+            if e.status == 400:  # requests are running: the server refuses, as SGLang's does
                 return False
             raise
 

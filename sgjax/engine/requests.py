@@ -1,0 +1,176 @@
+"""From an API call to runtime requests: validation, tokenization, images, length limits, grammars, n copies.
+
+Runs on the caller's thread (or a worker thread for `async_generate`), never on the engine loop: compiling a new
+grammar takes 50-250 ms. Every refusal is a `RequestError` (or `SamplingParamsError`) whose `field` names what was
+wrong in the engine's terms, so API layers can rename it without reading the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sgjax.engine.params import SamplingParams, SamplingParamsError
+from sgjax.engine.request import Req
+from sgjax.errors import RequestError
+from sgjax.fsm import GrammarCache, GrammarError, RegexError, from_tokenizer
+from sgjax.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One `Engine.generate` / `async_generate` call's arguments (SGLang's names)."""
+
+    prompt: Any = None  # a string or a list of strings
+    sampling_params: Any = None  # a dict / SamplingParams, or one per prompt
+    input_ids: Any = None  # a list of ids or a list of lists
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    stream: bool = False
+    rid: Any = None  # a string, or one per prompt
+    image_data: Any = None  # vision models: base64 images per prompt
+
+
+def copy_seed(params: SamplingParams, copy: int) -> int | None:
+    """The seed of copy `copy` of a seeded request with n > 1 (seed + copy): the engine's n and the server's
+    per-copy streams give the same tokens."""
+    return None if params.seed is None else (params.seed32 + copy) % 2 ** 31
+
+
+def copy_rid(base: str | None, params: SamplingParams, copy: int) -> str | None:
+    return base if base is None or params.n == 1 else f"{base}-{copy}"
+
+
+def check_token_ids(ids, vocab: int, field: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"{field} has token ids outside [0, {vocab}): {bad[:5]}", field)
+
+
+class RequestBuilder:
+    def __init__(self, cfg: ModelConfig, tokenizer, images, *, context_length: int, max_total_tokens: int,
+                 max_top_logprobs: int, eos_ids: frozenset, seed: int, grammar_cache_size: int):
+        self.cfg, self.tokenizer, self.images = cfg, tokenizer, images
+        self.context_length, self.max_total_tokens = context_length, max_total_tokens
+        self.max_top_logprobs, self.eos_ids = max_top_logprobs, eos_ids
+        self.grammars = GrammarCache(max_entries=grammar_cache_size)
+        self._seeds = np.random.default_rng(seed)
+        self._vocabulary = None
+
+    def build(self, call: GenerateCall) -> tuple[list[Req], bool]:
+        """The requests of a call (prompts x n copies) and whether it was a single prompt."""
+        prompt, input_ids = call.prompt, call.input_ids
+        if (prompt is None) == (input_ids is None):
+            raise RequestError("give exactly one of prompt or input_ids", "prompt")
+        single = isinstance(prompt, str) if prompt is not None else not (input_ids and isinstance(input_ids[0], list))
+        prompts = ([prompt] if single else list(prompt)) if prompt is not None else None
+        ids_list = ([input_ids] if single else list(input_ids)) if input_ids is not None else None
+        count = len(prompts if prompts is not None else ids_list)
+        sp = call.sampling_params
+        params_list = sp if isinstance(sp, list) else [sp] * count
+        if len(params_list) != count:
+            raise RequestError(f"{count} prompts but {len(params_list)} sampling_params", "sampling_params")
+        rids = call.rid if isinstance(call.rid, list) else [call.rid] * count
+        images_list = self._images_per_prompt(call.image_data, single, count)
+        reqs = []
+        for i in range(count):
+            params = SamplingParams.from_dict(params_list[i])
+            params.validate(self.cfg.vocab_size)
+            if params.stop and self.tokenizer is None:
+                raise RequestError("stop strings need a tokenizer; this engine has none (use stop_token_ids)", "stop")
+            ids = self._tokens(prompts[i] if prompts is not None else None, ids_list[i] if ids_list else None)
+            images = None
+            if images_list is not None and images_list[i] is not None:
+                ids, images = self.images.prepare(ids, images_list[i], self.cfg.vocab_size, None if single else i)
+            params = self._fit_length(params, ids)
+            grammar = self.grammar(params)
+            lp_start = self._logprob_start(call, ids)
+            base = rids[i] or uuid.uuid4().hex
+            for j in range(params.n):
+                seed = copy_seed(params, j)
+                reqs.append(Req(rid=copy_rid(base, params, j), input_ids=list(ids), params=params,
+                                seed=seed if seed is not None else int(self._seeds.integers(2 ** 31)),
+                                return_logprob=bool(call.return_logprob), logprob_start_len=lp_start,
+                                top_logprobs_num=int(call.top_logprobs_num or 0), grammar=grammar, images=images,
+                                min_tokens_stops=self.min_tokens_stops(params)))
+        if call.stream and len(reqs) != 1:
+            raise RequestError("stream=True takes one prompt with n == 1", "stream")
+        return reqs, single
+
+    def _images_per_prompt(self, image_data, single: bool, count: int):
+        if image_data is None:
+            return None
+        if self.images is None:
+            raise RequestError("image_data: this engine's model is text-only (load a LLaVA checkpoint directory "
+                               "for images)", "image_data")
+        images_list = [image_data] if single else list(image_data)
+        if len(images_list) != count:
+            raise RequestError(f"image_data: {count} prompts but {len(images_list)} image lists", "image_data")
+        return images_list
+
+    def grammar(self, params: SamplingParams):
+        """The compiled FSM of a regex / json_schema request (cached across requests), or None."""
+        if params.regex is None and params.json_schema is None:
+            return None
+        field = "regex" if params.regex is not None else "json_schema"
+        if self.tokenizer is None:
+            raise RequestError("regex and json_schema need a tokenizer; this engine has none", field)
+        if self._vocabulary is None:
+            self._vocabulary = from_tokenizer(self.tokenizer)
+        try:
+            if params.regex is not None:
+                return self.grammars.get_regex(params.regex, self._vocabulary)
+            return self.grammars.get_json_schema(params.json_schema, self._vocabulary)
+        except (GrammarError, RegexError) as e:
+            raise SamplingParamsError(f"{field}: {e}", field) from None
+        except (TypeError, ValueError, AttributeError, KeyError) as e:
+            # An ill-typed keyword ({"anyOf": 3}, "maxLength": "x") trips the schema compiler before its own checks:
+            # still the request's mistake, not the engine's.
+            raise SamplingParamsError(f"json_schema: invalid schema ({type(e).__name__}: {e})", "json_schema") from None
+
+    def _tokens(self, text, ids) -> list[int]:
+        if text is not None:
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer (skip_tokenizer_init): pass input_ids", "prompt")
+            if not isinstance(text, str):
+                raise RequestError(f"prompt must be a string, got {type(text).__name__}", "prompt")
+            ids = self.tokenizer.encode(text)
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise RequestError("the prompt is empty (0 tokens)", "prompt")
+        check_token_ids(ids, self.cfg.vocab_size, "input_ids")
+        return ids
+
+    def _fit_length(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
+        """Reject prompts that cannot fit; shorten max_new_tokens to the context and the pool, as SGLang does."""
+        limit = min(self.context_length, self.max_total_tokens)
+        if len(ids) >= limit:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this engine takes at most {limit - 1} "
+                               f"(context_length {self.context_length}, max_total_tokens {self.max_total_tokens})",
+                               "prompt")
+        if len(ids) + params.max_new_tokens > limit:
+            return dataclasses.replace(params, max_new_tokens=limit - len(ids))
+        return params
+
+    def _logprob_start(self, call: GenerateCall, ids) -> int:
+        top, start = call.top_logprobs_num, call.logprob_start_len
+        if top is not None and (not isinstance(top, int) or top < 0 or top > self.max_top_logprobs):
+            raise RequestError(f"top_logprobs_num must be an int in [0, {self.max_top_logprobs}], got {top!r}",
+                               "top_logprobs_num")
+        if start is None or not call.return_logprob:
+            return -1
+        if not isinstance(start, int) or start < -1 or start >= len(ids):
+            raise RequestError(f"logprob_start_len must be -1 or in [0, {len(ids)}) for this prompt, got {start!r}",
+                               "logprob_start_len")
+        return start
+
+    def min_tokens_stops(self, p: SamplingParams) -> tuple:
+        """What the sampler masks while a request is short of min_new_tokens: the tokens that would stop it."""
+        if not p.min_new_tokens:
+            return ()
+        return tuple(sorted((set() if p.ignore_eos else set(self.eos_ids)) | set(p.stop_token_ids)))

@@ -1,0 +1,81 @@
+"""The contract between the host and one jitted step: its static shape, its one int32 buffer, the sentinel ids the
+buffer may carry (engine/sentinels.py), and the device state each step donates and returns.
+
+The buffer is, in order (model/packing.py segments, sizes from `StepShape`): the batch (model/batch.py: input_ids,
+positions, slot_mapping, cu_q_lens, kv_lens, page_table, logits_idx), the sampling rows (engine/sampler.py: the
+per-row fields, the penalty window and its biases, two flags), then, when the shape has them, each token row's image
+feature row (vision models) and the packed allowed-token bits of each logits row (constrained decoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from sgjax.engine import sampler
+from sgjax.model import batch as batch_mod
+from sgjax.model import packing
+from sgjax.model.batch import BatchShape, StepBatch
+from sgjax.model.packing import Segment
+
+Array = Any
+
+# -- the static shape ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepShape:
+    batch: BatchShape
+    history: int  # W
+    top_logprobs: int  # K
+    mask_words: int = 0  # ceil(V / 32) when a row is constrained (packed allowed-token bits per row), else 0
+    image_rows: int = 0  # M: feature rows of the images in the step's chunks (vision models), else 0
+
+    def layout(self) -> tuple[Segment, ...]:
+        b = self.batch
+        out = b.layout() + sampler.sampling_layout(b.num_logits, self.history)
+        if self.image_rows:
+            out += (Segment("image_rows", (b.num_tokens,)),)
+        if self.mask_words:
+            out += (Segment("mask", (b.num_logits, self.mask_words)),)
+        return out
+
+    @property
+    def size(self) -> int:
+        return packing.size(self.layout())
+
+
+def pack(shape: StepShape, batch: StepBatch, rows: dict[str, np.ndarray], image_rows=None, mask=None) -> np.ndarray:
+    """The whole step's host arrays in its one buffer. `image_rows` and `mask` must be given exactly when the shape
+    has them."""
+    values = {**batch_mod.fields(batch), **sampler.sampling_values(rows)}
+    if shape.image_rows:
+        values["image_rows"] = image_rows
+    if shape.mask_words:
+        values["mask"] = mask
+    return packing.pack(shape.layout(), values)
+
+
+def unpack(buffer, shape: StepShape) -> tuple[StepBatch, sampler.SamplingBatch, Array | None, Array | None]:
+    """(batch, sampling rows, image_rows or None, packed mask words or None), inside the jitted step."""
+    d = packing.unpack(shape.layout(), buffer)
+    batch = batch_mod.from_fields({s.name: d[s.name] for s in shape.batch.layout()})
+    rows = sampler.from_values({s.name: d[s.name] for s in sampler.sampling_layout(shape.batch.num_logits,
+                                                                                   shape.history)})
+    return batch, rows, d.get("image_rows"), d.get("mask")
+
+
+# -- device state ---------------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclass
+class DeviceState:
+    """What every step donates and gets back: the KV pool [L, pages, page_size, 2*Hkv, D] and the future-token
+    array [max running requests] (each running request's newest sampled token at its slot, for the overlap loop).
+    A failed step may take both: the runner then makes a fresh one (and the cache forgets its pages)."""
+
+    pool: Array
+    future: Array
+
+    def lost(self) -> bool:
+        return self.pool.is_deleted() or self.future.is_deleted()
