@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, fields
 
 
@@ -40,7 +41,7 @@ class ServerArgs:
     # The engine's loop is a thread that shares the GIL with the caller's threads (the frontend's programs, the
     # HTTP server). Each step gives the GIL up at every device call and waits up to Python's switch interval
     # (5 ms) to get it back from a busy thread: with 4 busy threads a tiny model's step took 119 ms at 5 ms and
-    # 21 ms at 0.5 ms (scripts/bench_gil.py). Process-wide; None leaves the interpreter's setting alone.
+    # 21 ms at 0.5 ms (scripts/perf/bench_gil.py). Process-wide; None leaves the interpreter's setting alone.
     gil_switch_interval_ms: float | None = 0.5
     # Overlap (SGLang's default too): while step k runs on the device, the host commits step k-1 and its streams,
     # and step k+1 reads k's tokens on the device. Only decode steps whose requests need no host-side token state
@@ -54,3 +55,54 @@ class ServerArgs:
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
         return cls(model_path=model_path, **kwargs)
+
+
+# (ServerArgs field, argparse options). Every engine setting has a flag (tests/server/test_cli.py checks it).
+ENGINE_FLAGS = [
+    ("model_path", dict(help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct)")),
+    ("load_format", dict(choices=["auto", "dummy"],
+                         help="auto: the checkpoint's weights; dummy: random weights of the HF directory's "
+                              "config.json (serving benchmarks of large shapes)")),
+    ("dtype", dict(choices=["float32", "bfloat16"],
+                   help="weights and KV cache dtype (default: float32 on CPU, bfloat16 on accelerators)")),
+    ("page_size", dict(type=int, help="tokens per KV page; the radix cache matches whole pages")),
+    ("max_total_tokens", dict(type=int, help="KV pool size in tokens (default: from --mem-fraction-static; 16384 "
+                                             "on CPU, where memory stats are missing)")),
+    ("mem_fraction_static", dict(type=float, help="fraction of device memory for weights and the KV pool, used "
+                                                  "when --max-total-tokens is not given")),
+    ("max_running_requests", dict(type=int, help="most requests in one running batch")),
+    ("chunked_prefill_size", dict(type=int, help="most prompt tokens prefilled in one step; longer prompts are "
+                                                 "prefilled in chunks")),
+    ("schedule_policy", dict(choices=["lpm", "dfs-weight", "fcfs", "random"],
+                             help="order of waiting requests: lpm (longest prefix match first), dfs-weight, fcfs, "
+                                  "random")),
+    ("schedule_conservativeness", dict(type=float, help="scales the pages reserved for future output tokens at "
+                                                        "admission; 0 admits greedily")),
+    ("disable_radix_cache", dict(action="store_true", help="no prefix reuse (the paper's no-cache ablation)")),
+    ("cache", dict(choices=["radix", "table", "none"],
+                   help="prefix cache: radix tree, flat table (the no-tree ablation) or none")),
+    ("attention_backend", dict(choices=["ref", "pallas", "pallas:triton", "pallas:mgpu"],
+                               help="attention implementation (default: ref on CPU, pallas on GPU and TPU)")),
+    ("context_length", dict(type=int, help="longest prompt plus output (default: the model's)")),
+    ("max_top_logprobs_num", dict(type=int, help="largest top_logprobs_num (logprobs, top_logprobs) a request "
+                                                 "may ask for")),
+    ("precompile", dict(action=argparse.BooleanOptionalAction,
+                        help="compile the common step shapes at start (default: on accelerators only)")),
+    ("step_buckets", dict(choices=["fine", "coarse"],
+                          help="step-shape ladder: fine fits requests, logits rows and top-logprobs to each batch "
+                               "(cheap CPU compiles), coarse derives them from the token count (fewer shapes where "
+                               "a compile costs seconds); default: fine on CPU, coarse on accelerators")),
+    ("random_seed", dict(type=int, help="seed of the seeds given to requests that bring none")),
+    ("skip_tokenizer_init", dict(action="store_true", help="no tokenizer: /generate takes input_ids and answers "
+                                                           "output_ids only; the OpenAI routes are refused")),
+    ("disable_jump_forward", dict(action="store_true", help="decode a grammar's forced text token by token "
+                                                            "(same output, more steps)")),
+    ("grammar_cache_size", dict(type=int, help="compiled regex / JSON-schema grammars kept; 0 rebuilds one per "
+                                               "request (the paper's ablation)")),
+    ("compilation_cache_dir", dict(help="JAX's persistent compilation cache, used when JAX_COMPILATION_CACHE_DIR "
+                                        "is not set; '' for none")),
+    ("gil_switch_interval_ms", dict(type=float, help="Python's thread switch interval while serving (the engine "
+                                                     "loop shares the GIL with the HTTP server's threads)")),
+    ("disable_overlap_schedule", dict(action="store_true", help="wait for each step's tokens before scheduling the "
+                                                                "next (no overlap of host work with decode steps)")),
+]

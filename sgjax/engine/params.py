@@ -26,6 +26,35 @@ MAX_LOGIT_BIAS = 1024  # entries per request: each is a slot of the sampler's wi
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
+# The one table of names between SGLang's sampling parameters and the OpenAI API's request fields: ours -> (theirs,
+# "openai" for the API's own field, "extra" for SGLang's extensions, which OpenAI clients send in extra_body).
+# json_schema has no row: chat requests carry it in response_format, completions as an extra `json_schema`.
+OPENAI_NAMES: dict[str, tuple[str, str]] = {
+    "max_new_tokens": ("max_tokens", "openai"),
+    "min_new_tokens": ("min_tokens", "extra"),
+    "stop": ("stop", "openai"),
+    "stop_token_ids": ("stop_token_ids", "extra"),
+    "temperature": ("temperature", "openai"),
+    "top_p": ("top_p", "openai"),
+    "top_k": ("top_k", "extra"),
+    "min_p": ("min_p", "extra"),
+    "frequency_penalty": ("frequency_penalty", "openai"),
+    "presence_penalty": ("presence_penalty", "openai"),
+    "repetition_penalty": ("repetition_penalty", "extra"),
+    "ignore_eos": ("ignore_eos", "extra"),
+    "skip_special_tokens": ("skip_special_tokens", "extra"),
+    "no_stop_trim": ("no_stop_trim", "extra"),
+    "regex": ("regex", "extra"),
+    "n": ("n", "openai"),
+    "seed": ("seed", "openai"),
+    "logit_bias": ("logit_bias", "openai"),
+}
+
+
+def openai_name(name: str) -> str:
+    return OPENAI_NAMES[name][0] if name in OPENAI_NAMES else name
+
+
 class SamplingParamsError(RequestError):
     """A sampling parameter is invalid; `field` names it (the message starts with it too)."""
 

@@ -16,12 +16,13 @@ always (a runtime flag skips the top-k when no row wants it), P the whole contex
 vocabulary. A GPU compile costs about 9 s (the layers are unrolled there, see docs/architecture.md) and programs
 submit asynchronously, so the fine ladder met new (T, R, L, K) combinations in the middle of timed runs. The
 coarse ladder has at most 4 shapes per T, all compiled at start, in parallel threads. Its padding is cheap on the
-H200 (`scripts/probe_step_compile.py`): 3 decode rows of SmolLM2's shapes take 2.46 ms as (T, R, L) = (16, 16,
+H200 (`scripts/probes/probe_step_compile.py`): 3 decode rows of SmolLM2's shapes take 2.46 ms as (T, R, L) = (16, 16,
 16) against 2.34 ms fitted (16, 4, 4); Llama-3-8B's 7.38 against 7.11 ms.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -81,15 +82,31 @@ class Buckets:
         return out
 
 
+# Executables the jitted steps got (compiled, or loaded from the persistent cache), by the step's function name:
+# jax reports every backend compile through jax.monitoring with the function's name.
+_COMPILES: collections.Counter = collections.Counter()
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    name = str(kwargs.get("fun_name", ""))
+    if name.startswith("jit(") and name.endswith(")"):  # jax names a jitted function's program jit(<name>)
+        name = name[4:-1]
+    if event == _BACKEND_COMPILE and name in _COMPILES:
+        _COMPILES[name] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
 @functools.lru_cache(maxsize=None)
 def jitted_step(cfg: ModelConfig, attention: str):
     """The jitted (weights, state, buffer, shape, image_features) -> (SampleOutput, state); one per (model,
     backend) per process, so every engine in a process shares its compiled executables. The DeviceState (pool and
-    future tokens) is donated. `traces` counts compilations (tests)."""
+    future tokens) is donated. `compiles(fn)` counts the executables it got (tests, benchmarks)."""
     attend = get_backend(attention)
 
     def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None):
-        step.traces += 1
         batch, rows, image_rows, mask_words = unpack(buffer, shape)
         future = state.future
         batch = dataclasses.replace(batch, input_ids=resolve_future(batch.input_ids, future, future_input(0)))
@@ -108,10 +125,15 @@ def jitted_step(cfg: ModelConfig, attention: str):
         future = future.at[jnp.where(rows.slot >= 0, rows.slot, slots)].set(out.tokens, mode="drop")
         return out, DeviceState(pool=pool, future=future)
 
-    step.traces = 0
+    step.__name__ = step.__qualname__ = f"sgjax_step_{len(_COMPILES)}"  # its compile events' fun_name
+    _COMPILES[step.__name__] = 0
     fn = jax.jit(step, donate_argnames=("state",), static_argnames=("shape",))
-    fn.counter = step
+    fn.step_name = step.__name__
     return fn
+
+
+def compiles(fn) -> int:
+    return _COMPILES[fn.step_name]
 
 
 class Runner:
@@ -151,7 +173,8 @@ class Runner:
 
     @property
     def traces(self) -> int:
-        return self.step.counter.traces
+        """Executables of this runner's step so far (shared by every engine on the same model and backend)."""
+        return compiles(self.step)
 
     def _width(self, pages: int) -> int:
         if self.attention.startswith("pallas") or self.buckets.coarse:

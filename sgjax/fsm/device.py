@@ -1,4 +1,10 @@
-"""Device-side FSM tables and the pure functions the jitted sampler calls.
+"""Device-side FSM tables and pure mask functions.
+
+What the engine uses today: `unpack_bits` only (the step unpacks each constrained row's packed mask words, which the
+host copies from the grammar's table because it advances the FSM itself: it needs every token for stops and
+jump-forward). The arena below (`DeviceTables`, `advance`, `allowed_mask`) is NOT wired into the engine: it is the
+building block for keeping grammar rows' FSM state on the device so that their steps can overlap (docs/engine.md,
+Known gaps), and is tested on its own (tests/fsm/test_device.py).
 
 Several grammars share one set of arrays (an arena) with global state ids, so a batch mixing
 grammars and unconstrained rows is one gather: the state alone says which grammar a row follows.

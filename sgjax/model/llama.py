@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgjax.model.batch import BatchShape, StepBatch, unpack
+from sgjax.model.batch import StepBatch
 from sgjax.model.config import ModelConfig, RopeScaling
 from sgjax.model.weights import Weights
 
@@ -54,17 +54,20 @@ def apply_rope(x, positions, inv_freq):
 def _block(x, pool, w, index, batch: StepBatch, cfg: ModelConfig, attention, inv_freq):
     """One transformer block on the ragged rows; writes its K/V into layer `index` of the pool."""
     num_rows = x.shape[0]
-    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-    q, k, v = h @ w.wq, h @ w.wk, h @ w.wv
-    if w.bq is not None:
-        q, k, v = q + w.bq, k + w.bk, v + w.bv
-    q = apply_rope(q.reshape(num_rows, cfg.num_heads, cfg.head_dim), batch.positions, inv_freq)
-    k = apply_rope(k.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim), batch.positions, inv_freq)
-    v = v.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
-    attn, pool = attention(q, k, v, pool, index, batch.attn, sm_scale=cfg.head_dim ** -0.5)
-    x = x + attn.reshape(num_rows, cfg.q_size).astype(x.dtype) @ w.wo
-    h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-    return x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down, pool
+    with jax.named_scope("qkv"):
+        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        q, k, v = h @ w.wq, h @ w.wk, h @ w.wv
+        if w.bq is not None:
+            q, k, v = q + w.bq, k + w.bk, v + w.bv
+        q = apply_rope(q.reshape(num_rows, cfg.num_heads, cfg.head_dim), batch.positions, inv_freq)
+        k = apply_rope(k.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim), batch.positions, inv_freq)
+        v = v.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
+    with jax.named_scope("attention"):
+        attn, pool = attention(q, k, v, pool, index, batch.attn, sm_scale=cfg.head_dim ** -0.5)
+        x = x + attn.reshape(num_rows, cfg.q_size).astype(x.dtype) @ w.wo
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        return x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down, pool
 
 
 def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, attention, input_embeds=None):
@@ -94,32 +97,18 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds):
     block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, inv_freq=inv_freq)
     if isinstance(weights.layers, (tuple, list)):
         for i, w in enumerate(weights.layers):
-            x, pool = block(x, pool, w, jnp.int32(i))
+            with jax.named_scope(f"layer{i}"):
+                x, pool = block(x, pool, w, jnp.int32(i))
     else:
         def body(carry, inputs):
             return block(*carry, *inputs), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, pool), _ = jax.lax.scan(body, (x, pool), (weights.layers, layer_ids))
-    x = rms_norm(x[batch.logits_idx], weights.final_norm, cfg.rms_norm_eps)
-    if weights.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
-        logits = jnp.einsum("bd,vd->bv", x, weights.embed, preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.dot(x, weights.lm_head, preferred_element_type=jnp.float32)
+    with jax.named_scope("lm_head"):
+        x = rms_norm(x[batch.logits_idx], weights.final_norm, cfg.rms_norm_eps)
+        if weights.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
+            logits = jnp.einsum("bd,vd->bv", x, weights.embed, preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.dot(x, weights.lm_head, preferred_element_type=jnp.float32)
     return logits, pool
-
-
-def make_step(cfg: ModelConfig, attention):
-    """The jitted step: (weights, pool, batch) -> (logits, pool), with the pool donated."""
-    return jax.jit(functools.partial(forward, cfg=cfg, attention=attention), donate_argnames=("pool",))
-
-
-def make_packed_step(cfg: ModelConfig, attention):
-    """The jitted step over a packed batch: (weights, pool, buffer, shape) -> (logits, pool).
-
-    `buffer` is `batch.pack(host_batch)` (one int32 transfer per step) and `shape` its static BatchShape.
-    """
-    def step(weights, pool, buffer, shape: BatchShape):
-        return forward(weights, pool, unpack(buffer, shape), cfg=cfg, attention=attention)
-
-    return jax.jit(step, donate_argnames=("pool",), static_argnames=("shape",))

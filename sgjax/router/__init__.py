@@ -7,5 +7,5 @@ keys       the tree key of a request body (characters of its text, or its token 
 proxy      workers' health and load, forwarding with fail-over, stream relay
 app        the routes (FastAPI)
 launch     `sgjax router` and `sgjax serve --dp-size N` (worker processes, signals)
-process    a router or launcher in a child process (tests, scripts/bench_router.py)
+process    a router or launcher in a child process (tests, scripts/perf/bench_router.py)
 """

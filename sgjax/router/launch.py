@@ -148,14 +148,15 @@ def serve_dp(ns: argparse.Namespace) -> None:
 def worker_flags(ns: argparse.Namespace) -> list[str]:
     """The launcher's engine flags (and shared HTTP ones) as a worker's command line: the values that differ from
     `sgjax serve`'s defaults."""
-    from sgjax.cli import ENGINE_FLAGS, HTTP_FLAGS, build_parser
+    from sgjax.engine.args import ENGINE_FLAGS, ServerArgs
+    from sgjax.server.args import HTTP_FLAGS, HttpArgs
 
-    defaults = build_parser().parse_args(["serve"])
+    defaults = {**vars(ServerArgs()), **vars(HttpArgs())}  # the flags' defaults (sgjax.cli.build_parser)
     options = dict(ENGINE_FLAGS + HTTP_FLAGS)
     out = []
     for name in [n for n, _ in ENGINE_FLAGS] + list(_WORKER_HTTP_FLAGS):
         value, flag = getattr(ns, name), "--" + name.replace("_", "-")
-        if value == getattr(defaults, name):
+        if value == defaults[name]:
             continue
         action = options[name].get("action")
         if action == "store_true":

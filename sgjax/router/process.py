@@ -1,5 +1,5 @@
 """`sgjax router ...` or `sgjax serve --dp-size N ...` in a child process on a free loopback port: for tests and
-scripts/bench_router.py. Same life cycle as the server's `ServerProcess` (ready when /health answers 200, which for
+scripts/perf/bench_router.py. Same life cycle as the server's `ServerProcess` (ready when /health answers 200, which for
 a router means at least one worker is up; SIGTERM to stop; output in a log file)."""
 
 from __future__ import annotations

@@ -22,10 +22,13 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import AsyncIterator
 
-from sgjax.engine.params import SamplingParams, SamplingParamsError
+from sgjax.engine.params import OPENAI_NAMES, SamplingParams, SamplingParamsError
+from sgjax.engine.requests import check_token_ids
+from sgjax.errors import RequestError
 from sgjax.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from sgjax.server.serving import Serving, Work, params_error
 
+OPENAI_RENAMES = {ours: theirs for ours, (theirs, _) in OPENAI_NAMES.items() if ours != theirs}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses SamplingParams' (128, as SGLang)
 
 
@@ -52,10 +55,10 @@ async def prepare_completion(serving: Serving, req: CompletionRequest) -> Prepar
     top = _top_logprobs(serving, req.logprobs, "logprobs")
     echo = bool(req.echo)
     params = _sampling(serving, req, ids, "prompt", req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, req.json_schema,
-                       {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"})
+                       OPENAI_RENAMES)
     work = Work(params=(params,) * len(ids), ids=tuple(ids), return_logprob=req.logprobs is not None,
                 logprob_start_len=0 if echo and req.logprobs is not None else None, top_logprobs_num=top,
-                prompt_field="prompt", renames={"max_new_tokens": "max_tokens"})
+                prompt_field="prompt", renames=OPENAI_RENAMES)
     return Prepared(work=work, n=params.n, chat=False, echo_texts=tuple(texts) if echo else None,
                     logprobs=req.logprobs, include_usage=_include_usage(req))
 
@@ -74,8 +77,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
     top = _top_logprobs(serving, req.top_logprobs, "top_logprobs")
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    renames = {"max_new_tokens": max_field, "min_new_tokens": "min_tokens",
-               "json_schema": "response_format.json_schema.schema"}
+    renames = {**OPENAI_RENAMES, "max_new_tokens": max_field, "json_schema": "response_format.json_schema.schema"}
     expanded = len(images) * (serving.engine.images.cfg.num_image_tokens - 1) if images else 0
     params = _sampling(serving, req, [ids], "messages", asked, None, schema, renames, max_field, expanded)
     work = Work(params=(params,), ids=(ids,), return_logprob=bool(req.logprobs), top_logprobs_num=top,
@@ -112,11 +114,11 @@ def _completion_prompts(serving: Serving, req: CompletionRequest) -> tuple[list[
     if isinstance(p[0], str):
         return [tok.encode(t) for t in p], list(p)
     batch = [p] if isinstance(p[0], int) else p
-    vocab = serving.engine.model_config.vocab_size
     for ids in batch:
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(f"prompt: token ids outside [0, {vocab}): {bad[:5]}", param="prompt")
+        try:
+            check_token_ids(ids, serving.engine.model_config.vocab_size, "prompt")
+        except RequestError as e:
+            raise params_error(e) from None
     return [list(ids) for ids in batch], [tok.decode(ids, skip_special_tokens=False) for ids in batch]
 
 
@@ -193,13 +195,8 @@ def _sampling(serving: Serving, req, ids: list[list[int]], prompt_field: str, as
     if asked is not None and longest + asked > limit:
         raise ApiError(f"{max_field}: {asked} new tokens plus the prompt's {longest} exceed the limit of {limit} "
                        f"tokens ({_limits(serving)})", param=max_field)
-    d = {"max_new_tokens": asked if asked is not None else default, "temperature": req.temperature,
-         "top_p": req.top_p, "n": req.n, "stop": req.stop, "presence_penalty": req.presence_penalty,
-         "frequency_penalty": req.frequency_penalty, "seed": req.seed, "top_k": req.top_k, "min_p": req.min_p,
-         "repetition_penalty": req.repetition_penalty, "min_new_tokens": req.min_tokens,
-         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
-         "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim, "regex": req.regex,
-         "json_schema": json_schema, "logit_bias": req.logit_bias}
+    d = {ours: getattr(req, theirs, None) for ours, (theirs, _) in OPENAI_NAMES.items()}
+    d.update(max_new_tokens=asked if asked is not None else default, json_schema=json_schema)
     try:
         return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
     except SamplingParamsError as e:

@@ -25,22 +25,12 @@ from sgjax.errors import CLIENT, SHUTDOWN, EngineError, RequestError, SgjaxError
 from sgjax.fsm import from_tokenizer
 from sgjax.server.connection import until_disconnected
 from sgjax.server.metrics import Metrics
+from sgjax.server.args import HttpArgs
 from sgjax.server.protocol import ApiError
 
 log = logging.getLogger("sgjax.server")
 
 MAX_SUBREQUESTS = 1024  # prompts x n in one HTTP request
-
-
-@dataclass(frozen=True)
-class HttpArgs:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    served_model_name: str | None = None
-    enable_metrics: bool = False
-    log_requests: bool = False
-    log_level: str = "info"
-    skip_server_warmup: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""scripts/trace_summary.py reads the profiler's own trace file: busy time within the span, ops and host marks."""
+"""scripts/perf/trace_summary.py reads the profiler's own trace file: busy time within the span, ops and host marks."""
 
 import os
 import sys
@@ -6,7 +6,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "perf"))
 from trace_summary import _union, summarize_trace  # noqa: E402
 
 

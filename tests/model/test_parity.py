@@ -7,7 +7,7 @@ import pytest
 
 from sgjax.kernels import allocate_pool, ref_attention
 from sgjax.model.batch import build_batch
-from sgjax.model.llama import make_step
+from tests.model.steps import make_step
 from sgjax.model.loader import load_hf_dir
 from sgjax.model.weights import unstack_layers
 from tests.model.hf_tiny import VARIANTS, hf_logits, write_tiny

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from sgjax.model.batch import BatchShape, build_batch, pack
-from sgjax.model.generate import GreedyGenerator
+from tests.model.steps import GreedyGenerator
 
 PROMPTS = [
     "The capital of France is",

@@ -13,7 +13,8 @@ import pytest
 from sgjax.kernels import allocate_pool, ref_attention
 from sgjax.model.batch import BatchShape, build_batch, pack, unpack
 from sgjax.model.config import ModelConfig
-from sgjax.model.llama import forward, make_packed_step, make_step
+from sgjax.model.llama import forward
+from tests.model.steps import make_packed_step, make_step
 from sgjax.model.weights import dummy_weights
 
 CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -14,7 +14,7 @@ from transformers import LlavaConfig
 from sgjax.kernels import allocate_pool, ref_attention
 from sgjax.model import vision as V
 from sgjax.model.batch import build_batch
-from sgjax.model.llama import make_step
+from tests.model.steps import make_step
 from tests.llava_tiny import IMAGE_TOKEN
 
 PAGE, PAGES_PER_REQ, NUM_PAGES = 4, 16, 40

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from sgjax.kernels import allocate_pool, ref_attention  # noqa: E402
 from sgjax.model.batch import build_batch  # noqa: E402
 from sgjax.model.config import ModelConfig  # noqa: E402
-from sgjax.model.llama import make_step  # noqa: E402
+from tests.model.steps import make_step  # noqa: E402
 from sgjax.model.weights import dummy_weights, shardings  # noqa: E402
 
 RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}

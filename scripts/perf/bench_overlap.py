@@ -1,9 +1,9 @@
 """The overlap loop against one step at a time: decode throughput of one batch, same requests, same engine settings.
 
-    python scripts/bench_overlap.py                        # a tiny random model on this machine (host-bound steps)
-    python scripts/bench_overlap.py --model-path PATH      # a real checkpoint (SmolLM2 by default with --smollm2)
-    python scripts/bench_overlap.py --model-path DIR --load-format dummy   # random weights for DIR's config
-    python scripts/bench_overlap.py --dummy llama3-8b      # random Llama-3-8B weights (bf16), no tokenizer
+    python scripts/perf/bench_overlap.py                        # a tiny random model on this machine (host-bound steps)
+    python scripts/perf/bench_overlap.py --model-path PATH      # a real checkpoint (SmolLM2 by default with --smollm2)
+    python scripts/perf/bench_overlap.py --model-path DIR --load-format dummy   # random weights for DIR's config
+    python scripts/perf/bench_overlap.py --dummy llama3-8b      # random Llama-3-8B weights (bf16), no tokenizer
 
 Prints a table and appends JSON lines (--out): configuration, wall seconds (median of --repeats), output tokens per
 second, steps, overlapped steps, and the ratio to one step at a time measured in the same run. On a CPU the device
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--smollm2", action="store_true", help="the embedded SmolLM2 (the engine's default model)")
     ap.add_argument("--load-format", default="auto", help="dummy: random weights for --model-path's config (e.g. the "
-                    "Llama-3-8B directory scripts/h200_bench.sh writes)")
+                    "Llama-3-8B directory scripts/lab/h200_bench.sh writes)")
     ap.add_argument("--dummy", default=None, help="llama3-8b: random Llama-3-8B weights (bf16), no tokenizer")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)

@@ -8,14 +8,14 @@ the cache is flushed before each rate), the engine thread's time in steps, radix
 as shares of the run and, with --health-probe, the latency of /health polled every 50 ms during the
 run (the engine thread vs event loop measurement of docs/server.md).
 
-The workload is scripts/bench_engine.py's ShareGPT one (first human turns, chat-templated, prompts cut at
+The workload is scripts/perf/bench_engine.py's ShareGPT one (first human turns, chat-templated, prompts cut at
 --max-prompt-len tokens, outputs of the reply's length capped at --max-output-len, ignore_eos so every configuration
 produces the same tokens). Requests send input_ids, so the client and server agree on every prompt's length.
 
-    .venv/bin/python scripts/bench_serving.py --num-prompts 32 --request-rates 1,4,inf --health-probe \
+    .venv/bin/python scripts/perf/bench_serving.py --num-prompts 32 --request-rates 1,4,inf --health-probe \
         --server-args "--max-total-tokens 8192 --max-running-requests 8 --chunked-prefill-size 240" \
         --out docs/results/bench_serving_cpu.jsonl
-    python scripts/bench_serving.py --base-url http://127.0.0.1:30000 ...   # a server started elsewhere
+    python scripts/perf/bench_serving.py --base-url http://127.0.0.1:30000 ...   # a server started elsewhere
 
 Without --base-url the script starts `sgjax serve` itself (on a free port, with the repo's compilation cache) and
 stops it with SIGTERM at the end.
@@ -36,7 +36,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- one request --------------------------------------------------------------------------------------------------

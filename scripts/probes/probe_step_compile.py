@@ -1,7 +1,7 @@
 """Probe: what one step shape costs to compile, and what the coarse ladder's padding costs to run.
 
-    python scripts/probe_step_compile.py --model smollm2 --out out/probe.jsonl           # H200
-    python scripts/probe_step_compile.py --model tiny --tokens 16,64 --out /tmp/p.jsonl  # CPU smoke run
+    python scripts/probes/probe_step_compile.py --model smollm2 --out out/probe.jsonl           # H200
+    python scripts/probes/probe_step_compile.py --model tiny --tokens 16,64 --out /tmp/p.jsonl  # CPU smoke run
 
 For each token bucket T and each coarse variant (L = R or T, mask words 0 or the vocabulary) it times the first
 call of the jitted step (trace + compile, or a load from JAX's persistent cache when JAX_COMPILATION_CACHE_DIR holds
@@ -21,7 +21,7 @@ import time
 
 import jax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from sgjax.engine.runner import Runner, StepShape  # noqa: E402
 from sgjax.model.batch import BatchShape  # noqa: E402
 from sgjax.model.config import ModelConfig, llama3_8b_config  # noqa: E402

@@ -6,7 +6,7 @@ interval. This measures a tiny random model (so the step is mostly host work) de
 threads spinning in pure Python, at several switch intervals; the baseline is Python's default (5 ms) in the same
 run. The engine sets the interval from `gil_switch_interval_ms` at start; here it is set before each row.
 
-    python scripts/bench_gil.py [--busy 4] [--intervals-ms 5,2,1,0.5,0.2] [--out /tmp/bench_gil.jsonl]
+    python scripts/perf/bench_gil.py [--busy 4] [--intervals-ms 5,2,1,0.5,0.2] [--out /tmp/bench_gil.jsonl]
 """
 
 from __future__ import annotations

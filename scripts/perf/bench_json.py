@@ -9,9 +9,9 @@ The paper (Section 4, Figure 10): jump-forward gives 1.6x on JSON decoding; rebu
 
 Every output is parsed and validated with jsonschema: invalid outputs must be 0.
 
-    .venv/bin/python scripts/bench_json.py                              # CPU, SmolLM2
-    python scripts/bench_json.py --dummy llama3-8b --tokenizer-dir DIR  # GPU: dummy 8B weights, SmolLM2 tokenizer
-    .venv/bin/python scripts/bench_json.py --dump-tokenizer DIR         # write SmolLM2's tokenizer.json for that
+    .venv/bin/python scripts/perf/bench_json.py                              # CPU, SmolLM2
+    python scripts/perf/bench_json.py --dummy llama3-8b --tokenizer-dir DIR  # GPU: dummy 8B weights, SmolLM2 tokenizer
+    .venv/bin/python scripts/perf/bench_json.py --dump-tokenizer DIR         # write SmolLM2's tokenizer.json for that
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import re
 import sys
 import time
 
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", "..", ".jax_cache"))
 
 import jax  # noqa: E402
 

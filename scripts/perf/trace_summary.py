@@ -1,7 +1,7 @@
 """Where device time goes in a JAX profiler trace: busy time, idle gaps and the top ops, from the trace.json.gz that
 `jax.profiler.stop_trace` writes (no TensorBoard needed).
 
-    python scripts/trace_summary.py DIR          # DIR: the log_dir given to jax.profiler.start_trace
+    python scripts/perf/trace_summary.py DIR          # DIR: the log_dir given to jax.profiler.start_trace
 
 Device lines are the trace's processes named /device:GPU:N (or TPU); on a CPU run there are none, and the summary
 falls back to the XLA CPU client's threads. Busy time is the union of the op intervals (streams overlap), idle the

@@ -13,9 +13,9 @@ last answer), latency p50 / p99 (send -> answer), the cache hit rate (cached / p
 answers), requests per worker (the router's answer header) and each number's ratio to round_robin measured in the
 same invocation. A table is printed; one JSON line per run is appended to --out.
 
-    .venv/bin/python scripts/bench_router.py --num-workers 2 --groups 4 --questions 6 \
+    .venv/bin/python scripts/perf/bench_router.py --num-workers 2 --groups 4 --questions 6 \
         --server-args "--max-total-tokens 8192 --chunked-prefill-size 256 --max-running-requests 8" --out r.jsonl
-    python scripts/bench_router.py --worker-urls http://h1:30000 http://h2:30000 ...   # workers started elsewhere
+    python scripts/perf/bench_router.py --worker-urls http://h1:30000 http://h2:30000 ...   # workers started elsewhere
 
 Without --worker-urls the script starts the workers (`sgjax serve` on free ports, the repo's compilation cache;
 on a host with several GPUs each gets its own through CUDA_VISIBLE_DEVICES) and stops them with SIGTERM at the end.
@@ -35,7 +35,7 @@ import time
 import httpx
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 from sgjax.router.proxy import WORKER_HEADER  # noqa: E402

@@ -4,8 +4,8 @@ On the GPU this runs the Pallas-Triton kernel inside the real engine loop (ragge
 radix-cache hits, chunked prefill); CPU tests run the kernel only in interpret mode. fp32 weights keep the two
 backends' numerics close enough for identical greedy tokens; the script prints mismatches and the logprob gap.
 
-    python scripts/check_engine_backends.py [--out results.json]
-    python scripts/check_engine_backends.py --bf16 --tie 0.1   # bf16, head_dim 64: on a Hopper GPU the prefill
+    python scripts/probes/check_engine_backends.py [--out results.json]
+    python scripts/probes/check_engine_backends.py --bf16 --tie 0.1   # bf16, head_dim 64: on a Hopper GPU the prefill
         # chunks and the mixed steps (a 128-row chunk beside decodes) go to the Mosaic GPU kernel, split by request
 """
 
@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", "..", ".jax_cache"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -7,7 +7,7 @@
 #             bench_workload.json (bench_engine.py --dump-workload), smol.part_a (first half of the SmolLM2 GGUF)
 #   out/gpuB: the same small files and smol.part_b, smol.sha256
 # Stage a (first call) runs dummy Llama-3-8B and keeps part a in /tmp; stage b (the next call, same machine)
-# joins the GGUF and runs the real SmolLM2 with the HF baseline.  Usage: bash scripts/h200_bench.sh a|b
+# joins the GGUF and runs the real SmolLM2 with the HF baseline.  Usage: bash scripts/lab/h200_bench.sh a|b
 # Optional: A_ARGS / B_ARGS (more run.py arguments, the last of a repeated flag wins: --workloads, --repeats, ...),
 # A_TIMEOUT / B_TIMEOUT (seconds for run.py), SERVING=0 (stage a without the serving benchmark), B2_ARGS /
 # B2_TIMEOUT (a second SmolLM2 run in stage b, its rows in programs_smollm2_2.jsonl).
@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 IN=out/gpu${stage^^}
 rm -rf /tmp/p && mkdir -p /tmp/p /tmp/whl && cp -r sgjax /tmp/p/ && cp -r kernels /tmp/p/sgjax/kernels
 for w in "$IN"/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/whl; done
-export PYTHONPATH=/tmp/p:/tmp/whl:$PWD/scripts JAX_PLATFORMS=cuda HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=/tmp/p:/tmp/whl:$PWD/scripts/perf JAX_PLATFORMS=cuda HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 REPO=$PWD
 ln -sfn "$REPO/kernels" "$REPO/sgjax/kernels"  # this copy of the checkout imports as the installed package would
@@ -41,7 +41,7 @@ PY
     --plots "$OUT/llama8b" ${A_ARGS:-} > "$OUT/programs_llama8b.log" 2>&1 || echo "programs exit $?" >> "$OUT/programs_llama8b.log"
   if [ "${SERVING:-1}" = 1 ]; then
   # from /tmp: `python -m sgjax.cli` (the server) must not find the checkout's sgjax/ (no kernels) first
-  cd /tmp && timeout 180 python3 "$REPO/scripts/bench_serving.py" --workload-file "$REPO/$IN/bench_workload.json" --num-prompts 128 \
+  cd /tmp && timeout 180 python3 "$REPO/scripts/perf/bench_serving.py" --workload-file "$REPO/$IN/bench_workload.json" --num-prompts 128 \
     --request-rates 8,32,inf --max-output-len 128 --tag h200-dummy-llama3-8b \
     --server-args "--model-path /tmp/llama8b --load-format dummy --max-running-requests 64 --max-total-tokens 131072" \
     --out "$OUT/serving_llama8b.jsonl" > "$OUT/serving_llama8b.log" 2>&1 || echo "serving exit $?" >> "$OUT/serving_llama8b.log"

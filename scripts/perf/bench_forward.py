@@ -1,7 +1,7 @@
 """Forward-step time of the Llama-family model on the GPU, against the roofline and HF transformers.
 
-    python scripts/bench_forward.py --out out/          # H200: dummy Llama-3-8B, bf16
-    python scripts/bench_forward.py --small --out out/  # CPU smoke run on a tiny config
+    python scripts/perf/bench_forward.py --out out/          # H200: dummy Llama-3-8B, bf16
+    python scripts/perf/bench_forward.py --small --out out/  # CPU smoke run on a tiny config
 
 Runs two child processes in turn (so neither framework holds GPU memory the other needs): `sgjax`
 (our jitted step over the paged pool, per attention backend) and `hf` (transformers, same config and
@@ -60,8 +60,8 @@ def run_sgjax(args):
     from roofline import copy_bandwidth, matmul_rate, roofline, time_fn
     from sgjax.kernels import allocate_pool, get_backend
     from sgjax.model.batch import build_batch
-    from sgjax.model.generate import bucket
-    from sgjax.model.llama import make_step
+    from sgjax.engine.runner import bucket
+    from sgjax.model.llama import forward
     from sgjax.model.weights import dummy_weights, for_platform
 
     small = args.small
@@ -81,7 +81,7 @@ def run_sgjax(args):
         attend = get_backend(name_)
         if prefill:
             attend = functools.partial(attend, prefill_kernel=prefill)
-        step = make_step(cfg, attend)
+        step = jax.jit(functools.partial(forward, cfg=cfg, attention=attend), donate_argnames=("pool",))
         pool = allocate_pool(cfg.num_layers, max_pages, page, cfg.num_kv_heads, cfg.head_dim, dtype=jnp.bfloat16)
         pool = jax.jit(lambda p: jax.random.normal(jax.random.PRNGKey(3), p.shape, p.dtype),
                        donate_argnums=0)(pool)  # random, never zeros: zeros can run faster than real data
@@ -92,7 +92,7 @@ def run_sgjax(args):
             tables = [list(range(1 + i * pages_per_req, 1 + (i + 1) * pages_per_req)) for i in range(batch)]
             chunks = [[int(t) for t in jax.random.randint(jax.random.PRNGKey(i), (new,), 0, cfg.vocab_size)]
                       for i in range(batch)]
-            host = build_batch(chunks, [context] * batch, tables, page, bucket(batch * new),
+            host = build_batch(chunks, [context] * batch, tables, page, bucket(batch * new, 16),
                                bucket(batch, 1), pages_per_req)
             dev = jax.tree.map(jnp.asarray, host)
             state = {"pool": pool}

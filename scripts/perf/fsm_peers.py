@@ -1,4 +1,4 @@
-"""The constrained-decoding libraries behind one interface, for scripts/bench_fsm_peers.py: sgjax.fsm, xgrammar,
+"""The constrained-decoding libraries behind one interface, for scripts/perf/bench_fsm_peers.py: sgjax.fsm, xgrammar,
 llguidance and outlines-core (with and without its token index). Each adapter has compile(kind, spec) -> handle
 and session(handle) -> an object with mask(buf) and advance(token); a library that is not installed is skipped by
 the caller."""

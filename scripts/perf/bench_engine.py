@@ -29,13 +29,13 @@ admit% = the scheduler's whole admission (policy order, page accounting, its mat
 Accelerators: `--dummy llama3-8b` serves random Llama-3-8B weights without a tokenizer. The GPU machine cannot
 tokenize SmolLM2 or read the data, so tokenize here and ship the token ids:
 
-    python scripts/bench_engine.py --dump-workload /tmp/bench_workload.json \
+    python scripts/perf/bench_engine.py --dump-workload /tmp/bench_workload.json \
         --num-requests 128 --max-prompt-len 1024 --max-output-len 128 \
         --mmlu-subjects world_religions,management,high_school_biology,college_computer_science   # here
-    python scripts/bench_engine.py --workload-file bench_workload.json --dummy llama3-8b --repeat 3 --out $OUT/x.jsonl
+    python scripts/perf/bench_engine.py --workload-file bench_workload.json --dummy llama3-8b --repeat 3 --out $OUT/x.jsonl
 
 (SmolLM2's ids are below 49152, valid in Llama-3's 128256 vocabulary.) Off CPU the script also measures the copy
-bandwidth and the bf16 matmul rate (scripts/roofline.py) and reports ideal / measured time (`roof%`), where
+bandwidth and the bf16 matmul rate (scripts/perf/roofline.py) and reports ideal / measured time (`roof%`), where
 
     ideal = decode_steps * weight_bytes / bw + kv_bytes_read / bw + 2 * matmul_params * computed_prompt_tokens / rate
 
@@ -48,7 +48,7 @@ CPU defaults are small (16 requests per workload, ShareGPT prompts <= 128 tokens
 prefill 240; about 4 minutes on 2 cores): the CPU reference attention ("segment" strategy) costs rows x requests x
 context per step, so a 512-row step over 16 requests takes ~25 s there.
 
-Usage: python scripts/bench_engine.py [--workloads sharegpt,mmlu5] [--configs lpm,fcfs,random,nocache] [--out F]
+Usage: python scripts/perf/bench_engine.py [--workloads sharegpt,mmlu5] [--configs lpm,fcfs,random,nocache] [--out F]
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ CONFIGS = {
     "no_overlap": {"schedule_policy": "lpm", "disable_overlap_schedule": True},  # lpm, one step at a time
 }
 WARMUP_REQUESTS = 4
-DEFAULT_JAX_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
+DEFAULT_JAX_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                 ".jax_cache")
 # Subjects with short questions (5-shot prefix ~220 tokens, questions ~45): the CPU run stays within minutes.
 MMLU_SUBJECTS = ("world_religions", "management")
 MMLU_WARMUP_SUBJECT = "conceptual_physics"

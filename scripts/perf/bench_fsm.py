@@ -1,7 +1,7 @@
 """Benchmark the FSM: grammar compile time (cache miss/hit), table sizes, forward passes saved by
 jump-forward under a deterministic fake model, and the jitted mask + advance step for a batch.
 
-    .venv/bin/python scripts/bench_fsm.py [--out out/bench_fsm.jsonl] [--batch 1 64] [--iters 50]
+    .venv/bin/python scripts/perf/bench_fsm.py [--out out/bench_fsm.jsonl] [--batch 1 64] [--iters 50]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ cost of a full-vocabulary mask plus advance along a valid token walk (mean / p99
 compiled structure where the library reports it, and how often the peer's allowed set equals ours at each
 step of the walk (against sgjax with and without the canonical forced-token rule, docs/fsm.md).
 
-    .venv/bin/python scripts/bench_fsm_peers.py [--out /tmp/bench_fsm_peers.jsonl] [--walk-repeats 20]
+    .venv/bin/python scripts/perf/bench_fsm_peers.py [--out /tmp/bench_fsm_peers.jsonl] [--walk-repeats 20]
 
 Peers are optional (pip install xgrammar outlines-core llguidance); a missing one is skipped. The CPU may be
 shared, so every timing is repeated (--repeats, --compile-repeats, --walk-repeats) and the median is reported.
@@ -38,13 +38,13 @@ REGEXES = {
                      r"(\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])", "2024-03-15T14:30:00.123+02:00"),
     "ipv4": (r"((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
              "192.168.10.254"),
-    # scripts/bench_fsm.py's paper regex with [\w\d\s] spelled out as ASCII (our dialect's meaning)
+    # scripts/perf/bench_fsm.py's paper regex with [\w\d\s] spelled out as ASCII (our dialect's meaning)
     "paper_regex": (r'\{"summary": "[A-Za-z0-9_ \t\n\r\f\v]+\.", "grade": "[ABCD][+-]?"\}',
                     '{"summary": "The essay argues well but cites no sources.", "grade": "B+"}'),
 }
 
 SCHEMAS = {
-    # scripts/bench_fsm.py's schema: nested object, enum, array of strings, pattern
+    # scripts/perf/bench_fsm.py's schema: nested object, enum, array of strings, pattern
     "user_nested": ({"type": "object", "properties": {
         "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 20}, "email": {"type": "string"},
         "role": {"enum": ["admin", "user", "guest"]}, "active": {"type": "boolean"}, "score": {"type": "number"},

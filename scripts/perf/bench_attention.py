@@ -6,7 +6,7 @@ write), achieved HBM GB/s over the copy bandwidth measured in this run, and TFLO
 matmul rate measured in this run. Inputs are random; each timed call cycles through enough page
 tables over disjoint pages that its KV data exceeds 3x the L2 cache.
 
-    PYTHONPATH=... python3 scripts/bench_attention.py --out results.json [--sweep] [--cases decode-32x4k,prefill-4k]
+    PYTHONPATH=... python3 scripts/perf/bench_attention.py --out results.json [--sweep] [--cases decode-32x4k,prefill-4k]
         [--per-layer decode-32x4k,prefill-4k --layers 8]
 
 --per-layer also times the case as the model runs it: one batch through every layer of an 8-layer pool in one

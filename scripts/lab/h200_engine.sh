@@ -13,7 +13,7 @@
 #      then bench_overlap on the 8B at batch 128
 #   3  the paper's programs on the 8B (full, no_overlap, no_cache, --repeats 3) and HF transformers on the same GPU
 #      over the same weights
-# Usage: OUT=... bash scripts/h200_engine.sh 1|2|3   Optional: S1_TIMEOUT, S2_TIMEOUT, S3_TIMEOUT, WORKLOADS (stage 3)
+# Usage: OUT=... bash scripts/lab/h200_engine.sh 1|2|3   Optional: S1_TIMEOUT, S2_TIMEOUT, S3_TIMEOUT, WORKLOADS (stage 3)
 set -uo pipefail
 stage=$1
 OUT=${OUT:-/tmp/out}
@@ -21,7 +21,7 @@ REPO=$PWD
 mkdir -p "$OUT" /tmp/shim/sgjax /tmp/site
 ln -sf "$REPO"/sgjax/* /tmp/shim/sgjax/ && ln -sfn "$REPO/kernels" /tmp/shim/sgjax/kernels
 [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site out/gpu/wheels/*.whl
-export PYTHONPATH=/tmp/shim:/tmp/site:$REPO/scripts JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache
+export PYTHONPATH=/tmp/shim:/tmp/site:$REPO/scripts/perf JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,memory.used --format=csv \
   > "$OUT/gpu_$stage.txt" 2>&1
@@ -31,7 +31,7 @@ cd /tmp
 if [ "$stage" = 1 ]; then
   cp "$REPO/out/gpu1/smol.part_a" /tmp/smol.part_a
   for b in ${S1_BATCHES:-32 128}; do
-    timeout "${S1_TIMEOUT:-230}" python3 -P "$REPO/scripts/with_logs.py" "$REPO/scripts/bench_engine.py" --dummy llama3-8b \
+    timeout "${S1_TIMEOUT:-230}" python3 -P "$REPO/scripts/lab/with_logs.py" "$REPO/scripts/perf/bench_engine.py" --dummy llama3-8b \
       --workload-file /tmp/bench_workload.json --workloads sharegpt,mmlu5 --configs lpm,no_overlap,nocache \
       --max-running-requests $b --max-total-tokens 131072 --chunked-prefill-size 512 --repeat 3 ${S1_ARGS:-} \
       --profile-dir /tmp/prof_8b_$b --tag "8b-b$b" --out "$OUT/engine_8b_b$b.jsonl" > "$OUT/engine_8b_b$b.log" 2>&1
@@ -53,20 +53,20 @@ save_hf_dir(tok, '/tmp/smol_dummy', {'architectures': ['LlamaForCausalLM'], 'mod
     echo "DUMMY SmolLM2 weights (part a lost)" >> "$OUT/sha.txt"
   fi
   for b in 32 128; do
-    timeout "${S2_TIMEOUT:-110}" python3 -P "$REPO/scripts/bench_engine.py" "${model[@]}" --dtype float32 \
+    timeout "${S2_TIMEOUT:-110}" python3 -P "$REPO/scripts/perf/bench_engine.py" "${model[@]}" --dtype float32 \
       --workload-file /tmp/bench_workload.json --workloads sharegpt,mmlu5 --configs lpm,no_overlap \
       --max-running-requests $b --max-total-tokens 131072 --chunked-prefill-size 512 --repeat 3 \
       --profile-dir /tmp/prof_smol_$b --tag "smollm2-b$b" --out "$OUT/engine_smol_b$b.jsonl" > "$OUT/engine_smol_b$b.log" 2>&1
     echo "exit $?" >> "$OUT/engine_smol_b$b.log"; quiet "$OUT/engine_smol_b$b.log" | tail -6
-    timeout 80 python3 -P "$REPO/scripts/bench_overlap.py" "${model[@]}" --batch $b --prompt 64 --new 128 \
+    timeout 80 python3 -P "$REPO/scripts/perf/bench_overlap.py" "${model[@]}" --batch $b --prompt 64 --new 128 \
       --chunked-prefill-size 512 --out "$OUT/overlap.jsonl" > "$OUT/overlap_smol_$b.log" 2>&1
     echo "exit $?" >> "$OUT/overlap_smol_$b.log"; quiet "$OUT/overlap_smol_$b.log" | tail -4
   done
-  timeout "${S2_8B_TIMEOUT:-200}" python3 -P "$REPO/scripts/bench_overlap.py" --dummy llama3-8b --batch 128 --prompt 256 \
+  timeout "${S2_8B_TIMEOUT:-200}" python3 -P "$REPO/scripts/perf/bench_overlap.py" --dummy llama3-8b --batch 128 --prompt 256 \
     --new 128 --max-total-tokens 131072 --chunked-prefill-size 512 --out "$OUT/overlap.jsonl" > "$OUT/overlap_8b.log" 2>&1
   echo "exit $?" >> "$OUT/overlap_8b.log"; quiet "$OUT/overlap_8b.log" | tail -4
 else
-  timeout 60 python3 -P "$REPO/scripts/probe_dispatch.py" --out "$OUT/probe_dispatch.json" > "$OUT/probe_dispatch.log" 2>&1
+  timeout 60 python3 -P "$REPO/scripts/probes/probe_dispatch.py" --out "$OUT/probe_dispatch.json" > "$OUT/probe_dispatch.log" 2>&1
   quiet "$OUT/probe_dispatch.log" | tail -9
   # the jax client keeps 55% of the GPU, HF's copy of the 8B (16 GB) the rest
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.55 timeout "${S3_TIMEOUT:-540}" python3 -P "$REPO/scripts/bench/run.py" \
