@@ -270,9 +270,11 @@ def test_run_batch_runs_every_program_in_order_and_keeps_failures_to_their_state
 
 def test_gen_and_select_arguments():
     g = sgl.gen("n", dtype=int, max_tokens=4)
-    assert g.params == {"max_new_tokens": 4, "regex": r"[-+]?[0-9]+"}
+    # SGLang's dtype semantics: its regex (a number may end in spaces / newlines) and a stop at the first of them
+    assert g.params == {"max_new_tokens": 4, "regex": r"[-+]?[0-9]+[ \n]*", "stop": [" ", "\n"]}
+    assert sgl.gen("f", dtype=float, stop="x").params["stop"] == ["x", " ", "\n"]
     assert sgl.gen("j", json_schema={"type": "object"}).params == {"json_schema": '{"type": "object"}'}
-    assert sgl.gen_string("s").params["regex"] == r'"[\w\d\s]*"'
+    assert sgl.gen_string("s").params == {"regex": r'\"[\w\d\s]*\"'}
     assert sgl.gen("c", choices=["a", "b"]).choices == ("a", "b")
     for bad, match in [(dict(choices=[]), "non-empty"), (dict(choices=["a", ""]), "non-empty"),
                        (dict(choices=["a"], temperature=0.5), "temperature")]:

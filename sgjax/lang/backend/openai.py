@@ -224,6 +224,14 @@ class OpenAI(Backend):
                              f"likely first token begins one; ask for one of the choices in the prompt")
         return ChoicesDecision(choices[index], index, {"reply": reply, "matched_by": how})
 
+    @property
+    def token_usage(self) -> Usage:
+        """SGLang's name for `usage` (its programs call `backend.token_usage.reset()` and read `.prompt_tokens`)."""
+        return self.usage
+
+    def get_model_name(self):
+        return self.model_name
+
     def __repr__(self):
         return f"OpenAI({self.model_name!r}, base_url={str(self.client.base_url)!r})"
 
