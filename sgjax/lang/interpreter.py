@@ -114,6 +114,7 @@ class StreamExecutor:
         self._partial_meta: dict[str, dict] = {}  # streaming gens: the meta info so far
         self._spans: dict[str, tuple[int, int]] = {}  # where each gen's / select's latest value is in the text
         self._held: set[str] = set()  # names the expression being executed redefines later (separate_reasoning)
+        self._raw: dict[str, tuple] = {}  # their first (value, meta), until the separate_reasoning runs
         self._scopes: dict[str, int] = {}
         self._descendants: list[StreamExecutor] = []
         self._ended = False
@@ -298,12 +299,15 @@ class StreamExecutor:
         text)."""
         if name is None:
             return
-        self.variables[name] = value
-        self.meta_info[name] = meta
         if start is not None:
             self._spans[name] = (start, len(self.text_))
+        if name in self._held:  # a separate_reasoning after it gives the final value: not readable before that
+            self._raw[name] = (value, meta)
+            return
+        self.variables[name] = value
+        self.meta_info[name] = meta
         event = self._item_events.get(name)
-        if event is not None and name not in self._held:  # a separate_reasoning after it gives the final value
+        if event is not None:
             event.set()
 
     def _separate_reasoning(self, expr: SeparateReasoning) -> None:
@@ -311,14 +315,15 @@ class StreamExecutor:
         text, so the message and later prompts hold only the answer. A streamed value stays in the text as it was
         streamed (readers have seen it): only the variables change."""
         for name in expr.names():
-            reasoning, answer = split_reasoning(str(self.variables[name]), expr.model_type)
+            value, meta = self._raw.pop(name) if name in self._raw else (self.variables[name], self.meta_info[name])
+            reasoning, answer = split_reasoning(str(value), expr.model_type)
             start, end = self._spans[name]
-            if not self.stream and self.text_[start:end] == self.variables[name]:
+            if not self.stream and self.text_[start:end] == value:
                 with self._changed:
                     self.text_ = self.text_[:start] + answer + self.text_[end:]
                 self._spans[name] = (start, start + len(answer))
             self._held.discard(name)
-            self._set(name, answer, self.meta_info.get(name))
+            self._set(name, answer, meta)
             self._set(expr.process_name_for_reasoning(name), reasoning, None)
 
     def _gen(self, gen: Gen) -> None:
