@@ -222,7 +222,8 @@ def test_completion_streaming_and_usage(completions):
 def test_constraints_and_logprobs_reach_the_api(completions, chat):
     @sgl.function
     def number(s):
-        s += "Three digits:" + sgl.gen("n", regex=" [0-9]{3}", return_logprob=True, top_logprobs_num=2)
+        s += "Three digits:" + sgl.gen("n", regex=" [0-9]{3}", return_logprob=True, top_logprobs_num=2,
+                                       return_text_in_logprobs=True)  # SGLang's flag: the API's entries have texts
 
     state = number.run(backend=completions, temperature=0)
     assert re.fullmatch(" [0-9]{3}", state["n"])

@@ -126,7 +126,7 @@ class OpenAI(Backend):
                 raise ValueError("logprob_start_len: the OpenAI API returns no logprobs of the prompt")
             elif name == "image_data":  # only a completion model's prompt carries images this way
                 raise ValueError("image: OpenAI's completions API takes text only; images need a chat model")
-            elif name not in ("top_logprobs_num", "max_new_tokens"):
+            elif name not in ("top_logprobs_num", "max_new_tokens", "return_text_in_logprobs"):  # texts: always
                 raise ValueError(f"{name}: not a sampling parameter the OpenAI backend knows")
         if extra:
             kwargs["extra_body"] = extra
