@@ -22,7 +22,7 @@ _LAZY = {
 _LAZY.update({name: "sgjax.lang.api" for name in (
     "function", "gen", "gen_int", "gen_string", "select", "system", "user", "assistant", "system_begin",
     "system_end", "user_begin", "user_end", "assistant_begin", "assistant_end", "set_default_backend",
-    "get_default_backend", "flush_cache", "get_server_info", "Function", "image", "video")})
+    "get_default_backend", "flush_cache", "get_server_info", "Function", "image", "video", "separate_reasoning")})
 
 __all__ = sorted(_LAZY)
 

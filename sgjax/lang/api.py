@@ -8,7 +8,7 @@ from typing import Callable
 from sgjax.lang.backend.base import Backend
 from sgjax.lang.choices import ChoicesMethod, token_length_normalized
 from sgjax.lang.global_config import global_config
-from sgjax.lang.ir import GEN_PARAMS, Image, RoleBegin, RoleEnd, Select, make_gen, role
+from sgjax.lang.ir import GEN_PARAMS, ExprList, Image, RoleBegin, RoleEnd, Select, SeparateReasoning, make_gen, role
 from sgjax.lang.media import encode_image, sample_frames
 
 
@@ -97,12 +97,16 @@ class Function:
     def run(self, *args, stream: bool = False, backend=None, **kwargs):
         """Run the program once; returns its state (`state["x"]`, `state.text()`). Keyword arguments named like
         sampling parameters (max_new_tokens, temperature, stop, ...) are defaults for every gen."""
-        from sgjax.lang.interpreter import run_program
+        from sgjax.lang.interpreter import run_program, running_program
 
         if stream and self.num_api_spec_tokens is not None:
             raise ValueError(f"{self.name}: API speculative execution (num_api_spec_tokens) reads later gens out of "
                              f"one whole reply, so the program cannot stream; run it with stream=False")
         sampling, program_kwargs = _split_run_kwargs(kwargs)
+        caller = running_program()
+        if caller is not None:  # called by a running program: its backend and sampling defaults, unless given
+            backend = backend if backend is not None else caller.backend
+            sampling = {**caller.defaults, **sampling}
         return run_program(self, _backend(backend), args, program_kwargs, sampling, stream=stream)
 
     def run_batch(self, batch_kwargs, *, backend=None, num_threads="auto", progress_bar: bool = False, **sampling):
@@ -130,6 +134,14 @@ class Function:
         backend = as_backend(backend) if backend is not None else global_config.default_backend
         return trace_program(self, backend, kwargs, assume)
 
+    def compile(self, *, backend=None, **kwargs):
+        """Compiler mode: trace the program once (the given arguments fixed, the others abstract) into its graph
+        and return a CompiledFunction that runs the graph (`run`, `run_batch`, `print_graph`); a program whose
+        control flow depends on generated values raises TracingError here."""
+        from sgjax.lang.compiler import CompiledFunction
+
+        return CompiledFunction(self, self.trace(backend=backend, **kwargs))
+
     def cache(self, backend=None) -> str:
         """Cache the program's constant prefix on the backend (run_batch does this by itself)."""
         from sgjax.lang.tracer import trace_program
@@ -141,6 +153,10 @@ class Function:
         return prefix
 
     def __call__(self, *args, **kwargs):
+        from sgjax.lang.tracer import current_trace, trace_call
+
+        if current_trace() is not None:  # called by a program being traced: trace the callee too
+            return trace_call(self, args, kwargs)
         return self.run(*args, **kwargs)
 
     def __repr__(self):
@@ -153,8 +169,17 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         min_p: float | None = None, frequency_penalty: float | None = None, presence_penalty: float | None = None,
         repetition_penalty: float | None = None, ignore_eos: bool | None = None, return_logprob: bool | None = None,
         logprob_start_len: int | None = None, top_logprobs_num: int | None = None, dtype=None, choices=None,
-        choices_method: ChoicesMethod | None = None, regex: str | None = None, json_schema=None):
-    """Generate text into variable `name` (`s[name]`) and append it to the prompt. With `choices`, a select."""
+        choices_method: ChoicesMethod | None = None, regex: str | None = None, json_schema=None, *,
+        return_text_in_logprobs: bool | None = None, n: int | None = None, stop_regex=None):
+    """Generate text into variable `name` (`s[name]`) and append it to the prompt. With `choices`, a select.
+    `return_logprob` / `top_logprobs_num` / `return_text_in_logprobs` put the runtime's logprobs
+    (`input_token_logprobs`, `output_token_logprobs`, `*_top_logprobs`: [logprob, token_id, text] entries) in the
+    variable's meta info (`s.get_meta_info(name)`). SGLang's `n` and `stop_regex` exist for its signature: n > 1 and
+    a stop regex are refused (one value per gen; the runtime matches stop strings only)."""
+    if n is not None and n != 1:
+        raise ValueError(f"gen: n={n!r} is not supported (a gen has one value); fork the state n times instead")
+    if stop_regex:
+        raise ValueError("gen: stop_regex is not supported (sgjax's runtime stops on strings: use stop=...)")
     if choices is not None:
         return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
     return make_gen(name, dtype=dtype, regex=regex, json_schema=json_schema, max_new_tokens=max_tokens,
@@ -162,7 +187,7 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
                     top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
                     presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, ignore_eos=ignore_eos,
                     return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num)
+                    top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs)
 
 
 def gen_int(name: str | None = None, **kwargs):
@@ -182,8 +207,19 @@ def select(name: str | None = None, choices=None, temperature: float = 0.0,
         raise ValueError("select picks the best-scoring choice; temperature > 0 is not supported")
     if not isinstance(choices_method, ChoicesMethod):
         raise TypeError(f"choices_method must be one of sgl.token_length_normalized, sgl.greedy_token_selection, "
-                        f"sgl.unconditional_likelihood_normalized; got {choices_method!r}")
+                        f"sgl.unconditional_likelihood_normalized (or a ChoicesSamplingMethod); got {choices_method!r}")
     return Select(name, tuple(choices), choices_method)
+
+
+def separate_reasoning(expr=None, model_type: str | None = None) -> ExprList:
+    """`expr` (a named gen or select, or a list of them), then split each value's reasoning (`<think>...</think>`)
+    from its answer: `s[name]` is the answer (also in the text, in place of the whole value) and
+    `s[name + "_reasoning_content"]` the reasoning. `model_type` is SGLang's reasoning-parser name ("deepseek-r1":
+    everything before </think> is reasoning; "qwen3": only a <think> block is); None: only a <think> block, so on a
+    model that never writes one the reasoning is empty (sgjax/lang/reasoning.py)."""
+    if expr is None:
+        raise ValueError("separate_reasoning needs an expression (a named gen or select)")
+    return ExprList.of(expr, SeparateReasoning(model_type, expr))
 
 
 def image(image) -> Image:

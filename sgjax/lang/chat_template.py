@@ -4,7 +4,11 @@ The interpreter builds a prompt piece by piece, so it needs each role's prefix a
 of whole conversations. We get them by rendering the model's template (jinja, via the tokenizer) over short
 conversations with marker contents and cutting the output at the markers; the default system prompt a template
 inserts when a conversation has none is found the same way. A model without a template, or one whose template
-cannot be cut this way, gets the plain template below (what SGLang calls "default").
+cannot be cut this way, gets the plain template below.
+
+`get_chat_template(name)` looks up a few of SGLang's named templates (its `sglang.lang.chat_template` registry,
+for programs that set `backend.chat_template = get_chat_template("chatml")`), and
+`get_chat_template_by_model_path(path)` derives the template from the model's own tokenizer, as the backends do.
 """
 
 from __future__ import annotations
@@ -23,11 +27,25 @@ class ChatTemplate:
     stop_str: tuple[str, ...] = field(default=())  # added to every gen's stop strings
     # what the prompt text holds where an image goes (LLaVA's placeholder; a vision model's processor expands it)
     image_token: str = "<image>"
+    # "llama2": Llama-2's first system message opens the user's [INST] and the first user message continues it
+    style: str = "plain"
 
-    def get_prefix_and_suffix(self, role: str) -> tuple[str, str]:
+    def get_prefix_and_suffix(self, role: str, hist_messages: list | None = None) -> tuple[str, str]:
+        """The role's markers; `hist_messages` (the messages before this one, SGLang's second argument) matters
+        only for the llama2 style."""
         if role not in self.roles:
             raise ValueError(f"chat template {self.name!r} has no role {role!r}; roles: {sorted(self.roles)}")
-        return self.roles[role]
+        prefix, suffix = self.roles[role]
+        if self.style == "llama2" and hist_messages is not None:
+            if role == "system" and not hist_messages:
+                return self.roles["user"][0] + prefix, suffix
+            if role == "user" and len(hist_messages) == 1 and hist_messages[0]["role"] == "system":
+                return "", suffix
+        return prefix, suffix
+
+    @property
+    def role_prefix_and_suffix(self) -> dict:  # SGLang's name for `roles`
+        return self.roles
 
 
 PLAIN = ChatTemplate("plain", {"system": ("", "\n\n"), "user": ("USER: ", "\n"), "assistant": ("ASSISTANT: ", "\n")})
@@ -85,3 +103,36 @@ def _default_system(render, roles) -> str | None:
     if head.startswith(sys_prefix) and head.endswith(sys_suffix) and len(head) >= len(sys_prefix) + len(sys_suffix):
         return head[len(sys_prefix):len(head) - len(sys_suffix)]
     return None
+
+
+# SGLang's named templates that programs ask for by name: the markers of each model family's format.
+_IM = {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ROLES}
+_LLAMA3 = {r: (f"<|start_header_id|>{r}<|end_header_id|>\n\n", "<|eot_id|>") for r in ROLES}
+REGISTRY = {t.name: t for t in (
+    PLAIN,
+    ChatTemplate("default", {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"), "assistant": ("ASSISTANT:", "\n")}),
+    ChatTemplate("claude", {"system": ("", ""), "user": ("\n\nHuman: ", ""), "assistant": ("\n\nAssistant:", "")}),
+    ChatTemplate("chatml", _IM, stop_str=("<|im_end|>",)),
+    ChatTemplate("qwen", _IM, "You are a helpful assistant.", ("<|im_end|>",)),
+    ChatTemplate("vicuna_v1.1", {"system": ("", " "), "user": ("USER:", " "), "assistant": ("ASSISTANT:", "</s>")},
+                 "A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+                 "helpful, detailed, and polite answers to the user's questions.", image_token=" <image>\n"),
+    ChatTemplate("llama-2-chat", {"system": ("<<SYS>>\n", "\n<</SYS>>\n\n"), "user": ("[INST] ", " [/INST]"),
+                                  "assistant": ("", " </s><s>")}, style="llama2"),
+    ChatTemplate("llama-3-instruct", _LLAMA3, stop_str=("<|eot_id|>",), image_token="<|image|>"),
+)}
+
+
+def get_chat_template(name: str) -> ChatTemplate:
+    """One of SGLang's named templates (REGISTRY); "plain" is sgjax's default."""
+    if name not in REGISTRY:
+        raise KeyError(f"no chat template {name!r}; sgjax has {sorted(REGISTRY)} (a model's own template comes from "
+                       f"its tokenizer: get_chat_template_by_model_path)")
+    return REGISTRY[name]
+
+
+def get_chat_template_by_model_path(model_path: str) -> ChatTemplate:
+    """The template of the model at `model_path`, cut from its tokenizer's own chat template (PLAIN without one)."""
+    from sgjax.model.tokenizer import load_tokenizer
+
+    return from_tokenizer(load_tokenizer(model_path))

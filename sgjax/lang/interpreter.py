@@ -10,6 +10,7 @@ appended it and is raised where the program next uses the stream (`s["x"]`, `s.t
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import queue
@@ -21,8 +22,9 @@ from dataclasses import dataclass
 
 from sgjax.lang import speculative
 from sgjax.lang.global_config import global_config
-from sgjax.lang.ir import (Constant, ExprList, Gen, Image, RoleBegin, RoleEnd, Select, VarScopeBegin, VarScopeEnd,
-                           as_expr, role, variable_names)
+from sgjax.lang.ir import (Constant, ExprList, Gen, Image, RoleBegin, RoleEnd, Select, SeparateReasoning,
+                           VarScopeBegin, VarScopeEnd, as_expr, reasoning_names, role, variable_names)
+from sgjax.lang.reasoning import split_reasoning
 
 
 class ProgramError(RuntimeError):
@@ -69,6 +71,22 @@ class _Join:
         return f"join({self.mode!r})"
 
 
+@dataclass(eq=False)
+class _ReadVar:
+    """Append another stream's variable once it exists (a compiled graph's variable node; compiler.py)."""
+
+    source: "StreamExecutor"
+    name: str
+
+    def __repr__(self):
+        return f"variable({self.name!r})"
+
+
+# Meta info lists a stream chunk carries whole so far; text_async_iter(return_meta_data=True) gives each chunk its
+# new entries, as SGLang's stream does (with `output_token_logprobs_length`, the count so far).
+_INCREMENTAL_META = ("output_token_logprobs", "output_top_logprobs")
+
+
 class StreamExecutor:
     def __init__(self, backend, defaults: dict, stream: bool = False, root: "StreamExecutor | None" = None,
                  num_api_spec_tokens: int | None = None):
@@ -93,6 +111,10 @@ class StreamExecutor:
         self._events: dict[str, threading.Event] = {}  # the latest definition of each variable; set when final
         self._item_events: dict[str, threading.Event] = {}  # the events of the expression being executed
         self._partial: dict[str, str] = {}  # streaming gens: the text so far
+        self._partial_meta: dict[str, dict] = {}  # streaming gens: the meta info so far
+        self._spans: dict[str, tuple[int, int]] = {}  # where each gen's / select's latest value is in the text
+        self._held: set[str] = set()  # names the expression being executed redefines later (separate_reasoning)
+        self._raw: dict[str, tuple] = {}  # their first (value, meta), until the separate_reasoning runs
         self._scopes: dict[str, int] = {}
         self._descendants: list[StreamExecutor] = []
         self._ended = False
@@ -166,14 +188,16 @@ class StreamExecutor:
             self.error_ = error
         self._release_waiters()
 
-    def stream_view(self, var_name: str | None) -> tuple[str, bool]:
-        """(text so far, done) for streaming: the whole prompt, or one variable."""
+    def stream_view(self, var_name: str | None) -> tuple[str, bool, dict | None]:
+        """(text so far, done, meta info so far) for streaming: the whole prompt, or one variable. Call it holding
+        `_changed`, under which a streaming gen updates its text and meta together."""
         if var_name is None:
-            return self.text_, self._finished.is_set()
+            return self.text_, self._finished.is_set(), None
         event = self._events.get(var_name)
         final = event is not None and event.is_set()
-        value = self.variables.get(var_name, "") if final else self._partial.get(var_name, "")
-        return str(value), final or self._finished.is_set()
+        if final:
+            return str(self.variables.get(var_name, "")), True, self.meta_info.get(var_name)
+        return self._partial.get(var_name, ""), self._finished.is_set(), self._partial_meta.get(var_name)
 
     # -- the worker ---------------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -184,6 +208,7 @@ class StreamExecutor:
                 if item is None:
                     break
                 expr, where, self._item_events = item
+                self._held = reasoning_names(expr)
                 if self.error_ is None:
                     try:
                         self._execute(expr)
@@ -238,8 +263,9 @@ class StreamExecutor:
         elif isinstance(expr, Select):
             decision = self.backend.select(self._prompt(f"select({expr.name!r})"), list(expr.choices), expr.method,
                                            **self._media())
+            start = len(self.text_)
             self._fill(decision.decision)
-            self._set(expr.name, decision.decision, decision.meta_info)
+            self._set(expr.name, decision.decision, decision.meta_info, start)
         elif isinstance(expr, Image):
             self._image(expr)
         elif isinstance(expr, RoleBegin):
@@ -256,6 +282,10 @@ class StreamExecutor:
             self._fork(expr)
         elif isinstance(expr, _Join):
             self._join(expr)
+        elif isinstance(expr, SeparateReasoning):
+            self._separate_reasoning(expr)
+        elif isinstance(expr, _ReadVar):
+            self._fill(str(expr.source.get_var(expr.name)))
         else:
             raise TypeError(f"cannot execute {expr!r}")
 
@@ -264,14 +294,37 @@ class StreamExecutor:
             self.text_ += text
             self._changed.notify_all()
 
-    def _set(self, name: str | None, value, meta) -> None:
+    def _set(self, name: str | None, value, meta, start: int | None = None) -> None:
+        """Define a variable; `start`: where its value begins in the text (a gen's or select's, which ends the
+        text)."""
         if name is None:
+            return
+        if start is not None:
+            self._spans[name] = (start, len(self.text_))
+        if name in self._held:  # a separate_reasoning after it gives the final value: not readable before that
+            self._raw[name] = (value, meta)
             return
         self.variables[name] = value
         self.meta_info[name] = meta
         event = self._item_events.get(name)
         if event is not None:
             event.set()
+
+    def _separate_reasoning(self, expr: SeparateReasoning) -> None:
+        """Split each value into its reasoning and its answer (reasoning.py); the answer replaces the value in the
+        text, so the message and later prompts hold only the answer. A streamed value stays in the text as it was
+        streamed (readers have seen it): only the variables change."""
+        for name in expr.names():
+            value, meta = self._raw.pop(name) if name in self._raw else (self.variables[name], self.meta_info[name])
+            reasoning, answer = split_reasoning(str(value), expr.model_type)
+            start, end = self._spans[name]
+            if not self.stream and self.text_[start:end] == value:
+                with self._changed:
+                    self.text_ = self.text_[:start] + answer + self.text_[end:]
+                self._spans[name] = (start, start + len(answer))
+            self._held.discard(name)
+            self._set(name, answer, meta)
+            self._set(expr.process_name_for_reasoning(name), reasoning, None)
 
     def _gen(self, gen: Gen) -> None:
         params = {**self.defaults, **gen.params}
@@ -280,20 +333,23 @@ class StreamExecutor:
         extra_stops = [s for s in self.chat_template.stop_str if s not in (params.get("stop") or ())]
         if extra_stops:
             params["stop"] = list(params.get("stop") or ()) + extra_stops
+        start = len(self.text_)
         if self.stream:
             value, meta = "", {}
             for piece, meta in self.backend.generate_stream(self._prompt(repr(gen)), params):
                 value += piece
-                if gen.name is not None:
-                    self._partial[gen.name] = value
-                self._fill(piece)
+                with self._changed:  # the text and its meta info change together for stream readers
+                    if gen.name is not None:
+                        self._partial[gen.name], self._partial_meta[gen.name] = value, meta
+                    self.text_ += piece
+                    self._changed.notify_all()
         else:
             if self.num_api_spec_tokens and speculative.speculable(params):
                 value, meta = self._gen_speculative(gen, params)
             else:
                 value, meta = self.backend.generate(self._prompt(repr(gen)), params)
             self._fill(value)
-        self._set(gen.name, value, meta)
+        self._set(gen.name, value, meta, start)
 
     def _prompt(self, what: str):
         """What the backend continues: the text, or for a chat model the finished messages, which it answers with
@@ -349,7 +405,7 @@ class StreamExecutor:
             self._role_begin("system")  # what the model's template puts before a conversation without one
             self._fill(template.default_system_prompt)
             self._role_end("system")
-        self._fill(template.get_prefix_and_suffix(role)[0])
+        self._fill(template.get_prefix_and_suffix(role, self.messages_)[0])
         self.cur_role, self.role_begin_pos = role, len(self.text_)
 
     def _role_end(self, role: str) -> None:
@@ -359,9 +415,10 @@ class StreamExecutor:
         if self._message_images:
             content = _content_parts(content, self._message_images, self.chat_template.image_token)
             self._message_images = []
+        suffix = self.chat_template.get_prefix_and_suffix(role, self.messages_)[1]
         self.messages_.append({"role": role, "content": content})
         self.cur_role = None
-        self._fill(self.chat_template.get_prefix_and_suffix(role)[1])
+        self._fill(suffix)
 
     def _image(self, expr: Image) -> None:
         for data in expr.data:
@@ -502,29 +559,61 @@ class ProgramState(_PromptAPI):
 
     def text_iter(self, var_name: str | None = None):
         """The prompt's (or one variable's) new text as it is produced; needs run(stream=True) to be gradual."""
+        for piece, _ in self._chunks(var_name):
+            yield piece
+
+    def _chunks(self, var_name: str | None):
+        """(new text, meta info of the variable then) as the text grows."""
         exe = self.stream_executor
         if not exe.stream:
-            yield self.text() if var_name is None else str(self.get_var(var_name))
+            if var_name is None:
+                yield self.text(), None
+            else:
+                yield str(self.get_var(var_name)), self.get_meta_info(var_name)
             return
         pos = 0
         while True:
             with exe._changed:
-                current, done = exe.stream_view(var_name)
+                current, done, meta = exe.stream_view(var_name)
                 while len(current) <= pos and not done:
                     exe._changed.wait()
-                    current, done = exe.stream_view(var_name)
+                    current, done, meta = exe.stream_view(var_name)
             if len(current) > pos:
-                yield current[pos:]
+                yield current[pos:], meta
                 pos = len(current)
             elif done:
                 break
         if exe.error_ is not None:
             raise exe.error_
 
-    def __repr__(self):
+    async def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False):
+        """`text_iter` for asyncio (the waiting happens in a worker thread, the event loop stays free). With
+        `return_meta_data`, each piece comes with the variable's meta info: the logprob lists hold that piece's
+        new entries and `output_token_logprobs_length` the count so far (SGLang's streamed meta info)."""
+        chunks, done = self._chunks(var_name), object()
+        sent = 0
+        while True:
+            item = await asyncio.to_thread(next, chunks, done)
+            if item is done:
+                return
+            piece, meta = item
+            if not return_meta_data:
+                yield piece
+                continue
+            meta = dict(meta or {})
+            total = len(meta.get("output_token_logprobs") or ())
+            for key in _INCREMENTAL_META:
+                if meta.get(key) is not None:
+                    meta[key] = list(meta[key][sent:])
+            if "output_token_logprobs" in meta:
+                meta["output_token_logprobs_length"] = total
+            sent = total
+            yield piece, meta
+
+    def __repr__(self):  # SGLang's form (its examples cut the text out of it: str(state)[len("ProgramState("):-1])
         self.sync()
         error = self.stream_executor.error_
-        return f"ProgramState({self.stream_executor.text_!r}" + (f", error={error!r})" if error else ")")
+        return f"ProgramState({self.stream_executor.text_}" + (f", error={error!r})" if error else ")")
 
 
 class ProgramStateGroup:
@@ -536,6 +625,11 @@ class ProgramStateGroup:
 
     def __getitem__(self, i):
         return self.states[i]
+
+    def __setitem__(self, i, value):
+        """`forks[i] += expr` (SGLang's idiom) appends to branch i and then assigns the same state back."""
+        if value is not self.states[i]:
+            raise TypeError("a fork group's branches cannot be replaced; append to one with forks[i] += ...")
 
     def __len__(self):
         return len(self.states)
@@ -578,10 +672,21 @@ def run_program(function, backend, args: tuple, kwargs: dict, defaults: dict, st
     return state
 
 
+# The program running in this thread: an sgl function it calls (SGLang's multi-function programs) runs on the same
+# backend with the same sampling defaults unless the call gives its own.
+_running = threading.local()
+
+
+def running_program() -> StreamExecutor | None:
+    return getattr(_running, "executor", None)
+
+
 def _call(function, state: ProgramState, args, kwargs, sync: bool) -> None:
+    outer, _running.executor = running_program(), state.stream_executor
     try:
         state.ret_value = function.func(state, *args, **kwargs)
     finally:
+        _running.executor = outer
         state.stream_executor.end()
     if sync:
         state.sync()

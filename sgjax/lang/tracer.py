@@ -14,18 +14,25 @@ depends on data the trace does not have and raises `TracingError` naming the val
 
 The batch pre-cache traces only until the first non-constant node of the program's own stream: that constant
 text is every run's common prefix, sent as one prefill-only request before the batch starts.
+
+Each node also keeps the expressions that produced it (`Node.exprs`: a constant node's text pieces and role
+markers, a gen's Gen, ...), so `Function.compile()` can run the graph itself (compiler.py). A program that calls
+another sgl function while traced (SGLang's multi-function programs) records the callee in a stream of its own,
+whose reads of the caller's variables are inter-stream edges. `graph.last_node.print_graph_dfs()` prints what the
+program's last node depends on, as SGLang's tracer does.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
 
 from sgjax.lang.chat_template import PLAIN
 from sgjax.lang.global_config import global_config
 from sgjax.lang.interpreter import ProgramStateGroup, _PromptAPI, call_site
-from sgjax.lang.ir import (Constant, ExprList, Gen, Image, RoleBegin, RoleEnd, Select, VarScopeBegin, VarScopeEnd,
-                           as_expr)
+from sgjax.lang.ir import (Constant, ExprList, Gen, Image, RoleBegin, RoleEnd, Select, SeparateReasoning,
+                           VarScopeBegin, VarScopeEnd, as_expr)
 
 _MARKER = re.compile("\x00sgjax(\\d+)\x00")
 
@@ -67,12 +74,39 @@ for _op in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool_
 @dataclass
 class Node:
     id: int
-    kind: str  # constant | argument | gen | select | variable | fork | get_fork_item | join
+    kind: str  # constant | argument | gen | select | variable | fork | get_fork_item | join | separate_reasoning
     stream: int
     label: str
     prev: int | None = None  # the previous node of the same stream
     sources: tuple = ()  # nodes this one reads: a fork, a variable's gen, a join's branch ends
     where: str = ""
+    exprs: list = field(default_factory=list, repr=False, compare=False)  # what running the node submits
+    graph: "Graph | None" = field(default=None, repr=False, compare=False)
+
+    def line(self) -> str:
+        label = self.label if self.kind != "constant" else _short(self.label)
+        reads = f" <- {', '.join(f'%{s}' for s in self.sources)}" if self.sources else ""
+        after = f"%{self.prev} + " if self.prev is not None else ""
+        return f"%{self.id} = {after}{self.kind} {label}{reads}"
+
+    def print_graph_dfs(self) -> str:
+        """Every node this one depends on (previous nodes and reads, across streams), dependencies first, one
+        line each, then this node: SGLang's `tracer.last_node.print_graph_dfs()`."""
+        nodes = self.graph.nodes
+        seen, order, stack = set(), [], [(self.id, False)]
+        while stack:  # iterative post-order: a long program must not hit the recursion limit
+            i, done = stack.pop()
+            if done:
+                order.append(i)
+                continue
+            if i in seen:
+                continue
+            seen.add(i)
+            stack.append((i, True))
+            n = nodes[i]
+            deps = ([n.prev] if n.prev is not None else []) + list(n.sources)
+            stack.extend((d, False) for d in reversed(deps) if d not in seen)
+        return "".join(nodes[i].line() + "\n" for i in order)
 
 
 @dataclass
@@ -80,6 +114,19 @@ class Graph:
     name: str
     nodes: list[Node]
     assume: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for n in self.nodes:
+            n.graph = self
+
+    @property
+    def last_node(self) -> Node | None:
+        """The program's own stream's last node (SGLang's `tracer.last_node`)."""
+        main = self.stream(0)
+        return main[-1] if main else None
+
+    def print_graph(self) -> None:
+        print(self)
 
     @property
     def num_streams(self) -> int:
@@ -116,10 +163,7 @@ class Graph:
         for i in range(self.num_streams):
             lines.append(f"stream {i}")
             for n in self.stream(i):
-                label = n.label if n.kind != "constant" else _short(n.label)
-                reads = f" <- {', '.join(f'%{s}' for s in n.sources)}" if n.sources else ""
-                after = f"%{n.prev} + " if n.prev is not None else ""
-                lines.append(f"  %{n.id} = {after}{n.kind} {label}{reads}")
+                lines.append("  " + n.line())
         return "\n".join(lines)
 
 
@@ -158,13 +202,13 @@ class _Trace:
 class TracerState(_PromptAPI):
     """The `s` of a traced program: records nodes instead of running them."""
 
-    def __init__(self, trace: _Trace, stream: int, variables=None, has_messages=False):
+    def __init__(self, trace: _Trace, stream: int, variables=None, messages=None):
         self._trace = trace
         self._stream = stream
         self._last: int | None = None
         self._vars = dict(variables or {})
         self._own_vars: list[str] = []  # defined in this stream (what a join gathers)
-        self._has_messages = has_messages
+        self._messages: list[dict] = list(messages or [])  # the finished messages' roles (for the template)
 
     def __iadd__(self, other):
         if other is None:
@@ -206,16 +250,33 @@ class TracerState(_PromptAPI):
             self._vars[name] = self._trace.symbol("variable", name, node.id, f"s[{name!r}] ({kind} at {node.where})")
             self._own_vars.append(name)
 
-    def _text(self, text: str, where: str) -> None:
+    def _last_constant(self) -> Node | None:
+        last = self._trace.nodes[self._last] if self._last is not None else None
+        return last if last is not None and last.kind == "constant" else None
+
+    def _constant(self, text: str, expr, where: str) -> None:
+        """Constant text produced by `expr`: one node per run of constant text."""
+        node = self._last_constant()
+        if node is None:
+            node = self._node("constant", text, where)
+        else:
+            node.label += text
+        node.exprs.append(expr)
+
+    def _attach(self, expr, where: str) -> None:
+        """An expression that adds no text (a var scope, a role marker of an empty prefix) runs with the constant
+        text around it."""
+        self._constant("", expr, where)
+
+    def _text(self, text: str, where: str, expr=None) -> None:
+        """Text to append; `expr` (a role marker) is what produces it when the graph runs, else the text itself."""
+        if expr is not None:
+            self._constant(text, expr, where)
+            return
         for i, piece in enumerate(_MARKER.split(text)):
             if i % 2 == 0:
-                if not piece:
-                    continue
-                last = self._trace.nodes[self._last] if self._last is not None else None
-                if last is not None and last.kind == "constant":
-                    last.label += piece  # one node per run of constant text
-                else:
-                    self._node("constant", piece, where)
+                if piece:
+                    self._constant(piece, Constant(piece), where)
             else:
                 kind, name, source = self._trace.symbols[int(piece)]
                 self._node(kind, name, where, sources=() if source is None else (source,))
@@ -228,25 +289,36 @@ class TracerState(_PromptAPI):
                 self._add(item, where)
         elif isinstance(e, Gen):
             params = ", ".join(f"{k}={v!r}" for k, v in e.params.items())
-            self._define(e.name, self._node("gen", f"{e.name}" + (f" ({params})" if params else ""), where), "gen")
+            node = self._node("gen", f"{e.name}" + (f" ({params})" if params else ""), where)
+            node.exprs.append(e)
+            self._define(e.name, node, "gen")
         elif isinstance(e, Select):
             node = self._node("select", f"{e.name} {list(e.choices)} by {e.method!r}", where)
+            node.exprs.append(e)
             self._define(e.name, node, "select")
         elif isinstance(e, Image):
             # not constant text: the KV of image tokens depends on the image, so the batch pre-cache stops here
-            self._node(e.kind, repr(e), where)
+            self._node(e.kind, repr(e), where).exprs.append(e)
         elif isinstance(e, RoleBegin):
             template = self._trace.chat_template
-            if not self._has_messages and e.role != "system" and template.default_system_prompt:
+            if not self._messages and e.role != "system" and template.default_system_prompt:
                 self._add(ExprList.of(RoleBegin("system"), template.default_system_prompt, RoleEnd("system")), where)
-            self._text(template.get_prefix_and_suffix(e.role)[0], where)
+            self._text(template.get_prefix_and_suffix(e.role, self._messages)[0], where, e)
         elif isinstance(e, RoleEnd):
-            self._has_messages = True
-            self._text(self._trace.chat_template.get_prefix_and_suffix(e.role)[1], where)
+            suffix = self._trace.chat_template.get_prefix_and_suffix(e.role, self._messages)[1]
+            self._messages.append({"role": e.role, "content": ""})
+            self._text(suffix, where, e)
         elif isinstance(e, VarScopeBegin):
-            pass  # the scope's text is whatever runs until its end: the variable reads the end's node
+            self._attach(e, where)  # the scope's text is whatever runs until its end
         elif isinstance(e, VarScopeEnd):
+            self._attach(e, where)
             self._define(e.name, self._trace.nodes[self._last], "var_scope")
+        elif isinstance(e, SeparateReasoning):
+            node = self._node("separate_reasoning", repr(e), where)
+            node.exprs.append(e)
+            for name in e.names():  # the answer and the reasoning now come from here
+                self._define(name, node, "separate_reasoning")
+                self._define(e.process_name_for_reasoning(name), node, "separate_reasoning")
         else:
             raise TypeError(f"cannot trace {e!r}")
 
@@ -254,7 +326,7 @@ class TracerState(_PromptAPI):
         fork = self._node("fork", str(size), call_site())
         states = []
         for i in range(size):
-            child = TracerState(self._trace, self._trace.new_stream(), self._vars, self._has_messages)
+            child = TracerState(self._trace, self._trace.new_stream(), self._vars, self._messages)
             child._last = self._trace.add(child._stream, "get_fork_item", str(i), None, (fork.id,), fork.where).id
             states.append(child)
         return ProgramStateGroup(states, self)
@@ -267,24 +339,53 @@ class TracerState(_PromptAPI):
 
 
 # -- entry points -------------------------------------------------------------------------------------------
+_current = threading.local()  # the trace a program is being traced into, in this thread
+
+
+def current_trace() -> _Trace | None:
+    return getattr(_current, "trace", None)
+
+
+def _arguments(trace: _Trace, function, known: dict) -> dict:
+    unknown = set(known) - set(function.arg_names)
+    if unknown:
+        raise TypeError(f"{function.name} has no argument(s) {sorted(unknown)}; its arguments: {function.arg_names}")
+    return {name: known[name] if name in known else
+            trace.symbol("argument", name, None, f"argument {name!r}") for name in function.arg_names}
+
+
 def trace_program(function, backend=None, concrete: dict | None = None, assume: dict | None = None,
                   prefix_only: bool = False) -> Graph:
     """Trace `function` with the arguments in `concrete` (plus its bound arguments and defaults) fixed and the
     others abstract."""
     template = backend.get_chat_template() if backend is not None else PLAIN
     trace = _Trace(template, dict(assume or {}), prefix_only)
-    known = {**function.defaults, **function.bind_arguments, **(concrete or {})}
-    unknown = set(known) - set(function.arg_names)
-    if unknown:
-        raise TypeError(f"{function.name} has no argument(s) {sorted(unknown)}; its arguments: {function.arg_names}")
-    args = {name: known[name] if name in known else
-            trace.symbol("argument", name, None, f"argument {name!r}") for name in function.arg_names}
+    args = _arguments(trace, function, {**function.defaults, **function.bind_arguments, **(concrete or {})})
     state = TracerState(trace, trace.new_stream())
+    outer, _current.trace = current_trace(), trace
     try:
         function.func(state, **args)
     except _StopTracing:
         pass
+    finally:
+        _current.trace = outer
     return Graph(function.name, trace.nodes, dict(assume or {}))
+
+
+def trace_call(function, args: tuple, kwargs: dict) -> TracerState:
+    """A traced program calls another sgl function: the callee is traced into a stream of its own (its state is
+    what the call returns, so `branch["x"]` reads the callee's variable). Sampling keywords are not traced."""
+    from sgjax.lang.api import _split_run_kwargs
+
+    trace = current_trace()
+    if len(args) > len(function.arg_names):
+        raise TypeError(f"{function.name} takes {function.arg_names}; got {len(args)} positional arguments")
+    _, program_kwargs = _split_run_kwargs(kwargs)
+    program_kwargs.pop("backend", None)
+    known = {**function.defaults, **function.bind_arguments, **dict(zip(function.arg_names, args)), **program_kwargs}
+    state = TracerState(trace, trace.new_stream())
+    function.func(state, **_arguments(trace, function, known))
+    return state
 
 
 def _same(a, b) -> bool:

@@ -52,3 +52,33 @@ def test_templates_that_cannot_be_cut_fall_back_to_the_plain_one(tokenizer):
     assert from_tokenizer(None) is PLAIN
     with pytest.raises(ValueError, match="no role 'tool'"):
         PLAIN.get_prefix_and_suffix("tool")
+
+
+def test_sglangs_named_templates_and_the_lookup_by_model_path(tokenizer):
+    from sgjax.lang.chat_template import get_chat_template, get_chat_template_by_model_path
+    from sgjax.model.paths import resolve_model_path
+
+    chatml = get_chat_template("chatml")
+    assert chatml.role_prefix_and_suffix["user"] == ("<|im_start|>user\n", "<|im_end|>\n")
+    assert chatml.stop_str == ("<|im_end|>",) and get_chat_template("qwen").default_system_prompt
+    assert get_chat_template("default").get_prefix_and_suffix("user", []) == ("USER:", "\n")  # SGLang's 2 args
+    with pytest.raises(KeyError, match="no chat template 'nope'"):
+        get_chat_template("nope")
+    assert get_chat_template_by_model_path(resolve_model_path(None)) == from_tokenizer(tokenizer)
+
+
+def test_the_llama2_template_opens_inst_once_for_a_system_and_a_user_message():
+    import sgjax as sgl
+    from sgjax.lang.chat_template import get_chat_template
+    from tests.lang.fakes import FakeBackend
+
+    @sgl.function
+    def chat(s):
+        s += sgl.system("Be brief.")
+        s += sgl.user("Hi")
+        s += sgl.assistant(sgl.gen("a"))
+        s += sgl.user("Bye")
+
+    state = chat.run(backend=FakeBackend(reply=lambda t, p: "Hello", template=get_chat_template("llama-2-chat")))
+    assert state.text() == "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]Hello </s><s>[INST] Bye [/INST]"
+    assert [m["content"] for m in state.messages()] == ["Be brief.", "Hi", "Hello", "Bye"]

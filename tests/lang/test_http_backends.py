@@ -13,6 +13,7 @@ import sgjax as sgl
 from sgjax.lang.backend.runtime_endpoint import ServerError
 from sgjax.lang.interpreter import ProgramError
 from sgjax.server.process import free_port
+from tests.lang import test_upstream_programs as up
 from tests.lang.conftest import assert_streams_as_a_whole_run
 from tests.server.conftest import serving
 
@@ -129,6 +130,14 @@ def test_runtime_endpoint_errors_name_the_problem(server, endpoint):
         state["d"]
 
 
+@pytest.mark.parametrize("check", [up.check_parallel_decoding, up.check_decode_json_regex, up.check_gen_logprobs,
+                                   up.check_select_meta, up.check_stream_logprobs],
+                         ids=["forks_item_assignment", "json_regex_constants", "gen_logprobs", "select_meta",
+                              "async_stream_logprobs"])
+def test_sglangs_programs_run_through_the_runtime_endpoint(endpoint, check):
+    check(endpoint)  # the ported upstream programs (test_upstream_programs.py) over sgjax serve's native API
+
+
 # -- OpenAI on completions: API speculative execution ---------------------------------------------------------------
 def test_speculation_extracts_the_same_fields_with_fewer_calls_and_input_tokens(completions, example):
     texts = example.passages(3, max_words=40)
@@ -144,6 +153,23 @@ def test_speculation_extracts_the_same_fields_with_fewer_calls_and_input_tokens(
     assert spec_usage["prompt_tokens"] < plain_usage["prompt_tokens"]
     kinds = [s.get_meta_info(f)["speculative"] for s in spec for f in fields]
     assert kinds.count("call") == spec_usage["calls"] and "hit" in kinds
+
+
+def test_sglangs_completion_speculative_program_reads_token_usage(completions):
+    def character(s):  # SGLang's test_completion_speculative, through its `backend.token_usage`
+        s += "Construct a character within the following format:\n"
+        s += "Name: Steve Jobs.\nBirthday: February 24, 1955.\nJob: Apple CEO.\n"
+        s += "\nPlease generate new Name, Birthday and Job.\n"
+        s += "Name:" + sgl.gen("name", stop="\n") + "\nBirthday:" + sgl.gen("birthday", stop="\n")
+        s += "\nJob:" + sgl.gen("job", stop="\n") + "\n"
+
+    token_usage = completions.token_usage
+    token_usage.reset()
+    sgl.function(character, num_api_spec_tokens=24).run(backend=completions, temperature=0, max_new_tokens=8).sync()
+    usage_with_spec = token_usage.prompt_tokens
+    token_usage.reset()
+    sgl.function(character).run(backend=completions, temperature=0, max_new_tokens=8).sync()
+    assert 0 < usage_with_spec < token_usage.prompt_tokens
 
 
 def test_a_failed_match_calls_again_and_keeps_the_values(completions):
@@ -196,7 +222,8 @@ def test_completion_streaming_and_usage(completions):
 def test_constraints_and_logprobs_reach_the_api(completions, chat):
     @sgl.function
     def number(s):
-        s += "Three digits:" + sgl.gen("n", regex=" [0-9]{3}", return_logprob=True, top_logprobs_num=2)
+        s += "Three digits:" + sgl.gen("n", regex=" [0-9]{3}", return_logprob=True, top_logprobs_num=2,
+                                       return_text_in_logprobs=True)  # SGLang's flag: the API's entries have texts
 
     state = number.run(backend=completions, temperature=0)
     assert re.fullmatch(" [0-9]{3}", state["n"])

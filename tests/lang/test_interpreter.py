@@ -270,9 +270,11 @@ def test_run_batch_runs_every_program_in_order_and_keeps_failures_to_their_state
 
 def test_gen_and_select_arguments():
     g = sgl.gen("n", dtype=int, max_tokens=4)
-    assert g.params == {"max_new_tokens": 4, "regex": r"[-+]?[0-9]+"}
+    # SGLang's dtype semantics: its regex (a number may end in spaces / newlines) and a stop at the first of them
+    assert g.params == {"max_new_tokens": 4, "regex": r"[-+]?[0-9]+[ \n]*", "stop": [" ", "\n"]}
+    assert sgl.gen("f", dtype=float, stop="x").params["stop"] == ["x", " ", "\n"]
     assert sgl.gen("j", json_schema={"type": "object"}).params == {"json_schema": '{"type": "object"}'}
-    assert sgl.gen_string("s").params["regex"] == r'"[\w\d\s]*"'
+    assert sgl.gen_string("s").params == {"regex": r'\"[\w\d\s]*\"'}
     assert sgl.gen("c", choices=["a", "b"]).choices == ("a", "b")
     for bad, match in [(dict(choices=[]), "non-empty"), (dict(choices=["a", ""]), "non-empty"),
                        (dict(choices=["a"], temperature=0.5), "temperature")]:
@@ -344,3 +346,111 @@ def test_without_frontend_parallelism_calls_run_one_at_a_time(monkeypatch):
     state = program.run(backend=backend)
     assert backend.kinds() == ["cache_prefix", "generate", "generate", "generate", "generate"]  # run waited
     assert backend.peak == 1 and state["h"]
+
+
+# -- SGLang's idioms -----------------------------------------------------------------------------------------------
+def test_forks_item_assignment_appends_to_that_branch():
+    backend = FakeBackend(reply=lambda text, p: "<" + last_line(text) + ">")
+
+    @sgl.function
+    def program(s):
+        s += "root"
+        forks = s.fork(2)
+        for i in range(2):
+            forks[i] += f"\nbranch {i}:"  # SGLang's idiom: __getitem__, __iadd__, then __setitem__
+            forks[i] += sgl.gen("x")
+        forks.join()
+        with pytest.raises(TypeError, match="cannot be replaced"):
+            forks[0] = forks[1]
+
+    state = program.run(backend=backend)
+    assert state["x"] == ["<branch 0:>", "<branch 1:>"] and state.text() == "root"
+    assert repr(state) == "ProgramState(root)"  # SGLang's form: its examples cut the text out of it
+
+
+def test_separate_reasoning_splits_the_think_block_from_the_answer():
+    replies = {"Q1": "<think>2 and 2</think>4", "Q2": "just thinking</think>done", "Q3": "no tags here"}
+    backend = FakeBackend(reply=lambda text, p: next(v for k, v in replies.items() if text.endswith(k + "</u><a>")))
+
+    @sgl.function
+    def program(s, model_type):
+        for q in ("Q1", "Q2", "Q3"):
+            s += sgl.user(q)
+            s += sgl.assistant(sgl.separate_reasoning(sgl.gen("a" + q[1]), model_type=model_type))
+
+    state = program.run(model_type="deepseek-r1", backend=backend)
+    assert [state[f"a{i}"] for i in "123"] == ["4", "done", ""]  # forced: no </think> means still reasoning
+    assert [state[f"a{i}_reasoning_content"] for i in "123"] == ["2 and 2", "just thinking", "no tags here"]
+    assert [m["content"] for m in state.messages() if m["role"] == "assistant"] == ["4", "done", ""]
+    assert "<think>" not in state.text() and "</a><u>Q2</u><a>done</a>" in state.text()
+
+    state = program.run(model_type=None, backend=backend)  # optional: only a <think> block is reasoning
+    assert [state[f"a{i}"] for i in "123"] == ["4", "just thinking</think>done", "no tags here"]
+    assert [state[f"a{i}_reasoning_content"] for i in "123"] == ["2 and 2", "", ""]
+
+    state = program.run(model_type="no-such-model", backend=backend)
+    with pytest.raises(ProgramError, match="unsupported model type 'no-such-model'"):
+        state["a1"]
+    with pytest.raises(ValueError, match="needs a name"):
+        sgl.separate_reasoning(sgl.gen(), model_type="qwen3")
+
+
+def test_separate_reasoning_is_the_expression_sglang_builds():
+    from sgjax.lang.ir import SglExprList, SglGen, SglSeparateReasoning
+
+    g = sgl.gen("test_var")
+    expr = sgl.separate_reasoning(g, model_type="deepseek-r1")
+    assert isinstance(expr, SglExprList) and len(expr.expr_list) == 2 and expr.expr_list[0] is g
+    assert isinstance(g, SglGen) and isinstance(expr.expr_list[1], SglSeparateReasoning)
+    assert expr.expr_list[1].name == "test_var_reasoning_content"
+    assert repr(expr.expr_list[1]) == "SeparateReasoning(model_type=deepseek-r1, name=test_var_reasoning_content)"
+
+
+def test_a_streamed_separate_reasoning_splits_the_variables_and_keeps_the_streamed_text():
+    backend = FakeBackend(pieces=["<think>hm", "</think>", "yes"])
+
+    @sgl.function
+    def program(s):
+        s += "Q:" + sgl.separate_reasoning(sgl.gen("a"), model_type="qwen3")
+
+    state = program.run(backend=backend, stream=True)
+    assert "".join(state.text_iter()) == "Q:<think>hm</think>yes"
+    assert (state["a"], state["a_reasoning_content"]) == ("yes", "hm")
+
+
+def test_sglangs_gen_arguments():
+    g = sgl.gen("x", return_logprob=True, top_logprobs_num=3, return_text_in_logprobs=True, n=1)
+    assert g.params == {"return_logprob": True, "top_logprobs_num": 3, "return_text_in_logprobs": True}
+    with pytest.raises(ValueError, match="n=2 is not supported"):
+        sgl.gen("x", n=2)
+    with pytest.raises(ValueError, match="stop_regex is not supported"):
+        sgl.gen("x", stop_regex=r"\d")
+
+
+def test_text_async_iter_without_streaming_gives_the_whole_value_once():
+    import asyncio
+
+    state = sgl.function(lambda s: s.__iadd__("Q:" + sgl.gen("a"))).run(backend=FakeBackend(reply=lambda t, p: "A"))
+
+    async def collect(**kwargs):
+        return [c async for c in state.text_async_iter(**kwargs)]
+
+    assert asyncio.run(collect()) == ["Q:A"]
+    assert asyncio.run(collect(var_name="a", return_meta_data=True)) == [("A", {"prompt": "Q:"})]
+
+
+def test_a_program_called_by_a_running_program_inherits_its_backend_and_sampling_defaults():
+    backend = FakeBackend(reply=lambda text, p: "x")
+
+    @sgl.function
+    def inner(s, topic):
+        s += "About " + topic + ":" + sgl.gen("fact")
+
+    @sgl.function
+    def outer(s):
+        s += "Topic:" + sgl.gen("topic")
+        s += " Fact:" + inner(topic=s["topic"])["fact"]  # SGLang's multi-function program
+
+    state = outer.run(backend=backend, temperature=0)  # no default backend is set
+    assert state.text() == "Topic:x Fact:x"
+    assert [(c[1], c[2]["temperature"]) for c in backend.calls] == [("Topic:", 0), ("About x:", 0)]

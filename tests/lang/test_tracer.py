@@ -125,3 +125,83 @@ def test_function_cache_sends_the_constant_prefix():
     backend = FakeBackend()
     assert geography.cache(backend=backend) == f"<s>{SYSTEM} Style: "
     assert backend.calls == [("cache_prefix", f"<s>{SYSTEM} Style: ")]
+
+
+# -- SGLang's tracer API and compiler mode ---------------------------------------------------------------------------
+def test_last_node_prints_what_the_program_depends_on():
+    @sgl.function
+    def few_shot_qa(s, prompt, question):
+        s += prompt
+        s += "Q: " + question + "\n"
+        s += "A:" + sgl.gen("answer", stop="\n")
+
+    graph = few_shot_qa.bind(prompt="The following are questions with answers.\n\n").trace()
+    assert graph.last_node is graph.stream(0)[-1] and graph.last_node.kind == "gen"
+    assert graph.last_node.print_graph_dfs() == (
+        "%0 = constant 'The following are questions with answers.\\n\\nQ: '\n"
+        "%1 = %0 + argument question\n"
+        "%2 = %1 + constant '\\nA:'\n"
+        "%3 = %2 + gen answer (stop=['\\n'])\n")
+
+
+@sgl.function
+def expand(s, tip):
+    s += "Expand:" + tip + "\n" + sgl.gen("detailed_tip")
+
+
+@sgl.function
+def tips(s, topic):
+    s += sgl.system("Be brief.")
+    s += "Tips for " + topic + ": " + sgl.gen("tip_1") + "," + sgl.gen("tip_2")
+    with s.var_scope("both"):
+        s += expand(tip=s["tip_1"])["detailed_tip"] + "|" + expand(tip=s["tip_2"])["detailed_tip"]
+    forks = s.fork(2)
+    forks += lambda i: f" idea {i}:" + sgl.gen("idea")
+    forks.join()
+    s += sgl.user("Pick") + sgl.assistant(sgl.select("pick", ["a", "b"]))
+    s += " " + s["idea"][1]
+
+
+def test_a_called_function_is_traced_into_a_stream_of_its_own():
+    graph = tips.trace(backend=FakeBackend())
+    assert graph.num_streams == 5  # the program, two calls of expand, two fork branches
+    callee = graph.stream(1)
+    assert [n.kind for n in callee] == ["constant", "variable", "constant", "gen"]
+    tip_1 = next(n for n in graph.stream(0) if n.label.startswith("tip_1"))
+    assert callee[1].sources == (tip_1.id,)  # the callee reads the caller's variable: an inter-stream edge
+    reads = [n for n in graph.stream(0) if n.kind == "variable"]
+    assert [graph.nodes[r.sources[0]].stream for r in reads] == [1, 2, 4]
+
+
+def test_a_compiled_program_runs_the_graph_as_the_interpreter_runs_the_program():
+    backend = FakeBackend(reply=lambda text, p: f"<{len(text)}>", char_logprob=lambda ctx, ch: -float(ch == "a"))
+    compiled = tips.compile(backend=backend)
+    assert compiled.graph.num_streams == 5 and compiled.arg_names == ["topic"]
+    state = compiled.run(topic="sleep", backend=backend)
+    want = tips.run(topic="sleep", backend=backend)
+    assert state.text() == want.text() and state.messages() == want.messages()
+    for name in ("tip_1", "tip_2", "both", "idea", "pick"):
+        assert state[name] == want[name]
+    assert state["pick"] == "b"
+    states = compiled.run_batch([{"topic": "sleep"}, {"topic": "food"}], backend=backend)
+    assert states[0].text() == want.text() and "Tips for food" in states[1].text()
+    with pytest.raises(TypeError, match=r"give argument\(s\) \['topic'\]"):
+        compiled.run(backend=backend)
+
+
+def test_compile_with_a_base_backend_that_only_carries_a_template():
+    from sgjax.lang.backend.base_backend import BaseBackend
+    from sgjax.lang.chat_template import get_chat_template
+
+    @sgl.function
+    def multi_turn_chat(s):
+        s += sgl.user("Who are you?")
+        s += sgl.assistant(sgl.gen("answer_1"))
+
+    backend = BaseBackend()
+    backend.chat_template = get_chat_template("llama-2-chat")
+    compiled = multi_turn_chat.compile(backend=backend)
+    assert [n.label for n in compiled.graph.stream(0) if n.kind == "constant"] == ["[INST] Who are you? [/INST]",
+                                                                                  " </s><s>"]
+    with pytest.raises(TracingError, match="off_topic"):
+        load_essay_judge().essay_judge.compile(backend=FakeBackend())

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from sgjax.lang.chat_template import PLAIN, ChatTemplate
-from sgjax.lang.choices import ChoicesDecision, ChoicesMethod
+from sgjax.lang.choices import ChoicesDecision, ChoicesMethod, token_length_normalized_scores
 
 # What a gen generates at most when neither it nor the run sets max_tokens: SGLang's default and the Engine's.
 # Backends whose API has another default (OpenAI completions: 16) send this one, so a program means the same
@@ -73,6 +73,10 @@ class Backend:
     def tokenize(self, text: str) -> list[int]:
         raise NotImplementedError(f"{type(self).__name__} cannot tokenize; it must implement select itself")
 
+    def token_text(self, token_id: int) -> str | None:
+        """A token's text, for the [logprob, token_id, text] entries of select's meta info; None if unknown."""
+        return None
+
     def prompt_logprobs(self, input_ids: list[list[int]], starts: list[int], images: list[str] | None = None
                         ) -> list[list[float | None]]:
         """Prefill-only requests: for each prompt, the logprob of every token from position `starts[i]` on,
@@ -81,6 +85,9 @@ class Backend:
         raise NotImplementedError(f"{type(self).__name__} cannot score prompts; it must implement select itself")
 
     # -- runtime housekeeping ----------------------------------------------------------------------------
+    def get_model_name(self) -> str | None:
+        return None
+
     def get_server_info(self) -> dict:
         return {}
 
@@ -145,12 +152,20 @@ def select_by_prompt_logprobs(backend: Backend, text: str, choices: list[str],
     rows = backend.prompt_logprobs(full, starts, **media)
     # Position 0 has no logprob (an empty prompt before the choice): it is not scored.
     keep = [[j for j, lp in enumerate(row) if lp is not None] for row in rows]
-    logprobs = [[row[j] for j in js] for row, js in zip(rows, keep)]
+    choice_ids = [ids[k:] for ids, k in zip(full, starts)]
+
+    def entries(rows):  # SGLang's [logprob, token_id, text] per scored token
+        return [[(row[j], ids[j], backend.token_text(ids[j])) for j in js]
+                for row, js, ids in zip(rows, keep, choice_ids)]
+
     unconditional = None
     if method.requires_unconditional_logprobs:
-        alone = [ids[k:] for ids, k in zip(full, starts)]  # the choices alone: no image
-        rows_u = backend.prompt_logprobs(alone, [0] * len(alone))
-        unconditional = [[row[j] for j in js] for row, js in zip(rows_u, keep)]
-    decision = method(list(choices), logprobs, unconditional)
-    decision.meta_info["choice_token_ids"] = [ids[k:] for ids, k in zip(full, starts)]
+        rows_u = backend.prompt_logprobs(choice_ids, [0] * len(choice_ids))  # the choices alone: no image
+        unconditional = entries(rows_u)
+    conditional = entries(rows)
+    # SGLang's keyword call, so a custom method written for SGLang works here too (choices.py)
+    decision = method(choices=list(choices), normalized_prompt_logprobs=token_length_normalized_scores(
+        [[e[0] for e in row] for row in conditional]), input_token_logprobs=conditional,
+        output_token_logprobs=[[] for _ in choices], unconditional_token_logprobs=unconditional)
+    decision.meta_info["choice_token_ids"] = choice_ids
     return decision

@@ -21,21 +21,42 @@ class EngineBackend(Backend):
         self.chat_template = from_tokenizer(engine.tokenizer)
 
     def generate(self, text, params):
-        sampling, extra = _split(params)
+        sampling, extra, texts = _split(params)
         out = _served(self.engine.generate(text, sampling, **extra))
-        return out["text"], out["meta_info"]
+        return out["text"], self._with_texts(out["meta_info"], texts)
 
     def generate_stream(self, text, params):
-        sampling, extra = _split(params)
+        sampling, extra, texts = _split(params)
         sent = 0
         for chunk in self.engine.generate(text, sampling, stream=True, **extra):
             _served(chunk)
             piece = chunk["text"][sent:]
             sent = len(chunk["text"])
-            yield piece, chunk["meta_info"]
+            yield piece, self._with_texts(chunk["meta_info"], texts)
+
+    def token_text(self, token_id):
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _with_texts(self, meta: dict, texts: bool) -> dict:
+        """return_text_in_logprobs (the server does it in native_api.with_token_text; the Engine leaves the text
+        of its [logprob, token_id, text] entries None): each entry gets its token's text."""
+        if not texts:
+            return meta
+        meta = dict(meta)
+        fill = lambda row: [(lp, t, self.token_text(t)) for lp, t, _ in row]  # noqa: E731
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            if key in meta:
+                meta[key] = fill(meta[key])
+        for key in ("input_top_logprobs", "output_top_logprobs"):
+            if key in meta:
+                meta[key] = [None if row is None else fill(row) for row in meta[key]]
+        return meta
+
+    def get_model_name(self):
+        return self.engine.args.model_path
 
     def speculate(self, text, params):
-        sampling, extra = _split(params)
+        sampling, extra, _ = _split(params)
         out = _served(self.engine.generate(text, sampling, **extra))
         return out["text"], out["meta_info"], decoded_token_ends(self.engine.tokenizer, out["output_ids"], out["text"])
 
@@ -88,9 +109,10 @@ def _served(out: dict) -> dict:
     return out
 
 
-def _split(params: dict) -> tuple[dict, dict]:
-    """(sampling parameters, the other generate() arguments: logprob options and image_data)."""
+def _split(params: dict) -> tuple[dict, dict, bool]:
+    """(sampling parameters, the other generate() arguments: logprob options and image_data, whether the logprob
+    entries get their tokens' text)."""
     extra_names = LOGPROB_PARAMS + ("image_data",)
     sampling = {k: v for k, v in params.items() if k not in extra_names}
-    extra = {k: v for k, v in params.items() if k in extra_names}
-    return sampling, extra
+    extra = {k: v for k, v in params.items() if k in extra_names and k != "return_text_in_logprobs"}
+    return sampling, extra, bool(params.get("return_text_in_logprobs"))

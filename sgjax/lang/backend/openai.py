@@ -126,7 +126,7 @@ class OpenAI(Backend):
                 raise ValueError("logprob_start_len: the OpenAI API returns no logprobs of the prompt")
             elif name == "image_data":  # only a completion model's prompt carries images this way
                 raise ValueError("image: OpenAI's completions API takes text only; images need a chat model")
-            elif name not in ("top_logprobs_num", "max_new_tokens"):
+            elif name not in ("top_logprobs_num", "max_new_tokens", "return_text_in_logprobs"):  # texts: always
                 raise ValueError(f"{name}: not a sampling parameter the OpenAI backend knows")
         if extra:
             kwargs["extra_body"] = extra
@@ -223,6 +223,14 @@ class OpenAI(Backend):
             raise ValueError(f"select: the chat model answered {reply!r}, which is none of {list(choices)}, and no "
                              f"likely first token begins one; ask for one of the choices in the prompt")
         return ChoicesDecision(choices[index], index, {"reply": reply, "matched_by": how})
+
+    @property
+    def token_usage(self) -> Usage:
+        """SGLang's name for `usage` (its programs call `backend.token_usage.reset()` and read `.prompt_tokens`)."""
+        return self.usage
+
+    def get_model_name(self):
+        return self.model_name
 
     def __repr__(self):
         return f"OpenAI({self.model_name!r}, base_url={str(self.client.base_url)!r})"

@@ -100,6 +100,12 @@ class RuntimeEndpoint(Backend):
     def tokenize(self, text):
         return self.tokenizer.encode(text)
 
+    def token_text(self, token_id):
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def get_model_name(self):
+        return self.model_info.get("model_path")
+
     def prompt_logprobs(self, input_ids, starts, images=None):
         def score(ids, start):
             body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
