@@ -54,12 +54,10 @@ def main():
     case("jnp.asarray(numpy buffer)", lambda: jnp.asarray(host))
     case("jax.device_put(numpy buffer)", lambda: jax.device_put(host))
     try:
-        pinned = jax.devices()[0].memory("pinned_host")
         sh = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
         case("device_put(numpy, pinned_host memory)", lambda: jax.device_put(host, sh))
     except Exception as e:  # noqa: BLE001
         print(f"pinned_host: {type(e).__name__}: {e}")
-        pinned = None
     case("jitted call, device input", lambda: small(dev, y))
     case("jitted call, numpy input", lambda: small(host, y))
     case("jitted call, jnp.asarray(numpy) input", lambda: small(jnp.asarray(host), y))

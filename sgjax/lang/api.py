@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
+from sgjax.engine.params import OPENAI_NAMES
 from sgjax.lang.backend.base import Backend
 from sgjax.lang.choices import ChoicesMethod, token_length_normalized
 from sgjax.lang.global_config import global_config
@@ -111,7 +112,7 @@ class Function:
 
     def run_batch(self, batch_kwargs, *, backend=None, num_threads="auto", progress_bar: bool = False, **sampling):
         """Run the program once per argument dict (or tuple of positional arguments), in parallel threads."""
-        from sgjax.lang.interpreter import run_program_batch
+        from sgjax.lang.run import run_program_batch
 
         unknown = set(sampling) - set(GEN_PARAMS)
         if unknown:
@@ -164,6 +165,9 @@ class Function:
 
 
 # -- expressions --------------------------------------------------------------------------------------------
+_SGLANG_NAME = {theirs: ours for ours, (theirs, _) in OPENAI_NAMES.items() if theirs != ours}
+
+
 def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None, stop=None,
         stop_token_ids=None, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
         min_p: float | None = None, frequency_penalty: float | None = None, presence_penalty: float | None = None,
@@ -182,10 +186,12 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         raise ValueError("gen: stop_regex is not supported (sgjax's runtime stops on strings: use stop=...)")
     if choices is not None:
         return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
-    return make_gen(name, dtype=dtype, regex=regex, json_schema=json_schema, max_new_tokens=max_tokens,
-                    min_new_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids, temperature=temperature,
-                    top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
-                    presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, ignore_eos=ignore_eos,
+    # gen's sampling arguments carry the OpenAI API's names (max_tokens, min_tokens): SGLang's names from the table
+    sampling = dict(max_tokens=max_tokens, min_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids,
+                    temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
+                    presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, ignore_eos=ignore_eos)
+    return make_gen(name, dtype=dtype, regex=regex, json_schema=json_schema,
+                    **{_SGLANG_NAME.get(k, k): v for k, v in sampling.items()},
                     return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs)
 

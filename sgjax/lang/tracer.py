@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from sgjax.lang.chat_template import PLAIN
 from sgjax.lang.global_config import global_config
-from sgjax.lang.interpreter import ProgramStateGroup, _PromptAPI, call_site
+from sgjax.lang.state import ProgramStateGroup, _PromptAPI, call_site
 from sgjax.lang.ir import (Constant, ExprList, Gen, Image, RoleBegin, RoleEnd, Select, SeparateReasoning,
                            VarScopeBegin, VarScopeEnd, as_expr)
 

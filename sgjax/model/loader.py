@@ -37,10 +37,8 @@ def _is_orbax(path: str | None) -> bool:
 
 # --- GGUF -----------------------------------------------------------------------------------------
 
-_GGUF_LAYER = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
-               "attn_output": "wo", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
-_GGUF_BIAS = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv"}
-_GGUF_TOP = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
+_GGUF_LAYER = {leaf.gguf: leaf for leaf in W.LEAVES if leaf.layer}  # "attn_q.weight" -> wq (under blk.{i}.)
+_GGUF_TOP = {leaf.gguf: leaf for leaf in W.LEAVES if not leaf.layer}
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -65,21 +63,18 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, W.Weights
             raise WeightFileError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
         parts = t.name.split(".")
         if parts[0] == "blk":
-            layer, kind, suffix = int(parts[1]), parts[2], parts[3]
+            layer, kind = int(parts[1]), parts[2]
+            leaf = _GGUF_LAYER.get(".".join(parts[2:]))
+            if leaf is None:
+                raise WeightFileError(f"{path}: unexpected tensor {t.name!r}")
             if kind in ("attn_q", "attn_k") and cfg.architecture == "llama":
                 w = _unpermute(w, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
-            if suffix == "bias":
-                ours = _GGUF_BIAS.get(kind)
-            else:
-                ours = _GGUF_LAYER.get(kind)
-                if w.ndim == 2:
-                    w = w.T
-            if ours is None:
-                raise WeightFileError(f"{path}: unexpected tensor {t.name!r}")
-            per_layer.setdefault(ours, [None] * cfg.num_layers)[layer] = w
-        elif parts[0] in _GGUF_TOP:
-            ours = _GGUF_TOP[parts[0]]
-            flat[ours] = w.T if ours == "lm_head" else w
+            if leaf.transposed:
+                w = w.T
+            per_layer.setdefault(leaf.name, [None] * cfg.num_layers)[layer] = w
+        elif t.name in _GGUF_TOP:
+            leaf = _GGUF_TOP[t.name]
+            flat[leaf.name] = w.T if leaf.transposed else w
     for ours, items in per_layer.items():
         if any(x is None for x in items):
             raise WeightFileError(f"{path}: tensor {ours} is missing for some layers")

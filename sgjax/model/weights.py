@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -47,23 +47,58 @@ class Weights:
     lm_head: Array | None = None  # [D, V]; None when tied to embed
 
 
+@dataclass(frozen=True)
+class Leaf:
+    """One parameter, declared once: its shape (per layer for a layer leaf: the stacked array adds [L] in front),
+    logical axes (the sharding rules' names), initialisation, and its names in HF and GGUF checkpoints (a layer
+    leaf's under `model.layers.{i}.` and `blk.{i}.`). `transposed`: stored (in, out), checkpoints hold (out, in)."""
+
+    name: str
+    shape: Callable[[ModelConfig], tuple[int, ...]]
+    axes: tuple[str, ...]
+    hf: str
+    gguf: str
+    layer: bool = True
+    transposed: bool = False
+    init: str = "normal"  # "ones": norm scales
+    present: Callable[[ModelConfig], bool] = lambda cfg: True
+
+
+def _matrix(name, rows, cols, axes, hf, gguf):
+    return Leaf(name, lambda c: (rows(c), cols(c)), axes, hf, gguf, transposed=True)
+
+
+_D, _Q, _KV = (lambda c: c.hidden_size), (lambda c: c.q_size), (lambda c: c.kv_size)
+_F, _V = (lambda c: c.intermediate_size), (lambda c: c.vocab_size)
+# In this order: dummy_weights draws one key per leaf in it.
+LEAVES: tuple[Leaf, ...] = (
+    Leaf("embed", lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed"), "model.embed_tokens.weight",
+         "token_embd.weight", layer=False),
+    Leaf("final_norm", lambda c: (c.hidden_size,), ("embed",), "model.norm.weight", "output_norm.weight",
+         layer=False, init="ones"),
+    Leaf("attn_norm", lambda c: (c.hidden_size,), ("embed",), "input_layernorm.weight", "attn_norm.weight",
+         init="ones"),
+    Leaf("mlp_norm", lambda c: (c.hidden_size,), ("embed",), "post_attention_layernorm.weight", "ffn_norm.weight",
+         init="ones"),
+    _matrix("wq", _D, _Q, ("embed", "q_heads"), "self_attn.q_proj.weight", "attn_q.weight"),
+    _matrix("wk", _D, _KV, ("embed", "kv_heads"), "self_attn.k_proj.weight", "attn_k.weight"),
+    _matrix("wv", _D, _KV, ("embed", "kv_heads"), "self_attn.v_proj.weight", "attn_v.weight"),
+    _matrix("wo", _Q, _D, ("q_heads", "embed"), "self_attn.o_proj.weight", "attn_output.weight"),
+    _matrix("w_gate", _D, _F, ("embed", "mlp"), "mlp.gate_proj.weight", "ffn_gate.weight"),
+    _matrix("w_up", _D, _F, ("embed", "mlp"), "mlp.up_proj.weight", "ffn_up.weight"),
+    _matrix("w_down", _F, _D, ("mlp", "embed"), "mlp.down_proj.weight", "ffn_down.weight"),
+    Leaf("bq", lambda c: (c.q_size,), ("q_heads",), "self_attn.q_proj.bias", "attn_q.bias",
+         present=lambda c: c.qkv_bias),
+    Leaf("bk", lambda c: (c.kv_size,), ("kv_heads",), "self_attn.k_proj.bias", "attn_k.bias",
+         present=lambda c: c.qkv_bias),
+    Leaf("bv", lambda c: (c.kv_size,), ("kv_heads",), "self_attn.v_proj.bias", "attn_v.bias",
+         present=lambda c: c.qkv_bias),
+    dataclasses.replace(_matrix("lm_head", _D, _V, ("embed", "vocab"), "lm_head.weight", "output.weight"),
+                        layer=False, present=lambda c: not c.tie_word_embeddings),
+)
+LEAF = {leaf.name: leaf for leaf in LEAVES}
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"),
-    "final_norm": ("embed",),
-    "lm_head": ("embed", "vocab"),
-    "attn_norm": ("layers", "embed"),
-    "mlp_norm": ("layers", "embed"),
-    "wq": ("layers", "embed", "q_heads"),
-    "wk": ("layers", "embed", "kv_heads"),
-    "wv": ("layers", "embed", "kv_heads"),
-    "wo": ("layers", "q_heads", "embed"),
-    "bq": ("layers", "q_heads"),
-    "bk": ("layers", "kv_heads"),
-    "bv": ("layers", "kv_heads"),
-    "w_gate": ("layers", "embed", "mlp"),
-    "w_up": ("layers", "embed", "mlp"),
-    "w_down": ("layers", "mlp", "embed"),
-}
+    leaf.name: (("layers",) if leaf.layer else ()) + leaf.axes for leaf in LEAVES}
 
 
 def logical_axes(weights: Weights) -> Weights:
@@ -106,15 +141,9 @@ def shardings(weights: Weights, mesh: jax.sharding.Mesh, rules: Mapping[str, str
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    s = {"embed": (V, D), "final_norm": (D,), "attn_norm": (L, D), "mlp_norm": (L, D),
-         "wq": (L, D, cfg.q_size), "wk": (L, D, cfg.kv_size), "wv": (L, D, cfg.kv_size), "wo": (L, cfg.q_size, D),
-         "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}
-    if cfg.qkv_bias:
-        s.update(bq=(L, cfg.q_size), bk=(L, cfg.kv_size), bv=(L, cfg.kv_size))
-    if not cfg.tie_word_embeddings:
-        s["lm_head"] = (D, V)
-    return s
+    """Every present leaf's full shape (layer leaves stacked on [L])."""
+    return {leaf.name: ((cfg.num_layers,) if leaf.layer else ()) + leaf.shape(cfg)
+            for leaf in LEAVES if leaf.present(cfg)}
 
 
 def assemble(cfg: ModelConfig, arrays: Mapping[str, Any]) -> Weights:
@@ -145,7 +174,7 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
         keys = jax.random.split(key, len(expected))
         out = {}
         for k, (name, shape) in zip(keys, expected.items()):
-            if name.endswith("norm"):
+            if LEAF[name].init == "ones":
                 out[name] = jnp.ones(shape, dtype)
             else:
                 fan_in = shape[-2] if len(shape) >= 2 and name != "embed" else shape[-1]
@@ -158,39 +187,30 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
     return Weights(layers=layers, **{k: v for k, v in arrays.items() if k not in layer_names})
 
 
-_HF_LAYER = {
-    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
-    "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
-    "self_attn.o_proj.weight": "wo", "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk",
-    "self_attn.v_proj.bias": "bv", "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
-    "mlp.down_proj.weight": "w_down",
-}
-_HF_TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
-
-
 def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str]) -> Weights:
     """Weights from HF tensor names; `get(name)` returns a numpy array in torch layout (out, in)."""
-    per_layer: dict[str, list] = {v: [None] * cfg.num_layers for v in _HF_LAYER.values()}
+    layer_leaf = {leaf.hf: leaf for leaf in LEAVES if leaf.layer}
+    top_leaf = {leaf.hf: leaf for leaf in LEAVES if not leaf.layer}
+    per_layer: dict[str, list] = {leaf.name: [None] * cfg.num_layers for leaf in LEAVES if leaf.layer}
     flat: dict[str, Any] = {}
     for name in names:
-        if name in _HF_TOP:
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            a = get(name)
-            flat[_HF_TOP[name]] = a.T if name == "lm_head.weight" else a
+        if name in top_leaf:
+            leaf = top_leaf[name]
+            if leaf.present(cfg):
+                a = get(name)
+                flat[leaf.name] = a.T if leaf.transposed else a
             continue
         parts = name.split(".")
         if parts[:2] != ["model", "layers"] or len(parts) < 4:
             continue  # e.g. rotary inv_freq buffers
-        key = ".".join(parts[3:])
-        if key not in _HF_LAYER:
+        leaf = layer_leaf.get(".".join(parts[3:]))
+        if leaf is None:
             continue
-        ours = _HF_LAYER[key]
         i = int(parts[2])
         if i >= cfg.num_layers:
             raise ValueError(f"tensor {name!r} is for layer {i}, the config has {cfg.num_layers} layers")
         a = get(name)
-        per_layer[ours][i] = a.T if a.ndim == 2 else a
+        per_layer[leaf.name][i] = a.T if leaf.transposed else a
     for ours, items in per_layer.items():
         present = [x is not None for x in items]
         if all(present):
@@ -205,18 +225,15 @@ def to_hf_state_dict(cfg: ModelConfig, weights: Weights, convert: Any = np.asarr
     """HF tensor names -> convert(tensor in torch layout (out, in)): the inverse of from_hf_state_dict (benchmarks
     give HF transformers the same dummy weights). A tied head has no lm_head entry."""
     out: dict[str, Any] = {}
-    for hf_name, ours in _HF_TOP.items():
-        a = getattr(weights, ours)
-        if a is not None:
-            out[hf_name] = convert(a.T if ours == "lm_head" else a)
-    hf_layer = {v: k for k, v in _HF_LAYER.items()}
     stacked = not isinstance(weights.layers, (tuple, list))
-    for i in range(cfg.num_layers):
-        layer = weights.layers if stacked else weights.layers[i]
-        for f in dataclasses.fields(LayerWeights):
-            a = getattr(layer, f.name)
-            if a is None:
-                continue
-            a = a[i] if stacked else a
-            out[f"model.layers.{i}.{hf_layer[f.name]}"] = convert(a.T if a.ndim == 2 else a)
+    for leaf in LEAVES:
+        if not leaf.present(cfg):
+            continue
+        if not leaf.layer:
+            a = getattr(weights, leaf.name)
+            out[leaf.hf] = convert(a.T if leaf.transposed else a)
+            continue
+        for i in range(cfg.num_layers):
+            a = getattr(weights.layers, leaf.name)[i] if stacked else getattr(weights.layers[i], leaf.name)
+            out[f"model.layers.{i}.{leaf.hf}"] = convert(a.T if leaf.transposed else a)
     return out

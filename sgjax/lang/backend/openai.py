@@ -30,16 +30,16 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from sgjax.engine.params import OPENAI_NAMES
 from sgjax.lang.backend.base import DEFAULT_MAX_NEW_TOKENS, Backend
 from sgjax.lang.chat_template import PLAIN, ChatTemplate
 from sgjax.lang.choices import ChoicesDecision, ChoicesMethod
 
 COMPLETION_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")  # OpenAI's non-chat models
-_NATIVE = {"temperature": "temperature", "top_p": "top_p", "frequency_penalty": "frequency_penalty",
-           "presence_penalty": "presence_penalty", "stop": "stop"}
-_EXTRA = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-          "min_new_tokens": "min_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-          "regex": "regex"}
+# SGLang's names -> the OpenAI API's (engine/params.py's one table): the API's own fields, and SGLang's extensions,
+# which go in extra_body for servers that take them (sgjax serve, SGLang). max_new_tokens is sent always.
+_NATIVE = {ours: theirs for ours, (theirs, where) in OPENAI_NAMES.items() if where == "openai" and ours != "max_new_tokens"}
+_EXTRA = {ours: theirs for ours, (theirs, where) in OPENAI_NAMES.items() if where == "extra"}
 _CHAT_SELECT_TOP_LOGPROBS = 10
 
 
