@@ -44,8 +44,8 @@ class ServerArgs:
     # 21 ms at 0.5 ms (scripts/perf/bench_gil.py). Process-wide; None leaves the interpreter's setting alone.
     gil_switch_interval_ms: float | None = 0.5
     # Overlap (SGLang's default too): while step k runs on the device, the host commits step k-1 and its streams,
-    # and step k+1 reads k's tokens on the device. Only decode steps whose requests need no host-side token state
-    # (no grammar, no penalties) overlap; the rest run one after the other.
+    # and step k+1 reads k's tokens on the device. Decode steps overlap, penalised rows included (their window names
+    # the token in flight); steps with a grammar row, a prefill row or a retraction run one after the other.
     disable_overlap_schedule: bool = False
 
     @classmethod

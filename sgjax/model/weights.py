@@ -1,7 +1,10 @@
-"""The parameter pytree: per-layer weights stacked on a leading layer axis (scanned over).
+"""The parameter pytree and its one declaration (`LEAVES`): shapes, logical axes, init, checkpoint names.
 
-Matrices are stored (in, out) so the forward is `x @ w`. Every leaf has logical axis names
-(`LOGICAL_AXES`) so that a sharding rule table can place them on a mesh without touching the model.
+Per-layer weights are stacked on a leading layer axis as loaded; `for_platform` keeps them stacked on CPU (the
+forward scans them: compile time flat in depth) and splits them into a tuple of per-layer weights on accelerators
+(the forward unrolls: scanning copied each layer's weights on the GPU, docs/architecture.md). Matrices are stored
+(in, out) so the forward is `x @ w`. Every leaf has logical axis names so that a sharding rule table can place them
+on a mesh without touching the model.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ Array = Any
 @jax.tree_util.register_dataclass
 @dataclass
 class LayerWeights:
-    """One transformer block, every array with a leading [num_layers] axis."""
+    """The transformer blocks: every array with a leading [num_layers] axis (stacked), or one block's arrays (an
+    element of the per-layer tuple an accelerator's forward unrolls)."""
 
     attn_norm: Array  # [L, D]
     wq: Array  # [L, D, Hq*hd]
