@@ -6,6 +6,11 @@ import argparse
 from dataclasses import dataclass, fields
 
 
+# --dtype's spellings (SGLang's) -> ours; None: the platform's default
+DTYPES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16", "half": "float16",
+          "float16": "float16"}
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Engine settings, with SGLang's names (the paper's ablations are switches here)."""
@@ -14,7 +19,12 @@ class ServerArgs:
     # auto: the checkpoint's weights; dummy: random weights of the checkpoint's config (an HF directory's
     # config.json), with its tokenizer: serving benchmarks of large shapes where the weights are not at hand.
     load_format: str = "auto"
-    dtype: str | None = None  # float32 | bfloat16; default: float32 on CPU, bfloat16 on accelerators
+    dtype: str | None = None  # float32 | bfloat16 (SGLang's spellings: auto, float, ...); default by platform
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) or the model's dtype spelled out; fp8 is not supported
+    tokenizer_path: str | None = None  # the tokenizer's GGUF file or HF directory, when not the model's
+    chat_template: str | None = None  # a jinja file or a built-in name (model/chat_templates.py) for the chat routes
+    trust_remote_code: bool = False  # accepted for SGLang's launch lines; sgjax runs no model code from checkpoints
+    enable_mixed_chunk: bool = False  # accepted: prefill chunks and decode rows always share a step in sgjax
     page_size: int = 16
     max_total_tokens: int | None = None  # KV pool size; default: mem_fraction_static of free device memory
     mem_fraction_static: float = 0.8
@@ -63,8 +73,19 @@ ENGINE_FLAGS = [
     ("load_format", dict(choices=["auto", "dummy"],
                          help="auto: the checkpoint's weights; dummy: random weights of the HF directory's "
                               "config.json (serving benchmarks of large shapes)")),
-    ("dtype", dict(choices=["float32", "bfloat16"],
-                   help="weights and KV cache dtype (default: float32 on CPU, bfloat16 on accelerators)")),
+    ("dtype", dict(choices=list(DTYPES), help="weights and activations dtype: float32 or bfloat16 (SGLang's "
+                   "spellings: auto is the platform's default, float32 on CPU and bfloat16 on accelerators; float is "
+                   "float32; half / float16 are refused)")),
+    ("kv_cache_dtype", dict(choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
+                            help="KV cache dtype: auto (the model's); a dtype other than the model's is refused "
+                                 "(fp8 caches are not supported yet)")),
+    ("tokenizer_path", dict(help="tokenizer GGUF file or HF directory (default: the model's)")),
+    ("chat_template", dict(help="chat template for the chat routes: a jinja file or a built-in name "
+                                "(chatml, llama-3); default: the tokenizer's")),
+    ("trust_remote_code", dict(action="store_true", help="accepted for SGLang's launch lines; has no effect (sgjax "
+                                                         "builds every model from its own code)")),
+    ("enable_mixed_chunk", dict(action="store_true", help="accepted for SGLang's launch lines; sgjax always mixes "
+                                                          "prefill chunks with decode rows in one step")),
     ("page_size", dict(type=int, help="tokens per KV page; the radix cache matches whole pages")),
     ("max_total_tokens", dict(type=int, help="KV pool size in tokens (default: from --mem-fraction-static; 16384 "
                                              "on CPU, where memory stats are missing)")),

@@ -14,6 +14,7 @@ completes, whatever the chunking.
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Iterable, Sequence
 
 REPLACEMENT = "\ufffd"
@@ -92,6 +93,9 @@ class IncrementalDecoder:
         return self._chunks[0] if self._chunks else ""
 
 
+REGEX_WINDOW = 2048  # characters of output a stop regex can match within
+
+
 class StopMatcher:
     """Finds stop strings in streamed text, also when a stop string spans several tokens/chunks.
 
@@ -103,18 +107,28 @@ class StopMatcher:
     finish() returns the held-back text, for when generation ends for another reason.
     """
 
-    def __init__(self, stops: Sequence[str], no_stop_trim: bool = False):
+    def __init__(self, stops: Sequence[str], no_stop_trim: bool = False, stop_regex: Sequence[str] = ()):
         if isinstance(stops, str):
             stops = (stops,)
         self.stops = tuple(dict.fromkeys(s for s in stops if s))
+        self.regexes = tuple(re.compile(p) for p in dict.fromkeys(stop_regex))
         self.no_stop_trim = no_stop_trim
         self.matched: str | None = None
         self.done = False
         self._buf = ""  # held-back text; never contains a complete stop string
+        self._tail = ""  # the last REGEX_WINDOW characters fed, where stop regexes are searched
 
     def feed(self, new_text: str) -> tuple[str, str | None]:
         if self.done:
             return "", None
+        if self.regexes:
+            # SGLang's stop_regex: a search in the output's tail after each token; the text is kept whole (no trim)
+            self._tail = (self._tail + new_text)[-REGEX_WINDOW:]
+            for rx in self.regexes:
+                if rx.search(self._tail):
+                    out, self._buf = self._buf + new_text, ""
+                    self.matched, self.done = rx.pattern, True
+                    return out, rx.pattern
         if not self.stops:
             return new_text, None
         buf = self._buf + new_text

@@ -23,16 +23,18 @@ from typing import Callable
 import jax
 
 from sgjax.engine.args import ServerArgs
+from sgjax.engine.embed import embed
 from sgjax.engine.images import ImageEncoder
-from sgjax.engine.loading import VISION, default_dtype, load_model_cached, pool_pages
+from sgjax.engine.loading import VISION, check_kv_cache_dtype, default_dtype, load_model_cached, pool_pages
 from sgjax.engine.outputs import Outputs, abort_reason, result, snapshot
 from sgjax.engine.request import Req
 from sgjax.engine.requests import GenerateCall, RequestBuilder
 from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.engine.steplog import StepRecord, StepWatcher, record_of
-from sgjax.errors import INTERNAL, SHUTDOWN, EngineError
+from sgjax.errors import INTERNAL, SHUTDOWN, EngineError, RequestError
 from sgjax.kernels import default_backend
+from sgjax.model import chat_templates
 from sgjax.model.config import ModelConfig
 from sgjax.model.tokenizer import Tokenizer, load_tokenizer
 from sgjax.model.weights import Weights
@@ -48,7 +50,7 @@ class Add:
 
 @dataclass(frozen=True)
 class Abort:
-    rid: str
+    rid: str | None  # None: every request
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,15 @@ class Engine:
         args = ServerArgs.from_kwargs(model_path, kwargs)
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
-        cfg, weights = load_model_cached(args.model_path, default_dtype(args), args.load_format)
-        tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model_path)
-        self._start(args, cfg, weights, tokenizer, VISION.get((args.model_path, default_dtype(args), args.load_format)))
+        dtype = default_dtype(args)
+        check_kv_cache_dtype(args, dtype)
+        cfg, weights = load_model_cached(args.model_path, dtype, args.load_format)
+        tokenizer = None
+        if not args.skip_tokenizer_init:
+            tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+            if args.chat_template:
+                tokenizer = dataclasses.replace(tokenizer, chat_template=chat_templates.resolve(args.chat_template))
+        self._start(args, cfg, weights, tokenizer, VISION.get((args.model_path, dtype, args.load_format)))
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None, **kwargs):
@@ -161,6 +169,24 @@ class Engine:
         results = await asyncio.gather(*(self._async_one(r) for r in reqs))
         return results[0] if single and len(results) == 1 else list(results)
 
+    def encode(self, prompt=None, input_ids=None) -> list[list[float]]:
+        """Embeddings (SGLang's Engine.encode): one unit vector per prompt, the final hidden state of its last token
+        (engine/embed.py). Runs between steps on the engine thread; the serving pool is not used."""
+        if (prompt is None) == (input_ids is None):
+            raise RequestError("give exactly one of prompt or input_ids", "prompt")
+        single = isinstance(prompt, str) if prompt is not None else not (input_ids and isinstance(input_ids[0], list))
+        items = ([prompt] if single else list(prompt)) if prompt is not None else (
+            [input_ids] if single else list(input_ids))
+        ids = [self.requests.prompt_ids(p, None) if prompt is not None else self.requests.prompt_ids(None, p)
+               for p in items]
+        for x in ids:
+            if len(x) >= self.context_length:
+                raise RequestError(f"the prompt has {len(x)} tokens; at most {self.context_length - 1} fit "
+                                   f"(context_length)", "prompt")
+        r = self.runner
+        vectors = self._call(lambda: embed(self.model_config, r.weights, r.attention, self.args.page_size, ids))
+        return [v.tolist() for v in vectors]
+
     @property
     def alive(self) -> bool:
         """The loop thread runs and shutdown has not been asked for (the server's /health)."""
@@ -168,6 +194,14 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         self._inbox.put(Abort(rid))
+
+    def queued_requests(self) -> int:
+        """Requests waiting for the running batch, and messages not yet read (from any thread; a snapshot)."""
+        return len(self.scheduler.waiting) + self._inbox.qsize()
+
+    def abort_all(self) -> None:
+        """Abort every waiting and running request (SGLang's abort_all)."""
+        self._inbox.put(Abort(None))
 
     def flush_cache(self) -> bool:
         return self._call(self.scheduler.flush_cache)
@@ -381,9 +415,12 @@ class Engine:
                 if not self.outputs.start(msg.req):  # forced text before the first token may finish it
                     self.scheduler.add(msg.req)
             elif isinstance(msg, Abort):
-                req = self.scheduler.abort(msg.rid)
-                if req is not None:
-                    self.outputs.finish(req, abort_reason(), release=False)
+                rids = [msg.rid] if msg.rid is not None else [r.rid for r in self.scheduler.waiting +
+                                                              list(self.scheduler.running)]
+                for rid in rids:
+                    req = self.scheduler.abort(rid)
+                    if req is not None:
+                        self.outputs.finish(req, abort_reason(), release=False)
             elif isinstance(msg, Call):
                 try:
                     msg.box["result"] = msg.fn()

@@ -21,7 +21,21 @@ VISION: dict = {}  # the vision tower of a LLaVA checkpoint, beside its text mod
 
 
 def default_dtype(args: ServerArgs) -> str:
-    return args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
+    """The model's dtype from --dtype's spellings; the platform's default for auto / None."""
+    from sgjax.engine.args import DTYPES
+
+    if args.dtype not in DTYPES and args.dtype is not None:
+        raise ValueError(f"dtype {args.dtype!r} is not one of {sorted(DTYPES)}")
+    dtype = DTYPES.get(args.dtype) if args.dtype is not None else None
+    if dtype == "float16":
+        raise ValueError(f"dtype {args.dtype!r}: float16 is not supported (use bfloat16 or float32)")
+    return dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
+
+
+def check_kv_cache_dtype(args: ServerArgs, model_dtype: str) -> None:
+    if args.kv_cache_dtype not in ("auto", model_dtype):
+        raise ValueError(f"kv_cache_dtype {args.kv_cache_dtype!r}: a KV cache dtype other than the model's "
+                         f"({model_dtype}) is not supported yet; use auto")
 
 
 def load_model_cached(path, dtype, load_format="auto"):

@@ -35,7 +35,7 @@ class Outputs:
         that already finished it."""
         if self.tokenizer is not None:
             req.decoder = IncrementalDecoder(self.tokenizer, req.params.skip_special_tokens)
-        req.stops = StopMatcher(req.params.stop, req.params.no_stop_trim)
+        req.stops = StopMatcher(req.params.stop, req.params.no_stop_trim, req.params.stop_regex)
         return req.grammar is not None and self.jump(req)
 
     def on_token(self, req: Req) -> None:

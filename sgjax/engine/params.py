@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import numbers
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -23,6 +24,10 @@ _GREEDY_EPS = 1e-6
 _ALIASES = {"sampling_seed": "seed"}
 _ALIAS_OF = {v: k for k, v in _ALIASES.items()}
 MAX_LOGIT_BIAS = 1024  # entries per request: each is a slot of the sampler's window (a compiled width)
+# Stop strings and stop regexes are checked on the host after every token: bounded so one request cannot make every
+# step slow.
+MAX_STOPS = 64
+MAX_STOP_CHARS = 1024
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
@@ -34,6 +39,7 @@ OPENAI_NAMES: dict[str, tuple[str, str]] = {
     "min_new_tokens": ("min_tokens", "extra"),
     "stop": ("stop", "openai"),
     "stop_token_ids": ("stop_token_ids", "extra"),
+    "stop_regex": ("stop_regex", "extra"),
     "temperature": ("temperature", "openai"),
     "top_p": ("top_p", "openai"),
     "top_k": ("top_k", "extra"),
@@ -67,6 +73,9 @@ class SamplingParams:
     max_new_tokens: int = 128  # 0: prefill only
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # Python regexes searched in the tail of the decoded output after every token (SGLang's stop_regex); the text is
+    # not trimmed at a regex match
+    stop_regex: tuple[str, ...] = ()
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: all tokens
@@ -89,12 +98,14 @@ class SamplingParams:
 
     def __post_init__(self):
         # Normalize the shapes callers commonly pass; anything else is left for validate() to report.
-        if self.stop is None:
-            object.__setattr__(self, "stop", ())
-        elif isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif isinstance(self.stop, list):
-            object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("stop", "stop_regex"):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, ())
+            elif isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
         if self.stop_token_ids is None:
             object.__setattr__(self, "stop_token_ids", ())
         elif isinstance(self.stop_token_ids, (list, set, frozenset)):
@@ -169,11 +180,8 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed)
 
-        if not isinstance(self.stop, tuple):
-            raise SamplingParamsError(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise SamplingParamsError(f"stop must hold non-empty strings, got {s!r}", "stop")
+        for name in ("stop", "stop_regex"):
+            self._validate_stops(name)
         if not isinstance(self.stop_token_ids, tuple):
             raise SamplingParamsError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}", "stop_token_ids")
         for t in self.stop_token_ids:
@@ -196,6 +204,24 @@ class SamplingParams:
                 raise SamplingParamsError(f"json_schema is not valid JSON: {e}", "json_schema") from None
         if self.regex is not None and self.json_schema is not None:
             raise SamplingParamsError("regex and json_schema are mutually exclusive: give at most one", "regex")
+
+    def _validate_stops(self, name: str) -> None:
+        stops = getattr(self, name)
+        if not isinstance(stops, tuple):
+            raise SamplingParamsError(f"{name} must be a string or a list of strings, got {stops!r}", name)
+        if len(stops) > MAX_STOPS:
+            raise SamplingParamsError(f"{name} takes at most {MAX_STOPS} entries, got {len(stops)}", name)
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise SamplingParamsError(f"{name} must hold non-empty strings, got {s!r}", name)
+            if len(s) > MAX_STOP_CHARS:
+                raise SamplingParamsError(f"{name} entries take at most {MAX_STOP_CHARS} characters, got {len(s)}",
+                                          name)
+            if name == "stop_regex":
+                try:
+                    re.compile(s)
+                except (re.error, RecursionError, OverflowError) as e:
+                    raise SamplingParamsError(f"stop_regex {s[:80]!r} is not a valid regex: {e}", name) from None
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if not isinstance(self.logit_bias, tuple):

@@ -81,9 +81,9 @@ class RequestBuilder:
         for i in range(count):
             params = SamplingParams.from_dict(params_list[i])
             params.validate(self.cfg.vocab_size)
-            if params.stop and self.tokenizer is None:
+            if (params.stop or params.stop_regex) and self.tokenizer is None:
                 raise RequestError("stop strings need a tokenizer; this engine has none (use stop_token_ids)", "stop")
-            ids = self._tokens(prompts[i] if prompts is not None else None, ids_list[i] if ids_list else None)
+            ids = self.prompt_ids(prompts[i] if prompts is not None else None, ids_list[i] if ids_list else None)
             images = None
             if images_list is not None and images_list[i] is not None:
                 ids, images = self.images.prepare(ids, images_list[i], self.cfg.vocab_size, None if single else i)
@@ -133,7 +133,8 @@ class RequestBuilder:
             # still the request's mistake, not the engine's.
             raise SamplingParamsError(f"json_schema: invalid schema ({type(e).__name__}: {e})", "json_schema") from None
 
-    def _tokens(self, text, ids) -> list[int]:
+    def prompt_ids(self, text, ids) -> list[int]:
+        """A prompt's token ids from its text or ids, checked (also for embeddings)."""
         if text is not None:
             if self.tokenizer is None:
                 raise RequestError("this engine has no tokenizer (skip_tokenizer_init): pass input_ids", "prompt")

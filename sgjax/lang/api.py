@@ -178,16 +178,16 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
     """Generate text into variable `name` (`s[name]`) and append it to the prompt. With `choices`, a select.
     `return_logprob` / `top_logprobs_num` / `return_text_in_logprobs` put the runtime's logprobs
     (`input_token_logprobs`, `output_token_logprobs`, `*_top_logprobs`: [logprob, token_id, text] entries) in the
-    variable's meta info (`s.get_meta_info(name)`). SGLang's `n` and `stop_regex` exist for its signature: n > 1 and
-    a stop regex are refused (one value per gen; the runtime matches stop strings only)."""
+    variable's meta info (`s.get_meta_info(name)`). `stop_regex`: Python regexes that stop the gen once the output
+    matches one (SGLang's; the text keeps the match). SGLang's `n` exists for its signature: n > 1 is refused (one
+    value per gen)."""
     if n is not None and n != 1:
         raise ValueError(f"gen: n={n!r} is not supported (a gen has one value); fork the state n times instead")
-    if stop_regex:
-        raise ValueError("gen: stop_regex is not supported (sgjax's runtime stops on strings: use stop=...)")
     if choices is not None:
         return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
     # gen's sampling arguments carry the OpenAI API's names (max_tokens, min_tokens): SGLang's names from the table
     sampling = dict(max_tokens=max_tokens, min_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids,
+                    stop_regex=stop_regex or None,
                     temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
                     presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, ignore_eos=ignore_eos)
     return make_gen(name, dtype=dtype, regex=regex, json_schema=json_schema,

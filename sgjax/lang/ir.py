@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass, field
 
 # What a gen may override; the rest of a request's sampling parameters come from `run(...)` and the backend.
-GEN_PARAMS = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k",
-              "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "regex",
+GEN_PARAMS = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
+              "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "regex",
               "json_schema", "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 # Not sampling parameters: they ask the backend for logprobs in the result's meta info.
 LOGPROB_PARAMS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")

@@ -70,8 +70,10 @@ def _block(x, pool, w, index, batch: StepBatch, cfg: ModelConfig, attention, inv
         return x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down, pool
 
 
-def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, attention, input_embeds=None):
-    """Returns (logits f32[B, V] for the rows in batch.logits_idx, the updated pool).
+def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, attention, input_embeds=None,
+            output: str = "logits"):
+    """Returns (logits f32[B, V] for the rows in batch.logits_idx, the updated pool); output="hidden": the final
+    normed hidden states f32[B, D] of those rows instead (embeddings).
 
     input_embeds ([T, D], optional) replaces the token-embedding lookup, e.g. a prompt with image features merged
     in at its placeholder rows (vision.merge_image_features).
@@ -81,7 +83,7 @@ def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, atten
     layer's weights before its matmuls, which tripled weight traffic at decode (docs/architecture.md).
     """
     with matmul_precision(cfg.dtype):
-        return _forward(weights, pool, batch, cfg, attention, input_embeds)
+        return _forward(weights, pool, batch, cfg, attention, input_embeds, output)
 
 
 def matmul_precision(dtype: str):
@@ -91,7 +93,7 @@ def matmul_precision(dtype: str):
     return jax.default_matmul_precision("highest") if dtype == "float32" else contextlib.nullcontext()
 
 
-def _forward(weights, pool, batch, cfg, attention, input_embeds):
+def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"):
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     x = (weights.embed[batch.input_ids] if input_embeds is None else input_embeds).astype(jnp.dtype(cfg.dtype))
     block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, inv_freq=inv_freq)
@@ -107,6 +109,8 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds):
         (x, pool), _ = jax.lax.scan(body, (x, pool), (weights.layers, layer_ids))
     with jax.named_scope("lm_head"):
         x = rms_norm(x[batch.logits_idx], weights.final_norm, cfg.rms_norm_eps)
+        if output == "hidden":
+            return x.astype(jnp.float32), pool
         if weights.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
             logits = jnp.einsum("bd,vd->bv", x, weights.embed, preferred_element_type=jnp.float32)
         else:

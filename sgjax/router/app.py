@@ -33,6 +33,10 @@ def build_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="sgjax router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
+    if router.api_key:
+        from sgjax.server.app import OPEN_ROUTES, ApiKey
+
+        app.add_middleware(ApiKey, key=router.api_key, open_routes=OPEN_ROUTES)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):

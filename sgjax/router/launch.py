@@ -31,7 +31,8 @@ log = logging.getLogger("sgjax.router")
 
 WORKER_START_TIMEOUT = 1800.0  # a first start on a GPU compiles the step shapes
 # HTTP flags the workers share with the launcher (host and port are the router's own).
-_WORKER_HTTP_FLAGS = ("served_model_name", "enable_metrics", "log_requests", "log_level", "skip_server_warmup")
+_WORKER_HTTP_FLAGS = ("served_model_name", "enable_metrics", "log_requests", "log_level", "skip_server_warmup",
+                     "api_key", "stream_interval", "max_queued_requests", "profile_dir")
 
 
 # -- flags (sgjax/cli.py calls these two) ----------------------------------------------------------------------
@@ -66,6 +67,8 @@ def add_router_command(commands) -> None:
     p.add_argument("--port", type=int, default=30000, help="port to listen on (default: 30000)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.add_argument("--log-requests", action="store_true", help="HTTP access lines")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on every route but /health "
+                   "and /ready, and send it to the workers")
 
 
 def main(ns: argparse.Namespace) -> None:
@@ -78,7 +81,7 @@ def main(ns: argparse.Namespace) -> None:
         check_port(ns.host, ns.port)
         _for_exit_status_0()
         run_router(ns.worker_urls, policy, ns.host, ns.port, ns.log_level, ns.log_requests,
-                   health_interval=ns.health_check_interval)
+                   health_interval=ns.health_check_interval, api_key=ns.api_key)
     else:
         serve_dp(ns)
 
@@ -95,11 +98,11 @@ class _RouterServer(uvicorn.Server):
 
 
 def run_router(urls, policy, host, port, log_level="info", log_requests=False, pids=None, on_exit=lambda: None,
-               health_interval: float = 5.0) -> None:
+               health_interval: float = 5.0, api_key: str | None = None) -> None:
     from sgjax.router.app import build_router_app
     from sgjax.router.proxy import Router
 
-    router = Router(list(urls), policy, pids=pids, health_interval=health_interval)
+    router = Router(list(urls), policy, pids=pids, health_interval=health_interval, api_key=api_key)
     config = uvicorn.Config(build_router_app(router), host=host, port=port, log_level=log_level,
                             access_log=log_requests, timeout_graceful_shutdown=10)
     _RouterServer(config, on_exit).run()
@@ -140,7 +143,8 @@ def serve_dp(ns: argparse.Namespace) -> None:
         wait_ready(workers)
         policy = make_policy(ns.router_policy)
         run_router([w.url for w in workers], policy, ns.host, ns.port, ns.log_level, ns.log_requests,
-                   pids=[w.proc.pid for w in workers], on_exit=lambda: [w.terminate() for w in workers])
+                   pids=[w.proc.pid for w in workers], on_exit=lambda: [w.terminate() for w in workers],
+                   api_key=ns.api_key)
     finally:
         stop_workers(workers)
 

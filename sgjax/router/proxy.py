@@ -52,7 +52,7 @@ class Worker:
 class Router:
     def __init__(self, urls: list[str], policy: Policy, *, pids: list[int] | None = None,
                  health_interval: float = 5.0, probe_timeout: float = 5.0,
-                 transport: httpx.AsyncBaseTransport | None = None):
+                 transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None):
         if not urls:
             raise ValueError("the router needs at least one worker URL")
         urls = [u.rstrip("/") for u in urls]
@@ -64,9 +64,13 @@ class Router:
         self.failovers = 0
         # keepalive_expiry under uvicorn's 5 s keep-alive: an idle connection is dropped here before the worker
         # closes it, so a request never goes out on a connection the worker is closing.
+        # --api-key: clients of the router must send it, and the router sends it to the workers (which then need
+        # the same key: `serve --dp-size N --api-key K` gives it to them)
+        self.api_key = api_key
         self.client = httpx.AsyncClient(
             transport=transport, timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128, keepalive_expiry=2.0))
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128, keepalive_expiry=2.0),
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
         self._health_task: asyncio.Task | None = None
 
     # -- life cycle ------------------------------------------------------------------------------------------
@@ -278,7 +282,8 @@ class Relay:
         except httpx.TransportError as e:
             self.router.mark_down(self.w, e)
             err = ApiError(f"worker {self.w.url} failed mid-stream ({self.w.last_error}); the request was not "
-                           f"retried because part of its answer was already sent", status=502, kind="server_error")
+                           f"retried because part of its answer was already sent", status=502, kind="server_error",
+                           code="worker_failed")
             yield f"data: {json.dumps(err.body())}\n\n".encode() + b"data: [DONE]\n\n"
 
     async def close(self) -> None:

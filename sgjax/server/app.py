@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import secrets
 import time
 from contextlib import asynccontextmanager
 from importlib import metadata
@@ -22,8 +23,9 @@ from starlette.exceptions import HTTPException
 from sgjax.engine.params import SamplingParams
 from sgjax.server import native_api, openai_api
 from sgjax.server.metrics import Metrics
-from sgjax.server.protocol import (AbortRequest, ApiError, ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                                   parse_body)
+from sgjax.server.fields import screener
+from sgjax.server.protocol import (AbortRequest, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                   EmbeddingRequest, GenerateRequest, TokenizeRequest, parse_body)
 from sgjax.server.connection import ClientDisconnected
 from sgjax.server.serving import Serving, Work
 
@@ -31,7 +33,9 @@ log = logging.getLogger("sgjax.server")
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 ROUTES = GENERATION_ROUTES + ("/v1/models", "/health", "/health_generate", "/get_model_info", "/get_server_info",
-                              "/flush_cache", "/abort_request", "/metrics")
+                              "/model_info", "/server_info", "/ready", "/flush_cache", "/abort_request", "/metrics",
+                              "/tokenize", "/detokenize", "/v1/embeddings", "/start_profile", "/stop_profile")
+OPEN_ROUTES = ("/health", "/ready")  # probes answer without --api-key's header, as in SGLang and vLLM
 
 
 def build_app(serving: Serving) -> FastAPI:
@@ -41,12 +45,14 @@ def build_app(serving: Serving) -> FastAPI:
         await asyncio.to_thread(serving.finish_shutdown)
 
     app = FastAPI(title="sgjax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if serving.http.api_key:
+        app.add_middleware(ApiKey, key=serving.http.api_key, open_routes=OPEN_ROUTES)
     app.add_middleware(RequestMetrics, metrics=serving.metrics)
     started = int(time.time())
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(request: Request, e: ClientDisconnected):
@@ -64,9 +70,9 @@ def build_app(serving: Serving) -> FastAPI:
         return JSONResponse(err.body(), status_code=500)
 
     # -- generation ------------------------------------------------------------------------------------------
-    @app.post("/generate")
+    @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
-        req = parse_body(await request.body(), GenerateRequest)
+        req = parse_body(await request.body(), GenerateRequest, screener("/generate"))
         work, single = native_api.generate_work(req)
         texts = bool(req.return_text_in_logprobs)
         if req.stream:
@@ -79,12 +85,12 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_body(await request.body(), CompletionRequest)
+        req = parse_body(await request.body(), CompletionRequest, screener("/v1/completions"))
         return await _openai(request, await openai_api.prepare_completion(serving, req), bool(req.stream))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_body(await request.body(), ChatCompletionRequest)
+        req = parse_body(await request.body(), ChatCompletionRequest, screener("/v1/chat/completions"))
         return await _openai(request, await openai_api.prepare_chat(serving, req), bool(req.stream))
 
     async def _openai(request: Request, prep: openai_api.Prepared, stream: bool):
@@ -95,11 +101,40 @@ def build_app(serving: Serving) -> FastAPI:
         return JSONResponse(openai_api.response(serving, prep, results))
 
     # -- state -----------------------------------------------------------------------------------------------
+    def model_card() -> dict:
+        return {"id": serving.model_name, "object": "model", "created": started, "owned_by": "sgjax",
+                "root": serving.model_path, "max_model_len": serving.engine.context_length}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": started,
-                                            "owned_by": "sgjax", "root": serving.model_path,
-                                            "max_model_len": serving.engine.context_length}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != serving.model_name:
+            raise ApiError(f"model: the model {model_id!r} does not exist (this server serves "
+                           f"{serving.model_name!r})", status=404, param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        req = parse_body(await request.body(), EmbeddingRequest, screener("/v1/embeddings"))
+        return await openai_api.embeddings(serving, req)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = parse_body(await request.body(), TokenizeRequest, screener("/tokenize"))
+        return await asyncio.to_thread(openai_api.tokenize, serving, req)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = parse_body(await request.body(), DetokenizeRequest, screener("/detokenize"))
+        return await asyncio.to_thread(openai_api.detokenize, serving, req)
+
+    @app.get("/ready")
+    async def ready():
+        # SGLang's readiness probe: the engine is up (the server listens only after loading and warm-up)
+        return Response(status_code=200 if serving.healthy else 503)
 
     @app.get("/health")
     async def health():
@@ -114,15 +149,27 @@ def build_app(serving: Serving) -> FastAPI:
         return Response(status_code=200)
 
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info():
-        return {"model_path": serving.model_path, "tokenizer_path": serving.model_path, "is_generation": True,
-                "served_model_name": serving.model_name, "context_length": serving.engine.context_length}
+        args = serving.engine.args
+        return {"model_path": serving.model_path, "tokenizer_path": args.tokenizer_path or serving.model_path,
+                "is_generation": True, "served_model_name": serving.model_name,
+                "context_length": serving.engine.context_length, "load_format": args.load_format,
+                "weight_version": "default", "has_image_understanding": serving.engine.images is not None,
+                "has_audio_understanding": False, "preferred_sampling_params": None, "reasoning_parser": None,
+                "tool_call_parser": None}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info():
         info = await serving.info()
-        return {**info, "served_model_name": serving.model_name, "version": _version(),
-                "server_args": dataclasses.asdict(serving.engine.args), "http_args": dataclasses.asdict(serving.http)}
+        engine_args = dataclasses.asdict(serving.engine.args)
+        http = {**dataclasses.asdict(serving.http), "api_key": None if serving.http.api_key is None else "<set>"}
+        # SGLang's keys beside ours: its server args at the top level, its scheduler state per data-parallel rank in
+        # internal_states (bench_serving reads it)
+        return {**engine_args, "tp_size": 1, "dp_size": 1, "nnodes": 1, **http, **info,
+                "served_model_name": serving.model_name, "version": _version(), "frontend": "sgjax",
+                "internal_states": [info], "server_args": engine_args, "http_args": http}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -132,9 +179,22 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        req = parse_body(await request.body(), AbortRequest)
-        serving.engine.abort(req.rid)
+        req = parse_body(await request.body(), AbortRequest, screener("/abort_request"))
+        if req.abort_all:
+            serving.engine.abort_all()
+        elif req.rid is not None:
+            serving.engine.abort(req.rid)
+        else:
+            raise ApiError("rid: required unless abort_all is true", param="rid")
         return {"success": True}
+
+    @app.post("/start_profile")
+    async def start_profile(request: Request):
+        return await asyncio.to_thread(serving.profiler.start)
+
+    @app.post("/stop_profile")
+    async def stop_profile(request: Request):
+        return await asyncio.to_thread(serving.profiler.stop)
 
     if serving.http.enable_metrics:
         @app.get("/metrics")
@@ -161,6 +221,24 @@ def sse(events: AsyncIterator[dict]) -> StreamingResponse:
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class ApiKey:
+    """--api-key: every route but the probes needs `Authorization: Bearer <key>`; a 401 in OpenAI's error shape
+    otherwise. Pure ASGI, like RequestMetrics, so disconnects still reach the routes."""
+
+    def __init__(self, app, key: str, open_routes: tuple):
+        self.app, self.key, self.open_routes = app, key, open_routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.open_routes or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if not secrets.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self.key.encode()):
+            err = ApiError("authorization: a valid `Authorization: Bearer <api key>` header is required", status=401,
+                           param="authorization", kind="authentication_error", code="invalid_api_key")
+            return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class RequestMetrics:

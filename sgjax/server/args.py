@@ -14,6 +14,10 @@ class HttpArgs:
     log_requests: bool = False
     log_level: str = "info"
     skip_server_warmup: bool = False
+    api_key: str | None = None  # every route but /health and /ready then needs `Authorization: Bearer <key>`
+    stream_interval: int = 1  # streamed chunks carry at least this many new tokens (the last one: what is left)
+    max_queued_requests: int | None = None  # generations waiting beyond the running batch; more get a 503
+    profile_dir: str | None = None  # where /start_profile writes JAX profiler traces (default: a temp dir)
 
 
 HTTP_FLAGS = [
@@ -24,4 +28,10 @@ HTTP_FLAGS = [
     ("log_requests", dict(action="store_true", help="log every request's inputs, outputs and HTTP access lines")),
     ("log_level", dict(choices=["debug", "info", "warning", "error"], help="logging level")),
     ("skip_server_warmup", dict(action="store_true", help="skip the warm-up request before listening")),
+    ("api_key", dict(help="require `Authorization: Bearer <key>` on every route but /health and /ready (401 "
+                          "otherwise)")),
+    ("stream_interval", dict(type=int, help="tokens per streamed chunk, at least (the last chunk: what is left)")),
+    ("max_queued_requests", dict(type=int, help="generations that may wait beyond the running batch; more are "
+                                                "answered 503 with Retry-After")),
+    ("profile_dir", dict(help="directory of the JAX profiler traces that POST /start_profile starts")),
 ]

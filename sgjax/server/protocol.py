@@ -24,16 +24,20 @@ class ApiError(Exception):
     """A request the server refuses; `message` starts with the offending field's name."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.message, self.status, self.param, self.kind = message, status, param, kind
+        self.message, self.status, self.param, self.kind, self.code = message, status, param, kind, code
+        self.headers = headers
 
     def body(self) -> dict:
-        # OpenAI's error shape: the official client reads error.message; SGLang's clients read the same key.
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        # OpenAI's error shape: the official client reads error.message; SGLang's clients read the same key. `code`
+        # is a string or null, as OpenAI's (the status is the response's own).
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+def parse_body(raw: bytes, model: type[BaseModel], screen=None) -> Any:
+    """raw -> the route's model. `screen` (server/fields.py) first drops the request policy's fields from the decoded
+    body, refusing real values of unsupported ones."""
     if len(raw) > MAX_BODY_BYTES:
         raise ApiError(f"body: larger than {MAX_BODY_BYTES} bytes", status=413)
     try:
@@ -49,6 +53,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     if not isinstance(obj, dict):
         raise ApiError(f"body: must be a JSON object, got {type(obj).__name__}", param="body")
     _check_strings(obj, "", 0)
+    if screen is not None:
+        obj = screen(obj)
     try:
         return model.model_validate(obj, strict=True)
     except ValidationError as e:
@@ -120,7 +126,8 @@ class GenerateRequest(Strict):
 
 
 class AbortRequest(Strict):
-    rid: str
+    rid: str | None = None
+    abort_all: bool | None = None
 
 
 # -- OpenAI ----------------------------------------------------------------------------------------------------
@@ -140,6 +147,8 @@ class SglangExtras(Strict):
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     regex: str | None = None
+    stop_regex: str | list[str] | None = None
+    rid: str | None = None  # SGLang's: the request id (/abort_request reaches it)
 
 
 class OpenAIBase(SglangExtras):
@@ -219,3 +228,31 @@ class ChatCompletionRequest(OpenAIBase):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+
+# -- tokenizer and embeddings -------------------------------------------------------------------------------
+class TokenizeRequest(Strict):
+    """SGLang's and vLLM's /tokenize: `text` (SGLang) or `prompt` (vLLM), or chat `messages` (vLLM)."""
+
+    model: str | None = None
+    text: str | list[str] | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+
+
+class EmbeddingRequest(Strict):
+    """OpenAI's /v1/embeddings: `input` as a text, texts, ids or lists of ids."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None

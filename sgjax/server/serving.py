@@ -78,6 +78,7 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.metrics = Metrics()
         engine.on_step = self.metrics.step_time.observe
+        self.profiler = Profiler(http.profile_dir)
         path = engine.args.model_path or _default_path()
         self.model_path = path
         self.model_name = http.served_model_name or os.path.basename(path.rstrip("/")).removesuffix(".gguf")
@@ -118,6 +119,7 @@ class Serving:
         self._check(work)
         kind = "prompt" if work.texts is not None else "input_ids"
         images = list(work.images) if work.has_images else None
+        self._admit(work)
         call = self.engine.async_generate(**{kind: list(work.prompts)}, sampling_params=list(work.params),
                                           rid=list(work.rids) if work.rids else None, image_data=images,
                                           **work.engine_kwargs())
@@ -134,6 +136,12 @@ class Serving:
         the engine's own n does."""
         self._check(work)
         kind = "prompt" if work.texts is not None else "input_ids"
+        self._admit(work)
+        streams = await self._open(work, kind)
+        self._log_start(work)
+        return streams
+
+    async def _open(self, work: Work, kind: str) -> list[AsyncIterator[dict]]:
         streams = []
         for i, (prompt, params) in enumerate(zip(work.prompts, work.params)):
             base = work.rids[i] if work.rids else None
@@ -144,7 +152,6 @@ class Serving:
                 call = self.engine.async_generate(**{kind: prompt}, sampling_params=copy, rid=rid, stream=True,
                                                   image_data=images, **work.engine_kwargs())
                 streams.append(await self._engine_errors(call, work, i))
-        self._log_start(work)
         return streams
 
     async def merge(self, streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
@@ -152,14 +159,18 @@ class Serving:
         cancels every stream, and each one aborts its engine request."""
         queue: asyncio.Queue = asyncio.Queue()
         start = time.perf_counter()
+        interval = max(self.http.stream_interval, 1)
 
         async def pump(index: int, stream):
             try:
-                first = True
+                sent = None  # completion tokens in the last chunk passed on
                 async for item in stream:
-                    if first:
+                    meta = item["meta_info"]
+                    if sent is None:
                         self.metrics.ttft.observe(time.perf_counter() - start)
-                        first = False
+                    elif meta["finish_reason"] is None and meta["completion_tokens"] - sent < interval:
+                        continue  # --stream-interval: the first chunk at once, then every `interval` tokens
+                    sent = meta["completion_tokens"]
                     queue.put_nowait((index, item))
                 queue.put_nowait((index, None))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
@@ -182,6 +193,17 @@ class Serving:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _admit(self, work: Work) -> None:
+        """--max-queued-requests: a 503 with Retry-After when that many generations already wait for the running
+        batch (the scheduler's waiting list and the engine's inbox, read without stopping the engine)."""
+        cap = self.http.max_queued_requests
+        if cap is None:
+            return
+        waiting = self.engine.queued_requests()
+        if waiting >= cap:  # SGLang's rule: refused once that many wait
+            raise ApiError(f"server: {waiting} generations are waiting (max_queued_requests {cap}); retry later",
+                           status=503, kind="unavailable", code="server_busy", headers={"Retry-After": "1"})
 
     def _check(self, work: Work) -> None:
         total = sum(p.n for p in work.params)
@@ -275,3 +297,35 @@ def _default_path() -> str:
     from sgjax.model.paths import default_model_path
 
     return default_model_path()
+
+
+class Profiler:
+    """POST /start_profile and /stop_profile (SGLang's routes): a JAX profiler trace of everything in between, in
+    --profile-dir or a fresh temporary directory; scripts/perf/trace_summary.py reads it."""
+
+    def __init__(self, directory: str | None):
+        self.directory, self.active = directory, None
+        self._lock = threading.Lock()
+
+    def start(self) -> dict:
+        import tempfile
+
+        import jax
+
+        with self._lock:
+            if self.active is not None:
+                raise ApiError(f"profile: already running, into {self.active}", param="profile")
+            out = self.directory or tempfile.mkdtemp(prefix="sgjax-profile-")
+            jax.profiler.start_trace(out)
+            self.active = out
+        return {"success": True, "message": f"profiling into {out}", "output_dir": out}
+
+    def stop(self) -> dict:
+        import jax
+
+        with self._lock:
+            if self.active is None:
+                raise ApiError("profile: not running (POST /start_profile first)", param="profile")
+            jax.profiler.stop_trace()
+            out, self.active = self.active, None
+        return {"success": True, "message": f"trace written under {out}", "output_dir": out}

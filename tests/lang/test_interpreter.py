@@ -423,8 +423,7 @@ def test_sglangs_gen_arguments():
     assert g.params == {"return_logprob": True, "top_logprobs_num": 3, "return_text_in_logprobs": True}
     with pytest.raises(ValueError, match="n=2 is not supported"):
         sgl.gen("x", n=2)
-    with pytest.raises(ValueError, match="stop_regex is not supported"):
-        sgl.gen("x", stop_regex=r"\d")
+    assert sgl.gen("x", stop_regex=r"\d").params == {"stop_regex": r"\d"}  # the runtime stops on it
 
 
 def test_text_async_iter_without_streaming_gives_the_whole_value_once():

@@ -189,7 +189,7 @@ def test_a_stream_that_fails_midway_ends_with_a_clear_error(fleet):
         got = events(r)
         assert got[0] == '{"text": "worker-a 0"}' and got[-1] == "[DONE]" and len(got) == 3
         err = json.loads(got[1])["error"]
-        assert err["code"] == 502 and f"worker {A} failed mid-stream" in err["message"]
+        assert err["code"] == "worker_failed" and f"worker {A} failed mid-stream" in err["message"]
         assert "not retried" in err["message"]
         assert not router.workers[A].healthy and router.workers[A].in_flight == 0
         assert len(workers[B].requests) == 0  # a started stream is not replayed

@@ -1,0 +1,46 @@
+"""Embeddings of whole prompts: the final normed hidden state of each prompt's last token, L2-normalized
+(last-token pooling, as decoder-only embedding models and SGLang's pooler for them do; OpenAI's vectors are unit
+length too). A prefill over a scratch KV pool of its own, so the serving pool and the radix cache are untouched."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sgjax.engine.runner import bucket
+from sgjax.kernels import allocate_pool, get_backend
+from sgjax.model.batch import build_batch
+from sgjax.model.config import ModelConfig
+from sgjax.model.llama import forward
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_encode(cfg: ModelConfig, attention: str):
+    attend = get_backend(attention)
+
+    def encode(weights, pool, batch):
+        hidden, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, output="hidden")
+        return hidden / jnp.maximum(jnp.linalg.norm(hidden, axis=-1, keepdims=True), 1e-12)
+
+    return jax.jit(encode)
+
+
+def embed(cfg: ModelConfig, weights, attention: str, page_size: int, prompts: list[list[int]]) -> np.ndarray:
+    """[len(prompts), hidden] float32 unit vectors. Shapes are bucketed (tokens, requests, pages) as steps are."""
+    pages = [-(-len(p) // page_size) for p in prompts]
+    width = bucket(max(pages), 4)
+    num_reqs = bucket(len(prompts), 4)
+    tables, nxt = [], 1  # page 0 is the null page
+    for n in pages:
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    num_pages = bucket(nxt, 16)
+    batch = build_batch([list(p) for p in prompts], [len(p) for p in prompts], tables, page_size,
+                        bucket(sum(map(len, prompts)), 16), num_reqs, width)
+    pool = allocate_pool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                         dtype=jnp.dtype(cfg.dtype))
+    out = jitted_encode(cfg, attention)(weights, pool, jax.tree.map(jnp.asarray, batch))
+    return np.asarray(out)[:len(prompts)]

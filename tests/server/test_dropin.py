@@ -1,0 +1,205 @@
+"""Drop-in for SGLang and OpenAI clients: the request policy (server/fields.py), stop_regex, SGLang's and vLLM's extra
+routes, the OpenAI error shape, embeddings against HF, and the flags (--api-key on every route, --max-queued-requests,
+--stream-interval), against the real server on SmolLM2 with the official openai client where it applies."""
+
+import base64
+import re
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from sgjax.server import fields
+from sgjax.server.app import OPEN_ROUTES, ROUTES
+from tests.server.conftest import SMALL_FLAGS, serving, sse_events
+
+CHAT = [{"role": "user", "content": "Say hi."}]
+
+
+def real_value(name: str, policy):
+    """A value that really asks for the feature (not null, empty or a default)."""
+    special = {"modalities": ["audio"], "function_call": "auto", "beam_width": 4, "routed_experts_start_len": 3}
+    if name in special:
+        return special[name]
+    if policy.defaults == (False,):
+        return True
+    return {"enabled": True} if name.endswith(("params", "kwargs", "config", "options")) else "x"
+
+
+@pytest.fixture(scope="module")
+def oai(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+
+
+@pytest.mark.parametrize("route, table", [("chat", fields.CHAT), ("completions", fields.COMPLETIONS)])
+def test_openai_client_unsupported_fields_at_their_defaults_pass_and_real_values_are_refused_by_name(oai, route,
+                                                                                                     table):
+    create = oai.chat.completions.create if route == "chat" else oai.completions.create
+    base = dict(model="m", max_tokens=1, temperature=0, **({"messages": CHAT} if route == "chat" else {"prompt": "Hi"}))
+    unset = {name: None for name in table}
+    unset.update({name: p.defaults[0] for name, p in table.items() if isinstance(p, fields.Unsupported) and p.defaults})
+    meta = {name: "anything" for name, p in table.items() if isinstance(p, fields.Meta)}
+    assert create(**base, extra_body={**unset, **meta, "no_such_field": 1}).choices  # all at once: one generation
+    for name, policy in table.items():
+        if isinstance(policy, fields.Unsupported):
+            with pytest.raises(openai.BadRequestError) as e:
+                create(**base, extra_body={name: real_value(name, policy)})
+            err = e.value.body
+            assert err["param"] == name and err["message"].startswith(f"{name}: ") and err["code"] == \
+                "unsupported_parameter", err
+
+
+def test_generate_fields_and_sampling_params(client):
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 1, "temperature": 0, "stop_regex": [], "ebnf": None,
+                                              "custom_params": None, "stream_interval": 3},
+            "lora_path": None, "return_hidden_states": False, "rid": "r-1", "priority": 3, "extra_key": "k",
+            "log_metrics": True, "no_such_field": {"a": 1}}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["id"] == "r-1"
+    for key, value in (("lora_path", "adapter-1"), ("return_hidden_states", True), ("session_params", {"id": 1})):
+        r = client.post("/generate", json={**body, key: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == key, r.text
+    r = client.post("/generate", json={**body, "sampling_params": {"ebnf": "root ::= 'a'"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.ebnf", r.text
+    r = client.post("/generate", json={**body, "sampling_params": {"nucleus": 0.5}})  # unknown: refused, as upstream
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.nucleus", r.text
+    r = client.put("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200, r.text
+
+
+def test_stop_regex_over_http_and_through_extra_body(client, oai):
+    free = client.post("/generate", json={"text": "Count: 1, 2, 3,", "sampling_params": {"max_new_tokens": 16,
+                                                                                          "temperature": 0}}).json()
+    pattern = re.escape(free["text"][4:7])  # a literal piece of the output
+    out = client.post("/generate", json={"text": "Count: 1, 2, 3,", "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0, "stop_regex": pattern}}).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert free["text"].startswith(out["text"]) and re.search(pattern, out["text"])
+    done = oai.completions.create(model="m", prompt="Count: 1, 2, 3,", max_tokens=16, temperature=0,
+                                  extra_body={"stop_regex": [pattern]})
+    assert done.choices[0].text == out["text"] and done.choices[0].finish_reason == "stop"
+
+
+def test_info_routes_with_sglangs_keys(client, server):
+    info = client.get("/server_info").json()
+    assert info["internal_states"] and info["internal_states"][0]["max_total_tokens"] == info["max_total_tokens"]
+    assert info["tp_size"] == 1 and "version" in info and info["api_key"] is None
+    assert client.get("/get_server_info").json()["max_total_tokens"] == info["max_total_tokens"]
+    model = client.get("/model_info").json()
+    assert model == client.get("/get_model_info").json() and model["is_generation"] is True
+    name = client.get("/v1/models").json()["data"][0]["id"]
+    assert client.get(f"/v1/models/{name}").json()["id"] == name
+    r = client.get("/v1/models/gpt-9")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert client.get("/ready").status_code == 200
+
+
+def test_tokenize_and_detokenize_in_sglangs_and_vllms_shapes(client, smollm2):
+    tok = smollm2[2]
+    one = client.post("/tokenize", json={"prompt": "Hello world"}).json()
+    assert one["tokens"] == tok.encode("Hello world") and one["count"] == len(one["tokens"]) and one["max_model_len"]
+    many = client.post("/tokenize", json={"text": ["a b", "c"], "return_token_strs": True}).json()
+    assert many["tokens"] == [tok.encode("a b"), tok.encode("c")] and len(many["token_strs"][0]) == many["count"][0]
+    chat = client.post("/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True))
+    back = client.post("/detokenize", json={"tokens": one["tokens"]}).json()
+    assert back["text"] == back["prompt"] == tok.decode(one["tokens"], skip_special_tokens=False)
+    r = client.post("/detokenize", json={"tokens": [10 ** 9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = client.post("/tokenize", json={"prompt": "a", "text": "b"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_embeddings_are_hfs_normalized_last_hidden_state(oai, hf_smollm2, smollm2):
+    import torch
+
+    texts = ["The capital of France is Paris.", "Hello"]
+    got = oai.embeddings.create(model="m", input=texts)
+    assert [d.index for d in got.data] == [0, 1] and got.usage.prompt_tokens > 0
+    for text, item in zip(texts, got.data):
+        ids = smollm2[2].encode(text)
+        with torch.no_grad():
+            h = hf_smollm2.model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+        np.testing.assert_allclose(np.asarray(item.embedding), h / np.linalg.norm(h), atol=2e-4)
+    b64 = oai.embeddings.create(model="m", input="Hello", encoding_format="base64").data[0].embedding
+    assert np.allclose(np.frombuffer(base64.b64decode(b64), np.float32), got.data[1].embedding, atol=1e-6)
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        oai.embeddings.create(model="m", input="Hello", dimensions=3)
+
+
+def test_abort_all_ends_every_running_request(client, url):
+    results = []
+
+    def stream():
+        with httpx.Client(base_url=url, timeout=120) as c:
+            with c.stream("POST", "/generate", json={"text": "Tell a long story.", "stream": True, "sampling_params": {
+                    "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}) as r:
+                results.append(sse_events(r.iter_lines()))
+
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while client.get("/get_server_info").json()["running_requests"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.post("/abort_request", json={"abort_all": True}).json() == {"success": True}
+    for t in threads:
+        t.join(60)
+    assert [r[-2]["meta_info"]["finish_reason"]["type"] for r in results] == ["abort", "abort"]
+    r = client.post("/abort_request", json={})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
+
+
+@pytest.fixture(scope="module")
+def locked():
+    """A server with --api-key, one running request at most, one waiting at most, and chunks of 4 tokens."""
+    yield from serving(*SMALL_FLAGS[:4], "--max-running-requests", "1", "--api-key", "sekret",
+                       "--max-queued-requests", "1", "--stream-interval", "4", "--enable-metrics")
+
+
+def test_api_key_guards_every_route_but_the_probes(locked):
+    with httpx.Client(base_url=locked.url, timeout=60) as c:
+        for route in ROUTES:
+            method = "GET" if route in ("/v1/models", "/health", "/health_generate", "/get_model_info",
+                                        "/get_server_info", "/model_info", "/server_info", "/ready",
+                                        "/metrics") else "POST"
+            r = c.request(method, route, json={})
+            if route in OPEN_ROUTES:
+                assert r.status_code == 200, route
+            else:
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", route
+            wrong = c.request(method, route, json={}, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == (200 if route in OPEN_ROUTES else 401), route
+        ok = c.get("/get_server_info", headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200 and ok.json()["api_key"] == "<set>"  # never the key itself
+    assert openai.OpenAI(base_url=locked.url + "/v1", api_key="sekret").models.list().data
+
+
+def test_max_queued_requests_and_stream_interval(locked):
+    auth = {"Authorization": "Bearer sekret"}
+    body = {"text": "Tell a long story.", "stream": True,
+            "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}}
+    with httpx.Client(base_url=locked.url, timeout=120, headers=auth) as c:
+        chunks = sse_events(c.post("/generate", json=body).iter_lines())[:-1]
+        counts = [e["meta_info"]["completion_tokens"] for e in chunks]
+        assert counts[0] >= 1 and counts[-1] == 30 and all(b - a >= 4 for a, b in zip(counts[1:-1], counts[2:-1]))
+        assert len(chunks) <= 2 + 30 // 4
+        statuses, lock = [], threading.Lock()
+
+        def one():
+            with httpx.Client(base_url=locked.url, timeout=120, headers=auth) as cc:
+                r = cc.post("/generate", json={**body, "stream": False,
+                                               "sampling_params": {**body["sampling_params"], "max_new_tokens": 60}})
+                with lock:
+                    statuses.append((r.status_code, r.headers.get("retry-after")))
+
+        threads = [threading.Thread(target=one) for _ in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert (503, "1") in statuses and (200, None) in statuses, statuses
