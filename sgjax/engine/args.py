@@ -45,6 +45,7 @@ class ServerArgs:
     skip_tokenizer_init: bool = False  # input_ids in, output_ids out, no text (dummy-weight benchmarks)
     disable_jump_forward: bool = False  # decode forced grammar text token by token (same output, more steps)
     grammar_cache_size: int = 128  # compiled grammars kept; 0 rebuilds per request (the paper's ablation)
+    grammar_compile_timeout: float | None = 20.0  # seconds one regex / JSON schema may take to compile; then a 400
     # JAX's persistent compilation cache, used when the process has not configured one (JAX_COMPILATION_CACHE_DIR
     # or jax.config): restarts then load the step's executables instead of compiling them again.
     compilation_cache_dir: str | None = "~/.cache/sgjax/jax"
@@ -120,6 +121,8 @@ ENGINE_FLAGS = [
                                                             "(same output, more steps)")),
     ("grammar_cache_size", dict(type=int, help="compiled regex / JSON-schema grammars kept; 0 rebuilds one per "
                                                "request (the paper's ablation)")),
+    ("grammar_compile_timeout", dict(type=float, help="seconds one regex / JSON schema may take to compile; "
+                                                      "longer is a 400 naming the field")),
     ("compilation_cache_dir", dict(help="JAX's persistent compilation cache, used when JAX_COMPILATION_CACHE_DIR "
                                         "is not set; '' for none")),
     ("gil_switch_interval_ms", dict(type=float, help="Python's thread switch interval while serving (the engine "

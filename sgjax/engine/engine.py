@@ -17,6 +17,7 @@ import queue
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -124,9 +125,14 @@ class Engine:
         self.requests = RequestBuilder(cfg, tokenizer, self.images, context_length=self.context_length,
                                        max_total_tokens=self.max_total_tokens,
                                        max_top_logprobs=args.max_top_logprobs_num, eos_ids=self.eos_ids,
-                                       seed=args.random_seed, grammar_cache_size=args.grammar_cache_size)
-        self.outputs = Outputs(self.scheduler, tokenizer, self.eos_ids, jump_forward=not args.disable_jump_forward)
+                                       seed=args.random_seed, grammar_cache_size=args.grammar_cache_size,
+                                       grammar_compile_timeout=args.grammar_compile_timeout)
+        self.outputs = Outputs(self.scheduler, tokenizer, self.eos_ids, jump_forward=not args.disable_jump_forward,
+                               on_finish=self._forget)
+        self._live: set[str] = set()  # ids of requests made and not finished
+        self._live_lock = threading.Lock()
         self._overlapped_steps = 0
+        self._grammar_workers = ThreadPoolExecutor(2, thread_name_prefix="sgjax-grammar")
         self.on_step = None  # called on the engine thread with each step's seconds (the server's histogram)
         # Benchmarks set a list here to get every request the engine was given, with its output once finished
         # (for the Theorem 3.1 optimum).
@@ -163,7 +169,10 @@ class Engine:
         # on SmolLM2's vocabulary), which would stall every other request of an HTTP server.
         call = GenerateCall(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
                             stream, rid, image_data)
-        reqs, single = await asyncio.to_thread(self._make_requests, call)
+        # Grammar compiles (up to grammar_compile_timeout each) get workers of their own, so that a burst of slow
+        # grammars cannot keep plain requests from being tokenized.
+        pool = self._grammar_workers if _asks_for_grammar(sampling_params) else None
+        reqs, single = await asyncio.get_running_loop().run_in_executor(pool, self._make_requests, call)
         if stream:
             return self._async_stream(reqs[0])
         results = await asyncio.gather(*(self._async_one(r) for r in reqs))
@@ -219,6 +228,7 @@ class Engine:
             self._inbox.put(Stop())
             self._thread.join()
             self.runner.release()
+            self._grammar_workers.shutdown(wait=False, cancel_futures=True)
             if self._watcher is not None:
                 self._watcher.close()
 
@@ -233,9 +243,22 @@ class Engine:
         if self._closed:
             raise EngineError("the engine is shut down")
         reqs, single = self.requests.build(call)
+        with self._live_lock:  # two live requests never share an id: aborts and results find exactly one
+            rids = [r.rid for r in reqs]
+            taken = next((rid for rid in rids if rid in self._live), None)
+            if taken is None and len(set(rids)) < len(rids):
+                taken = next(rid for rid in rids if rids.count(rid) > 1)
+            if taken is not None:
+                raise RequestError(f"rid: a request with id {taken!r} is already running (ids must be unique "
+                                   f"among live requests)", "rid")
+            self._live.update(rids)
         if self.request_log is not None:
             self.request_log.extend(reqs)
         return reqs, single
+
+    def _forget(self, req: Req) -> None:
+        with self._live_lock:
+            self._live.discard(req.rid)
 
     def _submit(self, req: Req):
         done = threading.Event()
@@ -336,8 +359,8 @@ class Engine:
                 handle = record = None
                 if works:
                     with jax.profiler.TraceAnnotation("sgjax.dispatch"):
-                        handle = (works, self.runner.dispatch(works), t0)
-                    if self.step_log is not None:
+                        works, handle = self._dispatch(works, t0)
+                    if handle is not None and self.step_log is not None:
                         record = self._log_step(works, handle, t0)
                 if ahead is not None:
                     self._commit(*ahead)
@@ -366,6 +389,24 @@ class Engine:
                 if self.runner.pool_lost():  # the donated pool died with the step: its KV is gone
                     self.runner.reset_pool()
                     sched.cache.reset()
+
+    def _dispatch(self, works, t0):
+        """Dispatch a step. When building it fails, the rows that fail on their own are aborted with the error and
+        the step runs for the others (one bad request must not fail its neighbours); a failure no single row
+        reproduces is the whole step's (the loop's handler aborts what ran)."""
+        try:
+            return works, (works, self.runner.dispatch(works), t0)
+        except Exception as e:
+            bad = [w for w in works if not self.runner.prepares([w])]
+            if not bad:
+                raise
+            log.exception("building a step failed for %d of its %d requests; aborting those", len(bad), len(works))
+            for w in bad:
+                self.scheduler.abort(w.req.rid)
+                self.outputs.finish(w.req, abort_reason(f"internal error: {type(e).__name__}: {e}", INTERNAL),
+                                    release=False)
+            works = [w for w in works if w not in bad]
+            return works, ((works, self.runner.dispatch(works), t0) if works else None)
 
     def _overlaps(self, works) -> bool:
         """Whether the next step may read this step's tokens on the device: every row decodes a request whose
@@ -461,3 +502,11 @@ class Engine:
             "grammar_cache": dataclasses.asdict(self.requests.grammars.stats),
         }
 
+
+def _asks_for_grammar(sampling_params) -> bool:
+    items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    for p in items:
+        get = p.get if isinstance(p, dict) else (lambda k, p=p: getattr(p, k, None))
+        if get("regex") is not None or get("json_schema") is not None:
+            return True
+    return False

@@ -24,8 +24,9 @@ def abort_reason(message: str | None = None, kind: str | None = None) -> dict:
 
 
 class Outputs:
-    def __init__(self, scheduler, tokenizer, eos_ids: frozenset, jump_forward: bool):
+    def __init__(self, scheduler, tokenizer, eos_ids: frozenset, jump_forward: bool, on_finish=None):
         self.scheduler, self.tokenizer, self.eos_ids, self.jump_forward = scheduler, tokenizer, eos_ids, jump_forward
+        self.on_finish = on_finish  # called with every finished request (the engine forgets its id)
         self.sampled_tokens = 0
         self.jumped_tokens = 0
         self.detokenize_seconds = 0.0  # host time between steps (docs/server.md)
@@ -113,6 +114,8 @@ class Outputs:
         req.finish_reason = reason
         if release:
             self.scheduler.finish(req)
+        if self.on_finish is not None:
+            self.on_finish(req)
         if req.sink is not None:
             req.sink(req, "", True)
 

@@ -27,6 +27,7 @@ MAX_LOGIT_BIAS = 1024  # entries per request: each is a slot of the sampler's wi
 # Stop strings and stop regexes are checked on the host after every token: bounded so one request cannot make every
 # step slow.
 MAX_STOPS = 64
+MAX_N = 1024  # copies of one prompt (the server also caps prompts x n per HTTP request)
 MAX_STOP_CHARS = 1024
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 
@@ -175,8 +176,8 @@ class SamplingParams:
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise SamplingParamsError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
                                       f"got {self.min_new_tokens!r}", "min_new_tokens")
-        if self.n < 1:
-            raise SamplingParamsError(f"n must be >= 1, got {self.n!r}", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError(f"n must be in [1, {MAX_N}], got {self.n!r}", "n")
         if self.seed is not None:
             _check_int("seed", self.seed)
 
@@ -202,6 +203,8 @@ class SamplingParams:
                 json.loads(self.json_schema)
             except ValueError as e:
                 raise SamplingParamsError(f"json_schema is not valid JSON: {e}", "json_schema") from None
+            except RecursionError:
+                raise SamplingParamsError("json_schema is nested too deeply", "json_schema") from None
         if self.regex is not None and self.json_schema is not None:
             raise SamplingParamsError("regex and json_schema are mutually exclusive: give at most one", "regex")
 

@@ -54,11 +54,12 @@ def check_token_ids(ids, vocab: int, field: str) -> None:
 
 class RequestBuilder:
     def __init__(self, cfg: ModelConfig, tokenizer, images, *, context_length: int, max_total_tokens: int,
-                 max_top_logprobs: int, eos_ids: frozenset, seed: int, grammar_cache_size: int):
+                 max_top_logprobs: int, eos_ids: frozenset, seed: int, grammar_cache_size: int,
+                 grammar_compile_timeout: float | None = None):
         self.cfg, self.tokenizer, self.images = cfg, tokenizer, images
         self.context_length, self.max_total_tokens = context_length, max_total_tokens
         self.max_top_logprobs, self.eos_ids = max_top_logprobs, eos_ids
-        self.grammars = GrammarCache(max_entries=grammar_cache_size)
+        self.grammars = GrammarCache(max_entries=grammar_cache_size, compile_timeout=grammar_compile_timeout)
         self._seeds = np.random.default_rng(seed)
         self._vocabulary = None
 

@@ -44,6 +44,10 @@ from sgjax.model.llama import forward
 from sgjax.model.weights import Weights, for_platform
 
 
+# A sampling row's temperature is float32: far above any logit range, larger values change nothing.
+MAX_TEMPERATURE = 1e6
+
+
 def bucket(n: int, minimum: int, factor: int = 2) -> int:
     b = minimum
     while b < n:
@@ -200,6 +204,14 @@ class Runner:
         tokens, logprobs, top_ids, top_lps = jax.device_get((out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
         return self._unpack_results(works, sample_rows, prompt_rows, tokens, logprobs, top_ids, top_lps)
 
+    def prepares(self, works: list[Work]) -> bool:
+        """Whether the host side of a step of these works builds (the engine's check for the row that failed one)."""
+        try:
+            self.prepare(works)
+            return True
+        except Exception:  # noqa: BLE001 - any failure means this row cannot run
+            return False
+
     def prepare(self, works: list[Work]):
         """Host side of a step: the packed buffer, its static shape, and where each work's rows are."""
         chunks = [w.tokens for w in works]
@@ -293,11 +305,11 @@ class Runner:
             rows["step"][srow] = len(req.output_ids)
             rows["slot"][srow] = req.slot
             if not p.is_greedy:
-                rows["temperature"][srow] = p.temperature
-                rows["top_k"][srow] = max(p.top_k, 0)
+                rows["temperature"][srow] = min(p.temperature, MAX_TEMPERATURE)  # beyond it: uniform already
+                rows["top_k"][srow] = 0 if p.top_k >= vocab else max(p.top_k, 0)  # top_k >= V: no top-k
                 rows["top_p"][srow] = p.top_p
                 rows["min_p"][srow] = p.min_p
-                needs_filter |= p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+                needs_filter |= 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
             h = histories.get(id(w))
             if h is not None:  # a penalised or biased row (the rest keep default_rows' neutral values)
                 rows["frequency_penalty"][srow] = p.frequency_penalty

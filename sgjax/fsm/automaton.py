@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sgjax.fsm import budget
 from sgjax.fsm.regex_parser import Alt, CharSet, Concat, Repeat, parse
 
 
@@ -100,6 +101,8 @@ class _NFA:
         self.edges: list[list[tuple[int, int, int]]] = []  # (byte lo, byte hi, dst)
 
     def new(self) -> int:
+        if len(self.eps) % 4096 == 0:
+            budget.check()
         if len(self.eps) >= MAX_NFA_STATES:
             raise GrammarError(f"regex too large: more than {MAX_NFA_STATES} NFA states")
         self.eps.append([])
@@ -186,6 +189,7 @@ def _determinize(nfa: _NFA, start: int, final: int, byte_class: np.ndarray):
     first = closure(start)
     index, order, rows = {first: 0}, [first], []
     while len(rows) < len(order):
+        budget.check()
         current = order[len(rows)]
         targets: dict[int, set] = {}
         for s in current:
@@ -215,6 +219,7 @@ def _minimize(trans: np.ndarray, accepting: np.ndarray):
     block = np.concatenate([accepting.astype(np.int64), [2]])  # the sink is its own block
     count = len(np.unique(block))
     while True:
+        budget.check()
         sig = np.concatenate([block[:, None], block[full]], axis=1)
         _, block = np.unique(sig, axis=0, return_inverse=True)
         block = block.reshape(-1)

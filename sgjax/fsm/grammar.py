@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgjax.fsm import compressed
+from sgjax.fsm import budget, compressed
 from sgjax.fsm.automaton import ByteDFA, GrammarError, compile_regex
 from sgjax.fsm.token_fsm import TokenTables, build_token_tables, pack_mask
 from sgjax.fsm.vocab import Vocabulary
@@ -136,10 +136,14 @@ class GrammarCache:
     request. Concurrent requests for the same missing grammar compile it once; the others wait.
     """
 
-    def __init__(self, max_entries: int = 128):
+    def __init__(self, max_entries: int = 128, compile_timeout: float | None = None):
         self.max_entries = max_entries
+        self.compile_timeout = compile_timeout  # seconds one grammar may take to compile (budget.py); None: any
         self.stats = CacheStats()
         self._entries: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        # Grammars that failed to compile, by key (the error): asking again fails at once instead of spending the
+        # budget again. Bounded like the entries.
+        self._failed: OrderedDict[tuple, GrammarError] = OrderedDict()
         self._lock = threading.Lock()
         self._building: dict[tuple, threading.Event] = {}
 
@@ -154,7 +158,10 @@ class GrammarCache:
         from sgjax.fsm.json_schema import JsonOptions, schema_to_regex
 
         options = options or JsonOptions()
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        try:
+            text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        except RecursionError:
+            raise GrammarError("the grammar is nested too deeply") from None
         key = ("json_schema", text, vocab.fingerprint, options, canonical)
         return self._get(key, lambda: compile_grammar(schema_to_regex(schema, options), vocab, key, canonical))
 
@@ -166,6 +173,9 @@ class GrammarCache:
                     self._entries.move_to_end(key)
                     self.stats.hits += 1
                     return got
+                failed = self._failed.get(key)
+                if failed is not None:
+                    raise GrammarError(str(failed))
                 waiter = self._building.get(key)
                 if waiter is None:
                     self._building[key] = threading.Event()
@@ -173,7 +183,15 @@ class GrammarCache:
                     break
             waiter.wait()  # another thread is compiling it; then retry (a failed build raises again here)
         try:
-            grammar = build()
+            with budget.deadline(self.compile_timeout):
+                grammar = build()
+        except RecursionError:
+            error = GrammarError("the grammar is nested too deeply")
+            self._fail(key, error)
+            raise error from None
+        except GrammarError as e:
+            self._fail(key, e)
+            raise
         except BaseException:
             with self._lock:
                 self._building.pop(key).set()
@@ -186,6 +204,14 @@ class GrammarCache:
                 self.stats.evictions += 1
             self._building.pop(key).set()
         return grammar
+
+
+    def _fail(self, key: tuple, error: GrammarError) -> None:
+        with self._lock:
+            self._failed[key] = error
+            while len(self._failed) > self.max_entries:
+                self._failed.popitem(last=False)
+            self._building.pop(key).set()
 
 
 __all__ = ["CompiledGrammar", "GrammarCache", "GrammarError", "compile_grammar"]

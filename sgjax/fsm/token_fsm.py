@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sgjax.fsm import budget
 from sgjax.fsm.automaton import ByteDFA
 from sgjax.fsm.vocab import Vocabulary
 
@@ -107,6 +108,7 @@ def _walk(trans: np.ndarray, seqs: np.ndarray, seq_lens: np.ndarray):
     cur = trans[st, first[sq]]
     out = [(empty, empty, empty)]
     for i in range(1, int(seq_lens.max()) + 1):
+        budget.check()
         finished = seq_lens[sq] == i
         out.append((st[finished], sq[finished], cur[finished]))
         st, sq, cur = st[~finished], sq[~finished], cur[~finished]

@@ -25,7 +25,7 @@ from sgjax.server import native_api, openai_api
 from sgjax.server.metrics import Metrics
 from sgjax.server.fields import screener
 from sgjax.server.protocol import (AbortRequest, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   EmbeddingRequest, GenerateRequest, TokenizeRequest, parse_body)
+                                   EmbeddingRequest, GenerateRequest, TokenizeRequest, parse_body, read_body)
 from sgjax.server.connection import ClientDisconnected
 from sgjax.server.serving import Serving, Work
 
@@ -45,6 +45,7 @@ def build_app(serving: Serving) -> FastAPI:
         await asyncio.to_thread(serving.finish_shutdown)
 
     app = FastAPI(title="sgjax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(InternalErrors)
     if serving.http.api_key:
         app.add_middleware(ApiKey, key=serving.http.api_key, open_routes=OPEN_ROUTES)
     app.add_middleware(RequestMetrics, metrics=serving.metrics)
@@ -63,16 +64,11 @@ def build_app(serving: Serving) -> FastAPI:
         return JSONResponse(ApiError(f"{request.url.path}: {e.detail}", status=e.status_code).body(),
                             status_code=e.status_code)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):
-        log.exception("internal error on %s", request.url.path)
-        err = ApiError(f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error")
-        return JSONResponse(err.body(), status_code=500)
 
     # -- generation ------------------------------------------------------------------------------------------
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
-        req = parse_body(await request.body(), GenerateRequest, screener("/generate"))
+        req = parse_body(await read_body(request), GenerateRequest, screener("/generate"))
         work, single = native_api.generate_work(req)
         texts = bool(req.return_text_in_logprobs)
         if req.stream:
@@ -85,12 +81,12 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_body(await request.body(), CompletionRequest, screener("/v1/completions"))
+        req = parse_body(await read_body(request), CompletionRequest, screener("/v1/completions"))
         return await _openai(request, await openai_api.prepare_completion(serving, req), bool(req.stream))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_body(await request.body(), ChatCompletionRequest, screener("/v1/chat/completions"))
+        req = parse_body(await read_body(request), ChatCompletionRequest, screener("/v1/chat/completions"))
         return await _openai(request, await openai_api.prepare_chat(serving, req), bool(req.stream))
 
     async def _openai(request: Request, prep: openai_api.Prepared, stream: bool):
@@ -118,17 +114,17 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        req = parse_body(await request.body(), EmbeddingRequest, screener("/v1/embeddings"))
+        req = parse_body(await read_body(request), EmbeddingRequest, screener("/v1/embeddings"))
         return await openai_api.embeddings(serving, req)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req = parse_body(await request.body(), TokenizeRequest, screener("/tokenize"))
+        req = parse_body(await read_body(request), TokenizeRequest, screener("/tokenize"))
         return await asyncio.to_thread(openai_api.tokenize, serving, req)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req = parse_body(await request.body(), DetokenizeRequest, screener("/detokenize"))
+        req = parse_body(await read_body(request), DetokenizeRequest, screener("/detokenize"))
         return await asyncio.to_thread(openai_api.detokenize, serving, req)
 
     @app.get("/ready")
@@ -179,7 +175,7 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        req = parse_body(await request.body(), AbortRequest, screener("/abort_request"))
+        req = parse_body(await read_body(request), AbortRequest, screener("/abort_request"))
         if req.abort_all:
             serving.engine.abort_all()
         elif req.rid is not None:
@@ -221,6 +217,34 @@ def sse(events: AsyncIterator[dict]) -> StreamingResponse:
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class InternalErrors:
+    """Any exception a route leaks becomes a 500 in the usual error shape, and the connection stays usable. (A
+    FastAPI handler for Exception runs in Starlette's outermost middleware, which re-raises after answering, and
+    uvicorn then drops the keep-alive connection: the client's next request on it met a reset.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_started(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except Exception as e:  # noqa: BLE001 - the point of this middleware
+            log.exception("internal error on %s", scope.get("path"))
+            if started:  # the status line is out (a stream): nothing more can be said on this response
+                return
+            err = ApiError(f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error")
+            await JSONResponse(err.body(), status_code=500)(scope, receive, send)
 
 
 class ApiKey:

@@ -18,6 +18,8 @@ class HttpArgs:
     stream_interval: int = 1  # streamed chunks carry at least this many new tokens (the last one: what is left)
     max_queued_requests: int | None = None  # generations waiting beyond the running batch; more get a 503
     profile_dir: str | None = None  # where /start_profile writes JAX profiler traces (default: a temp dir)
+    request_timeout: float | None = None  # seconds a generation request may take; then 504 (a stream: an error event)
+    header_timeout: float = 10.0  # seconds a request line and its headers may take to arrive; then the connection closes
 
 
 HTTP_FLAGS = [
@@ -34,4 +36,8 @@ HTTP_FLAGS = [
     ("max_queued_requests", dict(type=int, help="generations that may wait beyond the running batch; more are "
                                                 "answered 503 with Retry-After")),
     ("profile_dir", dict(help="directory of the JAX profiler traces that POST /start_profile starts")),
+    ("request_timeout", dict(type=float, help="seconds a generation may take; then it is aborted: a 504, or an "
+                                              "error event on a stream")),
+    ("header_timeout", dict(type=float, help="seconds a request's line and headers may take to arrive; then the "
+                                             "connection is closed (slow clients hold no worker)")),
 ]

@@ -42,3 +42,45 @@ async def _wait_disconnect(receive) -> None:
     # Once the body is read, the ASGI server's next message is the disconnect.
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def header_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol with a deadline for each request's line and headers: uvicorn times out idle keep-alive
+    connections but not one that sends half a request and stalls (slowloris). The connection is closed when a
+    request has not fully arrived `seconds` after its first byte (or after the connection opened)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            waiting = self.cycle is None or self.cycle.response_complete
+            if waiting and self._header_timer is None:
+                self._arm()
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # the request line and headers are in: the route has its own limits
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(seconds, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _too_slow(self) -> None:
+            self._header_timer = None
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+
+    return HeaderTimeoutH11

@@ -17,7 +17,7 @@ import uvicorn
 
 from sgjax.engine.engine import Engine, ServerArgs
 from sgjax.server.app import build_app
-from sgjax.server.connection import check_port
+from sgjax.server.connection import check_port, header_timeout_protocol
 from sgjax.server.serving import HttpArgs, Serving
 
 log = logging.getLogger("sgjax.server")
@@ -47,7 +47,8 @@ def serve(server_args: ServerArgs, http: HttpArgs) -> None:
     log.info("engine ready in %.1f s: %s, pool %d tokens, context %d", time.perf_counter() - t0, serving.model_name,
              engine.max_total_tokens, engine.context_length)
     config = uvicorn.Config(build_app(serving), host=http.host, port=http.port, log_level=http.log_level,
-                            access_log=http.log_requests, timeout_graceful_shutdown=10)
+                            access_log=http.log_requests, timeout_graceful_shutdown=10,
+                            http=header_timeout_protocol(http.header_timeout))
     # After its graceful shutdown uvicorn restores the previous handlers and raises the signal again; a no-op
     # handler there lets the process end normally, with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -35,6 +35,21 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request's body, refused with a 413 as soon as it passes `limit` (by its Content-Length, or while it
+    streams in): a 1 GB body is not read whole before the check."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(f"body: larger than {limit} bytes", status=413, param="body")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"body: larger than {limit} bytes", status=413, param="body")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 def parse_body(raw: bytes, model: type[BaseModel], screen=None) -> Any:
     """raw -> the route's model. `screen` (server/fields.py) first drops the request policy's fields from the decoded
     body, refusing real values of unsupported ones."""

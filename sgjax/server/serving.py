@@ -124,7 +124,11 @@ class Serving:
                                           rid=list(work.rids) if work.rids else None, image_data=images,
                                           **work.engine_kwargs())
         self._log_start(work)
-        results = await until_disconnected(receive, self._engine_errors(call, work))
+        try:
+            results = await asyncio.wait_for(until_disconnected(receive, self._engine_errors(call, work)),
+                                             self.http.request_timeout)
+        except TimeoutError:  # wait_for cancelled the call, and a cancelled engine call aborts its requests
+            raise self._timeout() from None
         results = results if isinstance(results, list) else [results]
         _raise_if_failed(results)
         self._log_end(results)
@@ -177,10 +181,15 @@ class Serving:
                 queue.put_nowait((index, e))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        deadline = None if self.http.request_timeout is None else start + self.http.request_timeout
         try:
             open_ = len(tasks)
             while open_:
-                index, item = await queue.get()
+                try:
+                    index, item = await asyncio.wait_for(
+                        queue.get(), None if deadline is None else max(deadline - time.perf_counter(), 0))
+                except TimeoutError:  # the finally below cancels the streams, which aborts their requests
+                    raise self._timeout() from None
                 if item is None:
                     open_ -= 1
                 elif isinstance(item, Exception):
@@ -193,6 +202,10 @@ class Serving:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _timeout(self) -> ApiError:
+        return ApiError(f"request: longer than {self.http.request_timeout:g} s (request_timeout); aborted",
+                        status=504, kind="timeout", code="request_timeout")
 
     def _admit(self, work: Work) -> None:
         """--max-queued-requests: a 503 with Retry-After when that many generations already wait for the running

@@ -41,7 +41,8 @@ LONG = list(range(100, 4200))  # past the 4096-token pool
     ("/generate", {"text": "hi", "rid": ["a", "b"]}, "rid"),
     ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
     ("/generate", {"text": "hi", "top_logprobs_num": 1000}, "top_logprobs_num"),
-    ("/generate", {"text": "hi", "sampling_params": {"n": 5000}}, "text"),
+    ("/generate", {"text": ["hi", "ho"], "sampling_params": {"n": 600}}, "text"),  # 1200 generations: over the cap
+    ("/generate", {"text": "hi", "sampling_params": {"n": 5000}}, "sampling_params.n"),
     ("/generate", {"text": "hi", "image_data": "x"}, "image_data"),
     ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 5000}, "max_tokens"),
