@@ -126,12 +126,22 @@ def _decode(data, prompt: int | None, i: int) -> bytes:
         raise ImageDataError("not valid base64", prompt, i) from None
 
 
+# The most pixels an image may decode to (8k x 8k; LLaVA resizes to 336 x 336 anyway): checked from the header
+# before decoding, so a small file that inflates to gigabytes (a decompression bomb) is a 400, not a 500.
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
 def _open(raw: bytes, prompt: int | None, i: int):
     from PIL import Image, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(raw))
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise ImageDataError(f"{width} x {height} pixels is more than {MAX_IMAGE_PIXELS} pixels", prompt, i)
         image.load()
         return image
+    except Image.DecompressionBombError:
+        raise ImageDataError(f"more than {MAX_IMAGE_PIXELS} pixels", prompt, i) from None
     except (UnidentifiedImageError, OSError):
         raise ImageDataError(f"not an image file PIL can read ({len(raw)} bytes)", prompt, i) from None

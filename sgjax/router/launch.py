@@ -69,6 +69,9 @@ def add_router_command(commands) -> None:
     p.add_argument("--log-requests", action="store_true", help="HTTP access lines")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on every route but /health "
                    "and /ready, and send it to the workers")
+    p.add_argument("--first-byte-timeout", type=float, default=600.0,
+                   help="seconds a worker may take to send a request's first byte (a whole answer when not "
+                        "streamed); then it is marked down and the request goes to another worker (default: 600)")
 
 
 def main(ns: argparse.Namespace) -> None:
@@ -81,7 +84,8 @@ def main(ns: argparse.Namespace) -> None:
         check_port(ns.host, ns.port)
         _for_exit_status_0()
         run_router(ns.worker_urls, policy, ns.host, ns.port, ns.log_level, ns.log_requests,
-                   health_interval=ns.health_check_interval, api_key=ns.api_key)
+                   health_interval=ns.health_check_interval, api_key=ns.api_key,
+                   first_byte_timeout=ns.first_byte_timeout)
     else:
         serve_dp(ns)
 
@@ -98,11 +102,12 @@ class _RouterServer(uvicorn.Server):
 
 
 def run_router(urls, policy, host, port, log_level="info", log_requests=False, pids=None, on_exit=lambda: None,
-               health_interval: float = 5.0, api_key: str | None = None) -> None:
+               health_interval: float = 5.0, api_key: str | None = None, first_byte_timeout: float = 600.0) -> None:
     from sgjax.router.app import build_router_app
     from sgjax.router.proxy import Router
 
-    router = Router(list(urls), policy, pids=pids, health_interval=health_interval, api_key=api_key)
+    router = Router(list(urls), policy, pids=pids, health_interval=health_interval, api_key=api_key,
+                    first_byte_timeout=first_byte_timeout)
     config = uvicorn.Config(build_router_app(router), host=host, port=port, log_level=log_level,
                             access_log=log_requests, timeout_graceful_shutdown=10)
     _RouterServer(config, on_exit).run()

@@ -34,6 +34,9 @@ WORKER_HEADER = "x-sgjax-worker"  # which worker answered: for clients, tests an
 _PASS_HEADERS = ("content-type", "cache-control")
 
 
+FROZEN_PROBES = 2  # /health probes in a row without an answer that eject a worker
+
+
 @dataclass
 class Worker:
     url: str
@@ -44,6 +47,8 @@ class Worker:
     failures: int = 0
     last_error: str | None = None
     max_total_tokens: int | None = None
+    probe_timeouts: int = 0  # /health probes in a row that got no answer
+    down: asyncio.Event | None = None  # set when marked down: requests waiting on the worker give up and fail over
 
     def view(self) -> WorkerView:
         return WorkerView(self.url, self.in_flight, self.dispatched)
@@ -52,7 +57,8 @@ class Worker:
 class Router:
     def __init__(self, urls: list[str], policy: Policy, *, pids: list[int] | None = None,
                  health_interval: float = 5.0, probe_timeout: float = 5.0,
-                 transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None):
+                 transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None,
+                 first_byte_timeout: float = 600.0):
         if not urls:
             raise ValueError("the router needs at least one worker URL")
         urls = [u.rstrip("/") for u in urls]
@@ -61,6 +67,9 @@ class Router:
         self.workers = {u: Worker(u, pid=pids[i] if pids else None) for i, u in enumerate(urls)}
         self.policy = policy
         self.health_interval, self.probe_timeout = health_interval, probe_timeout
+        # a request's first byte (the whole answer when not streamed) must come within this; else the worker is
+        # marked down and the request, which has sent nothing to its client yet, goes to another one
+        self.first_byte_timeout = first_byte_timeout
         self.failovers = 0
         # keepalive_expiry under uvicorn's 5 s keep-alive: an idle connection is dropped here before the worker
         # closes it, so a request never goes out on a connection the worker is closing.
@@ -99,10 +108,16 @@ class Router:
         try:
             r = await self.client.get(w.url + "/health", timeout=self.probe_timeout)
         except httpx.TimeoutException:
-            log.warning("worker %s: /health timed out (busy, kept as it was)", w.url)
+            # A worker answers /health on its event loop without waiting for the engine, however busy: two probes in
+            # a row without an answer mean it stopped (frozen, swapped out), not that it is busy.
+            w.probe_timeouts += 1
+            if w.probe_timeouts >= FROZEN_PROBES:
+                return self.mark_down(w, f"/health unanswered {w.probe_timeouts} times in a row (frozen?)")
+            log.warning("worker %s: /health timed out (%d in a row)", w.url, w.probe_timeouts)
             return
         except httpx.TransportError as e:
             return self.mark_down(w, e)
+        w.probe_timeouts = 0
         if r.status_code != 200:
             return self.mark_down(w, f"/health answered {r.status_code}")
         if not w.healthy or w.max_total_tokens is None:
@@ -128,6 +143,9 @@ class Router:
             log.warning("worker %s down: %s", w.url, msg)
         w.healthy, w.last_error = False, msg
         w.failures += 1
+        if w.down is not None:
+            w.down.set()
+            w.down = None  # a new one for the next time it is up
         self.policy.forget(w.url)  # down or restarted: its cache is gone either way
 
     # -- choosing --------------------------------------------------------------------------------------------
@@ -173,7 +191,25 @@ class Router:
             log.warning("request to %s failed (%s); trying another worker", w.url, answer)
 
     async def _try(self, w: Worker, path: str, body: bytes, headers: dict, key) -> Response | str:
-        """The worker's answer, or the reason it has none (the worker is then marked down)."""
+        """The worker's answer, or the reason it has none (the worker is then marked down): bounded by the
+        first-byte timeout, and given up as soon as the worker is marked down meanwhile (a frozen worker's
+        requests fail over instead of hanging)."""
+        if w.down is None:
+            w.down = asyncio.Event()
+        attempt = asyncio.ensure_future(self._attempt(w, path, body, headers, key))
+        down = asyncio.ensure_future(w.down.wait())
+        done, _ = await asyncio.wait({attempt, down}, timeout=self.first_byte_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        down.cancel()
+        if attempt in done:
+            return attempt.result()
+        attempt.cancel()  # closes the connection to the worker (its server aborts the request)
+        await asyncio.gather(attempt, return_exceptions=True)
+        if not done:
+            self.mark_down(w, f"no answer within {self.first_byte_timeout:g} s")
+        return w.last_error
+
+    async def _attempt(self, w: Worker, path: str, body: bytes, headers: dict, key) -> Response | str:
         relay = None
         try:
             resp = await self.client.send(self.client.build_request("POST", w.url + path, content=body,

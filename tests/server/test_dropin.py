@@ -4,6 +4,7 @@ routes, the OpenAI error shape, embeddings against HF, and the flags (--api-key 
 
 import base64
 import re
+import socket
 import threading
 import time
 
@@ -158,7 +159,8 @@ def test_abort_all_ends_every_running_request(client, url):
 def locked():
     """A server with --api-key, one running request at most, one waiting at most, and chunks of 4 tokens."""
     yield from serving(*SMALL_FLAGS[:4], "--max-running-requests", "1", "--api-key", "sekret",
-                       "--max-queued-requests", "1", "--stream-interval", "4", "--enable-metrics")
+                       "--max-queued-requests", "1", "--stream-interval", "4", "--enable-metrics",
+                       "--request-timeout", "8", "--header-timeout", "1")
 
 
 def test_api_key_guards_every_route_but_the_probes(locked):
@@ -203,3 +205,22 @@ def test_max_queued_requests_and_stream_interval(locked):
         for t in threads:
             t.join(120)
         assert (503, "1") in statuses and (200, None) in statuses, statuses
+
+
+def test_request_timeout_aborts_and_a_stalled_header_closes_the_connection(locked):
+    auth = {"Authorization": "Bearer sekret"}
+    with httpx.Client(base_url=locked.url, timeout=120, headers=auth) as c:
+        t0 = time.monotonic()
+        r = c.post("/generate", json={"text": "Tell a long story.", "sampling_params": {
+            "max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
+        assert 7 < time.monotonic() - t0 < 30
+        deadline = time.monotonic() + 30
+        while c.get("/get_server_info").json()["running_requests"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.get("/get_server_info").json()["running_requests"] == 0  # the engine aborted it
+    host, port = locked.url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-")  # and nothing more
+        t0 = time.monotonic()
+        assert s.recv(100) == b"" and time.monotonic() - t0 < 5  # closed by the server after --header-timeout
