@@ -19,11 +19,19 @@ import sys
 
 import pytest
 
+from tests.conftest import SMALL
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKLOADS = {"mmlu", "hellaswag", "tree_of_thought", "skeleton_of_thought", "llm_judge", "json_decode",
              "multi_turn_short", "multi_turn_long", "react", "rag"}
 SMOKE = {"mmlu", "hellaswag", "json_decode"}
-RUNS = {"smoke": ["--dummy", "tiny", "--workloads", ",".join(sorted(SMOKE))], "full": []}
+# The smoke run's pool and request slots are the in-process engines' (tests/conftest.py SMALL): its step executables
+# are TINY_SMOLLM2_VOCAB's at the same shapes as the tiny engines of tests/engine, which then load them from the
+# persistent compilation cache.
+RUNS = {"smoke": ["--dummy", "tiny", "--workloads", ",".join(sorted(SMOKE)),
+                  "--max-total-tokens", str(SMALL["max_total_tokens"]),
+                  "--max-running-requests", str(SMALL["max_running_requests"])],
+        "full": []}
 
 
 @pytest.fixture(scope="module", params=["smoke", pytest.param("full", marks=pytest.mark.slow)])
