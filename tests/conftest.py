@@ -16,6 +16,12 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# One engine config for the tests' in-process engines and test servers (tests/server/conftest.py's SMALL_FLAGS):
+# engines of one model with the same pool and step settings share the jitted step's compiled executables in the
+# process (sgjax/engine/runner.py `jitted_step`), and servers load them from the persistent cache.
+SMALL = dict(max_total_tokens=4096, chunked_prefill_size=96, max_running_requests=8)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     from sgjax.model.paths import default_model_path
@@ -24,13 +30,53 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_path):
-    """Our fp32 SmolLM2 (config, weights) and tokenizer, loaded once per session."""
-    from sgjax.model.loader import load_model
+def smollm2_tokenizer(smollm2_path):
     from sgjax.model.tokenizer import load_tokenizer
 
-    cfg, weights = load_model(smollm2_path)
-    return cfg, weights, load_tokenizer(smollm2_path)
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_tokenizer):
+    """Our fp32 SmolLM2 (config, weights) and tokenizer, loaded once per session: through the engine's cache under
+    the key `Engine()` uses for the default model, so the tests and their engines hold one copy."""
+    from sgjax.engine.args import ServerArgs
+    from sgjax.engine.loading import default_dtype, load_model_cached
+
+    cfg, weights = load_model_cached(None, default_dtype(ServerArgs()))
+    return cfg, weights, smollm2_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny(smollm2_tokenizer):
+    """(config, weights, tokenizer) of the tiny random model with SmolLM2's tokenizer (TINY_SMOLLM2_VOCAB): for tests
+    that compare sgjax with itself, where the real model's compute would only cost time."""
+    from sgjax.model.presets import TINY_SMOLLM2_VOCAB
+    from sgjax.model.weights import dummy_weights
+
+    return TINY_SMOLLM2_VOCAB, dummy_weights(TINY_SMOLLM2_VOCAB), smollm2_tokenizer
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One real `sgjax serve` (SmolLM2, the SMALL settings, metrics on) for tests/server and tests/lang: started
+    once per session, it must exit cleanly on SIGTERM at the end. Tests that need other flags start their own."""
+    from tests.server.conftest import SMALL_FLAGS, serving
+
+    yield from serving(*SMALL_FLAGS, "--enable-metrics")
+
+
+@pytest.fixture(scope="session")
+def url(server) -> str:
+    return server.url
+
+
+@pytest.fixture(scope="session")
+def client(url):
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

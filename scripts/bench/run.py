@@ -3,6 +3,7 @@
     python scripts/bench/run.py --quick                      # every workload, small sizes (CI smoke test)
     python scripts/bench/run.py --workloads mmlu,hellaswag --num-programs 64
     python scripts/bench/run.py --dummy llama3-8b --tokenizer DIR --baseline none   # GPU throughput runs
+    python scripts/bench/run.py --quick --dummy tiny         # tiny random weights, SmolLM2's tokenizer (CI smoke test)
 
 For each workload and configuration a fresh engine (same weights, same pool) runs the batch with many frontend
 threads (throughput) and then a few programs one at a time (latency). The baseline runs the same programs one
@@ -30,6 +31,8 @@ WORKLOADS = ("mmlu", "hellaswag", "tree_of_thought", "skeleton_of_thought", "llm
 
 # The smoke test's ablation: the cache; the full runs add the rest of Figure 8c.
 QUICK_CONFIGS = "full,no_cache"
+# --dummy shapes: Llama-3-8B (GPU throughput runs), or TINY_SMOLLM2_VOCAB of sgjax/model/presets.py (the CI smoke test)
+DUMMY = ("llama3-8b", "tiny")
 
 
 # workload -> (module, program, score function or None): what a dumped workload file needs besides its data
@@ -144,12 +147,20 @@ def engine_factory(args):
     common = {k: v for k, v in common.items() if v is not None}
     if args.dummy:
         from sgjax.model.config import llama3_8b_config
+        from sgjax.model.presets import TINY_SMOLLM2_VOCAB
         from sgjax.model.tokenizer import load_tokenizer
         from sgjax.model.weights import dummy_weights
 
+        if args.dummy not in DUMMY:
+            raise SystemExit(f"unknown --dummy {args.dummy!r}; known: {', '.join(DUMMY)}")
         tok = load_tokenizer(args.tokenizer)
-        # Llama-3-8B's shapes with the tokenizer's vocabulary, so every sampled id decodes to text.
-        cfg = dataclasses.replace(llama3_8b_config(args.dtype or "bfloat16"), vocab_size=tok.vocab_size)
+        # The shapes with the tokenizer's vocabulary, so every sampled id decodes to text. `tiny` (2 layers, hidden
+        # 64) is the CI smoke test's: the harness, the cache and the HF baseline end to end in seconds.
+        if args.dummy == "tiny":
+            cfg = TINY_SMOLLM2_VOCAB.replace(dtype=args.dtype or "float32")
+        else:
+            cfg = llama3_8b_config(args.dtype or "bfloat16")
+        cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
         weights = dummy_weights(cfg)
         return (lambda **kw: Engine.from_weights(cfg, weights, tok, **common, **kw)), (cfg, weights, tok)
     from sgjax.model.paths import default_model_path
@@ -176,8 +187,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="timed batch runs per configuration (cold cache each); "
                                                            "the median counts")
     ap.add_argument("--model-path", default=None, help="GGUF or HF directory (default: the bundled SmolLM2)")
-    ap.add_argument("--dummy", default=None, help="llama3-8b: random weights with --tokenizer's vocabulary")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer directory or GGUF for --dummy")
+    ap.add_argument("--dummy", default=None, help=f"{' | '.join(DUMMY)}: random weights with --tokenizer's vocabulary")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory or GGUF for --dummy (default: SmolLM2's)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--max-total-tokens", type=int, default=None)

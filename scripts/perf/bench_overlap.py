@@ -32,7 +32,8 @@ def make_engine(args, overlap: bool):
         common["chunked_prefill_size"] = args.chunked_prefill_size
     if args.model_path or args.smollm2:
         return Engine(args.model_path, load_format=args.load_format, **common)
-    from sgjax.model.config import ModelConfig, llama3_8b_config
+    from sgjax.model.config import llama3_8b_config
+    from sgjax.model.presets import TINY_LLAMA
     from sgjax.model.weights import dummy_weights
 
     if args.dummy:
@@ -42,9 +43,7 @@ def make_engine(args, overlap: bool):
             args.cfg = llama3_8b_config("bfloat16")
             args.weights = dummy_weights(args.cfg)
         return Engine.from_weights(args.cfg, args.weights, None, **common)
-    cfg = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048)
-    return Engine.from_weights(cfg, dummy_weights(cfg), **common)
+    return Engine.from_weights(TINY_LLAMA, dummy_weights(TINY_LLAMA), **common)
 
 
 def main() -> None:

@@ -1,6 +1,9 @@
-"""Engine test fixtures: 16 mixed-length prompts with shared prefixes and their HF greedy continuations."""
+"""Engine test fixtures: 16 mixed-length prompts with shared prefixes and their HF greedy continuations, and engines
+over the tiny random model."""
 
 import pytest
+
+from tests.conftest import SMALL
 
 FEW_SHOT = ("Answer each question with one word.\n"
             "Q: What color is the sky on a clear day?\nA: Blue\n"
@@ -22,9 +25,16 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="session")
-def prompt_ids(smollm2):
-    tokenizer = smollm2[2]
-    return [tokenizer.encode(p) for p in PROMPTS]
+def prompt_ids(smollm2_tokenizer):
+    return [smollm2_tokenizer.encode(p) for p in PROMPTS]
+
+
+def tiny_engine(tiny, **server_args):
+    """An engine over the tiny random model (the `tiny` fixture) with the shared settings, overridden by
+    server_args: engines with the same settings reuse each other's compiled steps."""
+    from sgjax.engine.engine import Engine
+
+    return Engine.from_weights(*tiny, **{**SMALL, **server_args})
 
 
 @pytest.fixture(scope="session")

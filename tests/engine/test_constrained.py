@@ -1,5 +1,7 @@
-"""regex / json_schema requests through the Engine on SmolLM2: outputs match, jump-forward changes nothing but the
-number of steps, bad grammars are clear errors."""
+"""regex / json_schema requests through the Engine with SmolLM2's vocabulary: outputs match, jump-forward changes
+nothing but the number of steps, bad grammars are clear errors. The grammars only restrict what the model may pick,
+so the tiny random model (the `tiny` fixture, SmolLM2's tokenizer) runs them; the real model's constrained outputs
+are checked end to end by tests/lang and tests/server."""
 
 import json
 import re
@@ -7,10 +9,8 @@ import re
 import jsonschema
 import pytest
 
-from sgjax.engine.engine import Engine
 from sgjax.engine.params import SamplingParamsError
-
-ARGS = dict(max_total_tokens=4096, chunked_prefill_size=128, max_running_requests=8)
+from tests.engine.conftest import tiny_engine
 
 PERSON = {
     "type": "object",
@@ -31,8 +31,8 @@ PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2):
-    with Engine(**ARGS) as on, Engine(**ARGS, disable_jump_forward=True) as off:
+def engines(tiny):
+    with tiny_engine(tiny) as on, tiny_engine(tiny, disable_jump_forward=True) as off:
         yield on, off
 
 

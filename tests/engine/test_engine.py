@@ -1,5 +1,6 @@
 """The Engine end to end on the real SmolLM2 (fp32, CPU): outputs against HF transformers, the cache's hits, memory
-pressure, sampling, stops, streaming, logprobs and errors."""
+pressure, sampling, stops, streaming, logprobs and errors. What compares sgjax with itself (retraction against a
+roomy pool, seeds across batches, compile counts, the pool's limits) runs on the tiny random model (`tiny`)."""
 
 import asyncio
 
@@ -9,15 +10,21 @@ import pytest
 from sgjax.cache import POLICIES
 from sgjax.engine.engine import Engine
 from sgjax.engine.params import SamplingParamsError
-from tests.engine.conftest import CHAT, FEW_SHOT, NEW_TOKENS
+from tests.conftest import SMALL
+from tests.engine.conftest import CHAT, FEW_SHOT, NEW_TOKENS, tiny_engine
 
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
-SMALL = dict(max_total_tokens=4096, chunked_prefill_size=96, max_running_requests=8)
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
     with Engine(**SMALL) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def tiny_eng(tiny):
+    with tiny_engine(tiny) as eng:
         yield eng
 
 
@@ -92,27 +99,30 @@ def test_cached_tokens_for_the_papers_sharing_patterns(smollm2):
         assert_no_leak(eng)
 
 
-def test_small_pool_retracts_and_every_request_is_right(prompt_ids, hf_greedy):
+def test_small_pool_retracts_and_every_request_is_right(tiny, tiny_eng, prompt_ids):
+    # The same model with room for every request is the reference.
+    roomy = tiny_eng.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+    assert tiny_eng.get_server_info()["retractions"] == 0
     # 20 pages of 16 tokens: about three of these requests fit at once; no reserve for their outputs.
-    with Engine(max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16,
-                schedule_conservativeness=0.0) as eng:
+    with tiny_engine(tiny, max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16,
+                     schedule_conservativeness=0.0) as eng:
         outs = eng.generate(input_ids=prompt_ids, sampling_params=GREEDY)
-        for i, (out, ref) in enumerate(zip(outs, hf_greedy)):
-            assert out["output_ids"] == ref, f"prompt {i}"
+        for i, (out, ref) in enumerate(zip(outs, roomy)):
+            assert out["output_ids"] == ref["output_ids"], f"prompt {i}"
         info = eng.get_server_info()
         assert info["retractions"] > 0
         assert_no_leak(eng)
 
 
-def test_seed_reproduces_sampling_whatever_the_batch(engine):
+def test_seed_reproduces_sampling_whatever_the_batch(tiny_eng):
     params = {"max_new_tokens": 10, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
-    alone = engine.generate("Tell me about the ocean.", params)["output_ids"]
-    mixed = engine.generate(["Hi", "Tell me about the ocean.", "Once upon a time"],
-                            [GREEDY, params, {**params, "seed": 7}])
+    alone = tiny_eng.generate("Tell me about the ocean.", params)["output_ids"]
+    mixed = tiny_eng.generate(["Hi", "Tell me about the ocean.", "Once upon a time"],
+                              [GREEDY, params, {**params, "seed": 7}])
     assert mixed[1]["output_ids"] == alone
-    others = [engine.generate("Tell me about the ocean.", {**params, "seed": s})["output_ids"] for s in (1, 2, 3)]
+    others = [tiny_eng.generate("Tell me about the ocean.", {**params, "seed": s})["output_ids"] for s in (1, 2, 3)]
     assert len({tuple(o) for o in others + [alone]}) > 1
-    n3 = engine.generate("Tell me about the ocean.", {**params, "n": 3})
+    n3 = tiny_eng.generate("Tell me about the ocean.", {**params, "n": 3})
     assert len(n3) == 3 and n3[0]["output_ids"] == alone
     assert len({tuple(o["output_ids"]) for o in n3}) > 1
 
@@ -139,16 +149,16 @@ def test_logit_bias_forces_and_bans_tokens(engine):
     assert both[1]["output_ids"] == engine.generate("Hi", greedy)["output_ids"]
 
 
-def test_steady_state_compiles_nothing(engine, prompt_ids):
+def test_steady_state_compiles_nothing(tiny_eng, prompt_ids):
     def run(params):
-        engine.flush_cache()  # the same cache state each time, hence the same batches
-        engine.generate(input_ids=prompt_ids[:6], sampling_params=params)
+        tiny_eng.flush_cache()  # the same cache state each time, hence the same batches
+        tiny_eng.generate(input_ids=prompt_ids[:6], sampling_params=params)
 
     run(GREEDY)
-    traces = engine.get_server_info()["traces"]
+    traces = tiny_eng.get_server_info()["traces"]
     run(GREEDY)
     run({**GREEDY, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 3})
-    assert engine.get_server_info()["traces"] == traces
+    assert tiny_eng.get_server_info()["traces"] == traces
 
 
 def test_stop_strings_tokens_eos_and_ignore_eos(engine):
@@ -241,8 +251,8 @@ def test_bad_requests_are_clear_errors(engine, kwargs, message):
         engine.generate(**kwargs)
 
 
-def test_too_long_prompt_is_rejected_and_max_new_tokens_clipped(smollm2):
-    with Engine(max_total_tokens=64) as eng:
+def test_too_long_prompt_is_rejected_and_max_new_tokens_clipped(tiny):
+    with Engine.from_weights(*tiny, max_total_tokens=64) as eng:
         with pytest.raises(ValueError, match="at most"):
             eng.generate(input_ids=[1] * 64)
         out = eng.generate(input_ids=[1] * 60, sampling_params={"max_new_tokens": 100, "ignore_eos": True})

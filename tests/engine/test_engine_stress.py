@@ -7,18 +7,16 @@ import numpy as np
 import pytest
 
 from sgjax.engine.engine import Engine
-from sgjax.model.config import ModelConfig
+from sgjax.model.presets import TINY_LLAMA
 from sgjax.model.weights import dummy_weights
-
-TINY = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(smollm2):
-    tokenizer = smollm2[2]
-    eng = Engine.from_weights(TINY, dummy_weights(TINY, seed=1), tokenizer, page_size=4, max_total_tokens=1024,
-                              chunked_prefill_size=64, max_running_requests=16)
+def tiny_engine(smollm2_tokenizer):
+    # Its own pool on purpose: pages of 4 tokens and room for few requests, so pages, retraction and the cache's
+    # eviction are all under pressure.
+    eng = Engine.from_weights(TINY_LLAMA, dummy_weights(TINY_LLAMA, seed=1), smollm2_tokenizer, page_size=4,
+                              max_total_tokens=1024, chunked_prefill_size=64, max_running_requests=16)
     yield eng
     eng.shutdown()
 

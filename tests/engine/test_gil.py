@@ -5,11 +5,8 @@ import sys
 import pytest
 
 from sgjax.engine.engine import Engine
-from sgjax.model.config import ModelConfig
+from sgjax.model.presets import MICRO_LLAMA as CFG
 from sgjax.model.weights import dummy_weights
-
-CFG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
-                  num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
 
 
 @pytest.fixture

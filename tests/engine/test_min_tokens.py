@@ -4,10 +4,10 @@ import pytest
 
 from sgjax.engine.engine import Engine
 from sgjax.engine.params import SamplingParams
+from tests.conftest import SMALL
 from tests.engine.conftest import CHAT
 
 PROMPT = CHAT + "Say hello.<|im_end|>\n<|im_start|>assistant\n"
-SMALL = dict(max_total_tokens=2048, chunked_prefill_size=64, max_running_requests=4, dtype="float32")
 
 
 @pytest.fixture(scope="module")

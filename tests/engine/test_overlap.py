@@ -1,14 +1,22 @@
 """The overlap loop (step k+1 reads step k's tokens on the device while the host commits step k) changes when the
 host learns each token, never which token: every output must equal the one-step-at-a-time loop's, whatever mix
-of requests, and nothing may leak when requests finish or leave while a step is in flight."""
+of requests, and nothing may leak when requests finish or leave while a step is in flight.
+
+sgjax against itself: on the tiny random model with SmolLM2's tokenizer (the `tiny` fixture), whose random text
+stops on a common letter and on a spread of stop token ids rather than on EOS."""
 
 import threading
 import time
 
 import pytest
 
-from sgjax.engine.engine import Engine
-from tests.engine.test_engine import SMALL, assert_no_leak
+from sgjax.model.presets import TINY_SMOLLM2_VOCAB
+from tests.engine.conftest import tiny_engine
+from tests.engine.test_engine import assert_no_leak
+
+# Every fifth id of the vocabulary: random text meets one within a few tokens (a stop the host learns a step late
+# when the loop overlaps).
+STOP_IDS = list(range(3, TINY_SMOLLM2_VOCAB.vocab_size, 5))
 
 
 def mixed_requests(prompt_ids, host_state: bool):
@@ -21,7 +29,9 @@ def mixed_requests(prompt_ids, host_state: bool):
         if i % 4 == 1:
             p.update(temperature=0.9, top_p=0.9, sampling_seed=100 + i)
         if i % 7 == 2:
-            p.update(stop=["\n"])
+            p.update(stop=["e"])  # random text has an "e" within a few tokens, often inside a token
+        if i % 7 == 4:
+            p.update(stop_token_ids=STOP_IDS)
         if host_state and i % 6 == 3:
             p.update(frequency_penalty=0.7)
         if host_state and i == 5:
@@ -32,11 +42,11 @@ def mixed_requests(prompt_ids, host_state: bool):
     return params
 
 
-def run(prompt_ids, host_state=False, longer=0, **server_args):
+def run(tiny, prompt_ids, host_state=False, longer=0, **server_args):
     params = mixed_requests(prompt_ids, host_state)
     for p in params:
         p["max_new_tokens"] += longer
-    with Engine(**{**SMALL, **server_args}) as eng:
+    with tiny_engine(tiny, **server_args) as eng:
         outs = eng.generate(input_ids=prompt_ids, sampling_params=params, return_logprob=True, top_logprobs_num=2)
         info = eng.get_server_info()
         assert_no_leak(eng)
@@ -45,8 +55,8 @@ def run(prompt_ids, host_state=False, longer=0, **server_args):
 
 
 @pytest.fixture(scope="module")
-def one_at_a_time(prompt_ids):
-    return run(prompt_ids, disable_overlap_schedule=True)
+def one_at_a_time(tiny, prompt_ids):
+    return run(tiny, prompt_ids, disable_overlap_schedule=True)
 
 
 def assert_same(outs, ref):
@@ -59,22 +69,22 @@ def assert_same(outs, ref):
     assert any(o[2]["type"] == "stop" for o in outs) and any(o[2]["type"] == "length" for o in outs)
 
 
-def test_overlap_gives_the_same_outputs_as_one_step_at_a_time(prompt_ids, one_at_a_time):
+def test_overlap_gives_the_same_outputs_as_one_step_at_a_time(tiny, prompt_ids, one_at_a_time):
     ref, ref_info = one_at_a_time
-    outs, info = run(prompt_ids)
+    outs, info = run(tiny, prompt_ids)
     assert ref_info["overlapped_steps"] == 0
     assert info["overlapped_steps"] >= 10  # the decode steps after the prefills (max_new_tokens 4..16)
     assert_same(outs, ref)
 
 
-def test_steps_with_grammar_penalty_or_min_tokens_rows_wait_and_stay_right(prompt_ids):
-    ref, _ = run(prompt_ids, host_state=True, disable_overlap_schedule=True)
-    outs, info = run(prompt_ids, host_state=True)
+def test_steps_with_grammar_penalty_or_min_tokens_rows_wait_and_stay_right(tiny, prompt_ids):
+    ref, _ = run(tiny, prompt_ids, host_state=True, disable_overlap_schedule=True)
+    outs, info = run(tiny, prompt_ids, host_state=True)
     assert_same(outs, ref)
     assert outs[5][1].split(" ")[0] in ("yes", "no", "maybe")
 
 
-def test_penalty_rows_overlap_and_count_the_token_in_flight(prompt_ids):
+def test_penalty_rows_overlap_and_count_the_token_in_flight(tiny, prompt_ids):
     # Every row penalised, so every decode step overlaps only if penalty rows may; the step after each overlapped
     # one must count the token the host has not read yet (its window holds it as a placeholder), or greedy
     # choices move away from the one-step-at-a-time loop's.
@@ -84,7 +94,7 @@ def test_penalty_rows_overlap_and_count_the_token_in_flight(prompt_ids):
               for i in range(len(prompt_ids))]
     results = []
     for disable in (True, False):
-        with Engine(**{**SMALL, "disable_overlap_schedule": disable}) as eng:
+        with tiny_engine(tiny, disable_overlap_schedule=disable) as eng:
             outs = eng.generate(input_ids=prompt_ids, sampling_params=params)
             results.append(([o["output_ids"] for o in outs], eng.get_server_info()["overlapped_steps"]))
             assert_no_leak(eng)
@@ -93,18 +103,18 @@ def test_penalty_rows_overlap_and_count_the_token_in_flight(prompt_ids):
     assert got == ref
 
 
-def test_overlap_under_memory_pressure_retracts_and_stays_right(prompt_ids):
+def test_overlap_under_memory_pressure_retracts_and_stays_right(tiny, prompt_ids):
     # 20 pages for 16 requests of up to ~100 tokens: retractions, which wait for the step in flight.
     pressure = dict(longer=24, max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16,
                     schedule_conservativeness=0.0)
-    ref, ref_info = run(prompt_ids, disable_overlap_schedule=True, **pressure)
-    outs, info = run(prompt_ids, **pressure)
+    ref, ref_info = run(tiny, prompt_ids, disable_overlap_schedule=True, **pressure)
+    outs, info = run(tiny, prompt_ids, **pressure)
     assert ref_info["retractions"] > 0 and info["retractions"] > 0 and info["overlapped_steps"] > 0
     assert_same(outs, ref)
 
 
-def test_requests_aborted_while_their_step_is_in_flight_free_everything(smollm2, prompt_ids):
-    with Engine(**SMALL) as eng:
+def test_requests_aborted_while_their_step_is_in_flight_free_everything(tiny, prompt_ids):
+    with tiny_engine(tiny) as eng:
         results, started = {}, threading.Event()
 
         def consume(i, ids):

@@ -1,7 +1,8 @@
 """Step-shape discipline: with the coarse ladder (the accelerators' default) a batch of asynchronous programs (gen,
 select with prompt logprobs, regex masks, forks, top logprobs) takes only shapes from a small set that follows the
 token count, the start-up precompilation holds the common ones, and a second batch with other arguments compiles
-nothing new."""
+nothing new. Shapes and compile counts do not depend on the weights: the tiny random model with SmolLM2's
+tokenizer (the `tiny` fixture) has the real vocabulary, hence the real mask widths."""
 
 import itertools
 
@@ -13,9 +14,9 @@ from sgjax.engine.engine import Engine
 from sgjax.engine.runner import Buckets, StepShape
 from sgjax.lang.backend.engine import EngineBackend
 
-# The coarse ladder fixes the page-table width at the context's pages: a short context keeps the CPU's `ref`
-# attention (which reads every entry) cheap.
-SMALL = dict(max_total_tokens=4096, chunked_prefill_size=48, max_running_requests=8, context_length=512)
+# This file's own settings, not tests/conftest.py's SMALL: the coarse ladder fixes the page-table width at the
+# context's pages, and a short context keeps the CPU's `ref` attention (which reads every entry) cheap.
+LADDER = dict(max_total_tokens=4096, chunked_prefill_size=48, max_running_requests=8, context_length=512)
 TOPICS = ["the sea", "a mountain", "winter", "a city at night", "an old library", "the desert", "a garden",
           "a train station", "the moon", "a forest", "a bridge", "rain"]
 
@@ -44,7 +45,7 @@ def allowed_shapes(runner) -> set[StepShape]:
     words = -(-runner.cfg.vocab_size // 32)
     widths = {runner.max_pages}
     out = set()
-    for t in b.tokens_ladder(SMALL["chunked_prefill_size"] + SMALL["max_running_requests"]):
+    for t in b.tokens_ladder(LADDER["chunked_prefill_size"] + LADDER["max_running_requests"]):
         r = b.reqs(t, 1)
         for logits, top, mask, width in itertools.product({r, t}, (b.max_top_logprobs,), (0, words), widths):
             out.add(runner_shape(t, r, width, logits, top, mask))
@@ -58,8 +59,8 @@ def runner_shape(t, r, width, logits, top, mask) -> StepShape:
 
 
 @pytest.fixture(scope="module")
-def coarse_engine(smollm2):
-    with Engine(step_buckets="coarse", precompile=True, **SMALL) as eng:
+def coarse_engine(tiny):
+    with Engine.from_weights(*tiny, step_buckets="coarse", precompile=True, **LADDER) as eng:
         yield eng
 
 
@@ -86,14 +87,14 @@ def test_coarse_ladder_is_precompiled_and_async_batches_compile_nothing(coarse_e
     assert coarse_engine.get_server_info()["traces"] == traces, "async program batches compiled new step shapes"
 
 
-def test_coarse_and_fine_ladders_give_the_same_greedy_programs(coarse_engine, smollm2):
+def test_coarse_and_fine_ladders_give_the_same_greedy_programs(coarse_engine, tiny):
     args = arguments(TOPICS[:2], "Which mood fits?")
     coarse = program.run_batch(args, backend=EngineBackend(coarse_engine), num_threads=1, temperature=0)
-    with Engine(step_buckets="fine", **SMALL) as eng:
+    with Engine.from_weights(*tiny, step_buckets="fine", **LADDER) as eng:
         fine = program.run_batch(args, backend=EngineBackend(eng), num_threads=1, temperature=0)
     assert [s.text() for s in coarse] == [s.text() for s in fine]
 
 
-def test_step_buckets_must_be_known(smollm2):
+def test_step_buckets_must_be_known(tiny):
     with pytest.raises(ValueError, match="step_buckets"):
-        Engine(step_buckets="huge", **SMALL)
+        Engine.from_weights(*tiny, step_buckets="huge", **LADDER)

@@ -4,7 +4,7 @@ import numpy as np
 
 from sgjax.engine.engine import Engine
 from sgjax.engine.steplog import StepRecord, summarize
-from sgjax.model.config import ModelConfig
+from sgjax.model.presets import MICRO_LLAMA
 from sgjax.model.weights import dummy_weights
 
 
@@ -27,9 +27,8 @@ def test_summarize_busy_idle_and_decode_roofline():
 
 
 def test_engine_records_every_step():
-    cfg = ModelConfig(architecture="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256)
-    with Engine.from_weights(cfg, dummy_weights(cfg), max_running_requests=4, max_total_tokens=512) as eng:
+    with Engine.from_weights(MICRO_LLAMA, dummy_weights(MICRO_LLAMA), max_running_requests=4,
+                             max_total_tokens=512) as eng:
         eng.step_log = []
         prompts = [list(np.arange(1, 9 + i)) for i in range(3)]
         eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})

@@ -121,7 +121,9 @@ def _mixed_case(heads, seed):
 
 
 def test_mixed_bucket_splits_between_kernels_in_interpret_mode():
-    (q, k, v, pool, layer, meta), expected, total = _mixed_case((2, 1), seed=4)
+    # One head: the split is by request, the same for every head, and the interpreter's time grows with the heads
+    # (GQA in the Hopper kernel: test_interpret_mode_matches_expectation; in the Triton one: test_pallas_attention).
+    (q, k, v, pool, layer, meta), expected, total = _mixed_case((1, 1), seed=4)
     out, _ = pallas_gpu_attention(q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, prefill_kernel="mgpu",
                                   interpret=True, mgpu=dict(block_kv=64, stages=2))
     out = np.asarray(out, np.float32)

@@ -4,13 +4,15 @@ every backend."""
 import pytest
 
 import sgjax as sgl
+from tests.conftest import SMALL
 
 
 @pytest.fixture(scope="session")
 def engine():
     from sgjax.engine.engine import Engine
 
-    with Engine(max_total_tokens=4096, max_running_requests=8) as eng:
+    # The settings of the session's server (tests/conftest.py), so both run the same batches and compiled steps.
+    with Engine(**SMALL) as eng:
         yield eng
 
 

@@ -1,6 +1,7 @@
-"""The HTTP backends end to end on one real `sgjax serve` (SmolLM2, CPU) in a child process: `RuntimeEndpoint` over
-the native API against the in-process Engine, and `OpenAI` (the official client) against the server's
-OpenAI-compatible API as a black box, with and without API speculative execution."""
+"""The HTTP backends end to end on one real `sgjax serve` (SmolLM2, CPU) in a child process (the session's `server`,
+tests/conftest.py, shared with tests/server): `RuntimeEndpoint` over the native API against the in-process Engine,
+and `OpenAI` (the official client) against the server's OpenAI-compatible API as a black box, with and without API
+speculative execution."""
 
 import importlib.util
 import json
@@ -15,17 +16,9 @@ from sgjax.lang.interpreter import ProgramError
 from sgjax.server.process import free_port
 from tests.lang import test_upstream_programs as up
 from tests.lang.conftest import assert_streams_as_a_whole_run
-from tests.server.conftest import serving
 
-# The settings of the tests' in-process engine (conftest.py), so the server runs the same compiled steps.
-SERVER_FLAGS = ("--max-total-tokens", "4096", "--max-running-requests", "8")
 PAGE = 16
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "api_speculative.py")
-
-
-@pytest.fixture(scope="module")
-def server():
-    yield from serving(*SERVER_FLAGS)
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,10 @@ import pytest
 
 from sgjax.kernels import allocate_pool, ref_attention
 from sgjax.model.batch import BatchShape, build_batch, pack, unpack
-from sgjax.model.config import ModelConfig
 from sgjax.model.llama import forward
+from sgjax.model.presets import TINY_LLAMA as CFG
 from tests.model.steps import make_packed_step, make_step
 from sgjax.model.weights import dummy_weights
-
-CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8)
 
 
 def test_twenty_ragged_steps_in_one_bucket_compile_once():
@@ -81,7 +78,7 @@ def test_packed_batch_is_one_transfer_with_the_same_result():
 @pytest.mark.parametrize("dtype,precision", [("float32", "HIGHEST"), ("bfloat16", None)])
 def test_float32_dots_are_float32(dtype, precision):
     # A GPU runs default-precision fp32 dots as TF32; an fp32 model must ask for full precision in its program.
-    cfg = ModelConfig(**{**CFG.__dict__, "dtype": dtype})
+    cfg = CFG.replace(dtype=dtype)
     weights = dummy_weights(cfg)
     pool = allocate_pool(cfg.num_layers, 9, 4, cfg.num_kv_heads, cfg.head_dim, dtype=jnp.dtype(dtype))
     batch = jax.tree.map(jnp.asarray, build_batch([[1, 2, 3]], [3], [[1, 2]], 4, 8, 2, 2))

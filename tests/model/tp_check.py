@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from sgjax.kernels import allocate_pool, ref_attention  # noqa: E402
 from sgjax.model.batch import build_batch  # noqa: E402
-from sgjax.model.config import ModelConfig  # noqa: E402
+from sgjax.model.presets import TINY_QWEN2  # noqa: E402
 from tests.model.steps import make_step  # noqa: E402
 from sgjax.model.weights import dummy_weights, shardings  # noqa: E402
 
@@ -20,8 +20,7 @@ RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
 
 def main():
     assert len(jax.devices()) == 2
-    cfg = ModelConfig(architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
+    cfg = TINY_QWEN2
     weights = dummy_weights(cfg, seed=1)
     batch = jax.tree.map(jnp.asarray, build_batch([[1, 2, 3, 4, 5], [7, 8]], [5, 2], [[1, 2], [3]], 4, 16, 4, 2))
     step = make_step(cfg, ref_attention)

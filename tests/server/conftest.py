@@ -1,17 +1,19 @@
 """The real server in a subprocess (`python -m sgjax.cli serve`) on a free loopback port, with the real SmolLM2 and
-the tests' persistent compilation cache, shared by the whole session; helpers to read SSE streams and check leaks."""
+the tests' persistent compilation cache; helpers to read SSE streams and check leaks. The session's shared server
+(`server`, `url`, `client`) is in tests/conftest.py: tests/lang uses it too."""
 
 import json
 import os
 import time
 
 import httpx
-import pytest
 
 from sgjax.server.process import ServerProcess
+from tests.conftest import SMALL
 
-# The engine tests' settings: the same pool and step shapes, so the compilation cache they fill serves the server.
-SMALL_FLAGS = ["--max-total-tokens", "4096", "--chunked-prefill-size", "96", "--max-running-requests", "8"]
+# The in-process engines' settings as flags: the same pool and step shapes, so the compilation cache they fill
+# serves the server.
+SMALL_FLAGS = [x for name, value in SMALL.items() for x in ("--" + name.replace("_", "-"), str(value))]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -32,22 +34,6 @@ def serving(*flags: str):
     rc = srv.stop()
     assert rc == 0, f"server exit status {rc} after SIGTERM:\n{srv.log_text()}"
     srv.remove_log()
-
-
-@pytest.fixture(scope="session")
-def server():
-    yield from serving(*SMALL_FLAGS, "--enable-metrics")
-
-
-@pytest.fixture(scope="session")
-def url(server) -> str:
-    return server.url
-
-
-@pytest.fixture(scope="session")
-def client(url):
-    with httpx.Client(base_url=url, timeout=120) as c:
-        yield c
 
 
 def sse_events(lines) -> list:

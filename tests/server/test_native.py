@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 
 from sgjax.engine.engine import Engine
+from tests.conftest import SMALL
 from tests.engine.conftest import PROMPTS
 from tests.server.conftest import assert_no_leak, sse_events
 
@@ -18,9 +19,9 @@ SAMPLED = {"max_new_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 11, "n
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    # The server's model and settings (tests/server/conftest.py), so both run the same batches; the session's
-    # weights are shared with the other test packages.
-    with Engine.from_weights(*smollm2, max_total_tokens=4096, chunked_prefill_size=96, max_running_requests=8) as eng:
+    # The server's model and settings (tests/conftest.py), so both run the same batches; the session's weights are
+    # shared with the other test packages.
+    with Engine.from_weights(*smollm2, **SMALL) as eng:
         yield eng
 
 
