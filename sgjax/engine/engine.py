@@ -27,7 +27,8 @@ from sgjax.engine.args import ServerArgs
 from sgjax.engine.embed import embed
 from sgjax.engine.images import ImageEncoder
 from sgjax.engine.loading import VISION, check_kv_cache_dtype, default_dtype, load_model_cached, pool_pages
-from sgjax.engine.outputs import Outputs, abort_reason, result, snapshot
+from sgjax.engine import sinks
+from sgjax.engine.outputs import Outputs, abort_reason
 from sgjax.engine.request import Req
 from sgjax.engine.requests import GenerateCall, RequestBuilder
 from sgjax.engine.runner import Runner
@@ -141,6 +142,7 @@ class Engine:
         self.step_log: list[StepRecord] | None = None
         self._watcher: StepWatcher | None = None
         self._inbox: queue.Queue = queue.Queue()
+        self._queue = sinks.Queue(add=lambda req: self._inbox.put(Add(req)), abort=self.abort)
         self._step_seconds = 0.0
         self._closed = False
         if args.precompile if args.precompile is not None else platform != "cpu":
@@ -158,8 +160,8 @@ class Engine:
         reqs, single = self._make_requests(GenerateCall(prompt, sampling_params, input_ids, return_logprob,
                                                         logprob_start_len, top_logprobs_num, stream, rid, image_data))
         if stream:
-            return self._stream(reqs[0])
-        waits = [self._submit(r) for r in reqs]
+            return sinks.stream(self._queue, reqs[0])
+        waits = [sinks.submit(self._queue, r) for r in reqs]
         results = [w() for w in waits]
         return results[0] if single and len(results) == 1 else results
 
@@ -174,8 +176,8 @@ class Engine:
         pool = self._grammar_workers if _asks_for_grammar(sampling_params) else None
         reqs, single = await asyncio.get_running_loop().run_in_executor(pool, self._make_requests, call)
         if stream:
-            return self._async_stream(reqs[0])
-        results = await asyncio.gather(*(self._async_one(r) for r in reqs))
+            return sinks.async_stream(self._queue, reqs[0])
+        results = await asyncio.gather(*(sinks.async_one(self._queue, r) for r in reqs))
         return results[0] if single and len(results) == 1 else list(results)
 
     def encode(self, prompt=None, input_ids=None) -> list[list[float]]:
@@ -259,71 +261,6 @@ class Engine:
     def _forget(self, req: Req) -> None:
         with self._live_lock:
             self._live.discard(req.rid)
-
-    def _submit(self, req: Req):
-        done = threading.Event()
-        box = {}
-
-        def sink(req, new_text, finished):
-            if finished:
-                box["result"] = result(req)
-                done.set()
-
-        req.sink = sink
-        self._inbox.put(Add(req))
-
-        def wait():
-            done.wait()
-            return box["result"]
-
-        return wait
-
-    def _stream(self, req: Req):
-        chunks: queue.Queue = queue.Queue()
-        # The loop thread only takes a snapshot (O(1)); the caller's thread copies the lists (O(n) per chunk).
-        req.sink = lambda r, new_text, finished: chunks.put(snapshot(r))
-        self._inbox.put(Add(req))
-        try:
-            while True:
-                item = result(req, chunks.get())
-                yield item
-                if item["meta_info"]["finish_reason"] is not None:
-                    return
-        finally:
-            if not req.finished:
-                self.abort(req.rid)
-
-    async def _async_one(self, req: Req):
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def sink(r, new_text, finished):
-            if finished:
-                res = result(r)
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
-
-        req.sink = sink
-        self._inbox.put(Add(req))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self.abort(req.rid)
-            raise
-
-    async def _async_stream(self, req: Req):
-        loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue = asyncio.Queue()
-        req.sink = lambda r, new_text, finished: loop.call_soon_threadsafe(chunks.put_nowait, snapshot(r))
-        self._inbox.put(Add(req))
-        try:
-            while True:
-                item = result(req, await chunks.get())
-                yield item
-                if item["meta_info"]["finish_reason"] is not None:
-                    return
-        finally:
-            if not req.finished:
-                self.abort(req.rid)
 
     # -- the loop ---------------------------------------------------------------------------------------
     def _call(self, fn):
