@@ -91,7 +91,7 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def generate(self, text, params):
-        sampling, _ = _split(params)
+        sampling, _, _ = _split(params)
         p = SamplingParams.from_dict(sampling)
         ids = self.tokenizer.encode(text)
         self.prompt_tokens += len(ids)

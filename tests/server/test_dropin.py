@@ -15,7 +15,7 @@ import pytest
 
 from sgjax.server import fields
 from sgjax.server.app import OPEN_ROUTES, ROUTES
-from tests.server.conftest import SMALL_FLAGS, serving, sse_events
+from tests.server.conftest import SMALL_FLAGS, serving, sse_events, wait_idle
 
 CHAT = [{"role": "user", "content": "Say hi."}]
 
@@ -210,6 +210,7 @@ def test_max_queued_requests_and_stream_interval(locked):
 def test_request_timeout_aborts_and_a_stalled_header_closes_the_connection(locked):
     auth = {"Authorization": "Bearer sekret"}
     with httpx.Client(base_url=locked.url, timeout=120, headers=auth) as c:
+        wait_idle(c)  # the queue test's requests have all left (a timed-out one is aborted a moment later)
         t0 = time.monotonic()
         r = c.post("/generate", json={"text": "Tell a long story.", "sampling_params": {
             "max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}})

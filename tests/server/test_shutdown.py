@@ -37,7 +37,7 @@ def test_flags_then_sigterm_ends_streams_and_exits_0():
         srv.stop()
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
-    assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": "engine shut down"}
+    assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": "engine shut down", "status_code": 503}
     assert 0 < last["meta_info"]["completion_tokens"] < 3000
     log = srv.log_text()
     assert "request rids=['long-one']" in log and "finish rid=long-one" in log and '"POST /generate' in log
