@@ -1,0 +1,57 @@
+"""`--reasoning-parser`: a chat answer's `<think>...</think>` block as `reasoning_content`, the rest as `content`.
+
+The formats and SGLang's model-type names are the DSL's (sgjax/lang/reasoning.py): *forced* types (deepseek-r1,
+qwen3-thinking, ...) always reason first and may omit the opening tag, so everything before `</think>` is
+reasoning; *optional* types (qwen3, ...) reason only when the answer opens with `<think>`. Here the split also runs
+on a stream's growing text: `split(text, final=False)` holds back a possibly unfinished tag, so that both parts
+only grow as text is appended and a stream's deltas concatenate to the whole answer's split. The answer loses the
+whitespace that follows `</think>` (layout between the parts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sgjax.lang.reasoning import FORCED, OPTIONAL, THINK_END, THINK_START, is_forced
+from sgjax.server.tool_parsers import _held_prefix
+
+NAMES = tuple(sorted(FORCED + OPTIONAL))
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    forced: bool
+
+    @classmethod
+    def named(cls, model_type: str) -> "ReasoningParser":
+        return cls(is_forced(model_type))
+
+    def split(self, text: str, final: bool = True) -> tuple[str, str]:
+        """(reasoning, content) of an answer, or of a stream's text so far (final=False)."""
+        body = text.lstrip()
+        if not final and THINK_START.startswith(body):
+            return "", ""  # nothing yet, or an unfinished opening tag
+        if body.startswith(THINK_START):
+            body = body[len(THINK_START):]
+        elif not self.forced:
+            return "", text
+        if THINK_END in body:
+            reasoning, _, content = body.partition(THINK_END)
+            return reasoning, content.lstrip()
+        if final:
+            return body, ""  # cut off while reasoning
+        return body[:len(body) - _held_prefix(body, THINK_END)], ""
+
+
+class ReasoningStream:
+    """`feed(delta)` per new piece of output -> (new reasoning text, new content text)."""
+
+    def __init__(self, parser: ReasoningParser):
+        self.parser, self.text, self.sent = parser, "", ("", "")
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        self.text += delta
+        reasoning, content = self.parser.split(self.text, final)
+        old_r, old_c = self.sent
+        self.sent = (reasoning, content)
+        return reasoning[len(old_r):], content[len(old_c):]
