@@ -32,7 +32,8 @@ log = logging.getLogger("sgjax.router")
 WORKER_START_TIMEOUT = 1800.0  # a first start on a GPU compiles the step shapes
 # HTTP flags the workers share with the launcher (host and port are the router's own).
 _WORKER_HTTP_FLAGS = ("served_model_name", "enable_metrics", "log_requests", "log_level", "skip_server_warmup",
-                     "api_key", "stream_interval", "max_queued_requests", "profile_dir")
+                     "api_key", "stream_interval", "max_queued_requests", "profile_dir",
+                     "tool_call_parser", "reasoning_parser")
 
 
 # -- flags (sgjax/cli.py calls these two) ----------------------------------------------------------------------

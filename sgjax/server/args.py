@@ -19,8 +19,21 @@ class HttpArgs:
     max_queued_requests: int | None = None  # generations waiting beyond the running batch; more get a 503
     profile_dir: str | None = None  # where /start_profile writes JAX profiler traces (default: a temp dir)
     request_timeout: float | None = None  # seconds a generation request may take; then 504 (a stream: an error event)
+    # The chat routes' output parsers (server/tool_parsers.py, server/reasoning.py). tool_call_parser None: the
+    # format the chat template writes (hermes when it shows none); reasoning_parser None: no reasoning split.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     header_timeout: float = 10.0  # seconds a request line and its headers may take to arrive; then the connection closes
 
+
+def _choices():
+    from sgjax.server.reasoning import NAMES
+    from sgjax.server.tool_parsers import PARSERS
+
+    return sorted(PARSERS), list(NAMES)
+
+
+_TOOL_PARSERS, _REASONING_PARSERS = _choices()
 
 HTTP_FLAGS = [
     ("host", dict(help="address to listen on (loopback by default: expose it on purpose)")),
@@ -40,4 +53,9 @@ HTTP_FLAGS = [
                                               "error event on a stream")),
     ("header_timeout", dict(type=float, help="seconds a request's line and headers may take to arrive; then the "
                                              "connection is closed (slow clients hold no worker)")),
+    ("tool_call_parser", dict(choices=_TOOL_PARSERS, help="format of the model's tool calls on /v1/chat/completions "
+                                                          "(default: the chat template's own, hermes when it shows "
+                                                          "none)")),
+    ("reasoning_parser", dict(choices=_REASONING_PARSERS, help="split the chat answers' <think>...</think> reasoning "
+                                                               "into reasoning_content (SGLang's model types)")),
 ]

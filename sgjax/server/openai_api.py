@@ -25,6 +25,8 @@ from typing import AsyncIterator
 from sgjax.engine.params import OPENAI_NAMES, SamplingParams, SamplingParamsError
 from sgjax.engine.requests import check_token_ids
 from sgjax.errors import RequestError
+from sgjax.server import tools
+from sgjax.server.chat_output import ChatOutput
 from sgjax.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from sgjax.server.serving import Serving, Work, params_error
 
@@ -42,6 +44,7 @@ class Prepared:
     echo_texts: tuple[str, ...] | None = None  # completions with echo: each prompt's text
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
     include_usage: bool = False
+    output: ChatOutput = ChatOutput()  # chat: how the answer's text becomes content, reasoning and tool calls
 
 
 # -- requests ---------------------------------------------------------------------------------------------------
@@ -65,26 +68,49 @@ async def prepare_completion(serving: Serving, req: CompletionRequest) -> Prepar
 
 async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared:
     _need_tokenizer(serving)
-    if req.tools:
-        raise ApiError("tools: tool calling is not supported", param="tools")
-    if req.tool_choice not in (None, "none"):
-        raise ApiError("tool_choice: tool calling is not supported (only 'none')", param="tool_choice")
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
     schema = _response_schema(req)
+    plan = tools.plan(req, serving.tool_format)
+    if plan.regex is not None and (schema is not None or req.regex is not None):
+        given = "regex" if req.regex is not None else "response_format"
+        raise ApiError(f"{given}: cannot be combined with tools under tool_choice {plan.choice!r}, whose calls have a "
+                       f"grammar of their own (tool_choice 'none' drops the tools)", param=given)
     messages, images, fields = _chat_messages(serving, req)
-    ids = await asyncio.to_thread(_chat_prompt, serving, messages)
+    messages, template_vars = tools.template_input(messages, plan, serving.tool_format,
+                                                   serving.tokenizer.chat_template)
+    template_vars = {**_template_kwargs(req), **template_vars}
+    ids = await asyncio.to_thread(_chat_prompt, serving, messages, template_vars)
     top = _top_logprobs(serving, req.top_logprobs, "top_logprobs")
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     renames = {**OPENAI_RENAMES, "max_new_tokens": max_field, "json_schema": "response_format.json_schema.schema"}
+    if plan.regex is not None:
+        renames["regex"] = "tools"  # the calls' grammar failed to compile (its size, the compile budget)
     expanded = len(images) * (serving.engine.images.cfg.num_image_tokens - 1) if images else 0
-    params = _sampling(serving, req, [ids], "messages", asked, None, schema, renames, max_field, expanded)
+    params = _sampling(serving, req, [ids], "messages", asked, None, schema, renames, max_field, expanded,
+                       regex=plan.regex)
     work = Work(params=(params,), ids=(ids,), return_logprob=bool(req.logprobs), top_logprobs_num=top,
                 prompt_field="messages", renames=renames, images=(tuple(images),) if images else None,
                 image_fields=(("messages", tuple(fields)),) if images else None)
+    reasoning = serving.reasoning
+    if req.separate_reasoning is False or (req.chat_template_kwargs or {}).get("enable_thinking") is False:
+        reasoning = None  # the reasoning stays in the content / the template told the model not to think
+    output = ChatOutput(tools=serving.tool_format if plan.parse else None, reasoning=reasoning)
     return Prepared(work=work, n=params.n, chat=True, logprobs=top if req.logprobs else None,
-                    include_usage=_include_usage(req))
+                    include_usage=_include_usage(req), output=output)
+
+
+_RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict:
+    kwargs = req.chat_template_kwargs or {}
+    taken = sorted(set(kwargs) & _RESERVED_TEMPLATE_VARS)
+    if taken:
+        raise ApiError(f"chat_template_kwargs: {taken} are set by the server (messages, tools, ...)",
+                       param="chat_template_kwargs")
+    return kwargs
 
 
 def _need_tokenizer(serving: Serving) -> None:
@@ -143,7 +169,15 @@ def _chat_messages(serving: Serving, req: ChatCompletionRequest) -> tuple[list[d
             content = "".join(pieces)
         else:
             content = m.content or ""
-        messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+        message = {"role": m.role, "content": content, **({"name": m.name} if m.name else {})}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise ApiError(f"messages.{i}.tool_calls: only assistant messages call tools",
+                               param=f"messages.{i}.tool_calls")
+            message["tool_calls"] = [(c.function.name, c.function.arguments) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
     return messages, images, fields
 
 
@@ -158,9 +192,9 @@ def _data_url_payload(url: str, where: str) -> str:
     return payload
 
 
-def _chat_prompt(serving: Serving, messages: list[dict]) -> list[int]:
+def _chat_prompt(serving: Serving, messages: list[dict], template_vars: dict | None = None) -> list[int]:
     try:
-        text = serving.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = serving.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_vars or {}))
     except Exception as e:  # noqa: BLE001 - the template's own checks (role order, unknown roles) fail here
         raise ApiError(f"messages: the chat template refused them: {e}", param="messages") from None
     return serving.tokenizer.encode(text)
@@ -180,7 +214,7 @@ def _response_schema(req: ChatCompletionRequest):
 
 def _sampling(serving: Serving, req, ids: list[list[int]], prompt_field: str, asked: int | None,
               default: int | None, json_schema, renames: dict, max_field: str = "max_tokens",
-              expanded: int = 0) -> SamplingParams:
+              expanded: int = 0, regex: str | None = None) -> SamplingParams:
     """SamplingParams of an OpenAI request. Unlike /generate (which clips, as SGLang's native API does), a
     max_tokens that does not fit beside the prompt is an error, as in OpenAI's API. `expanded`: the rows the
     engine adds when it expands image tokens, which count against the limit too."""
@@ -197,6 +231,8 @@ def _sampling(serving: Serving, req, ids: list[list[int]], prompt_field: str, as
                        f"tokens ({_limits(serving)})", param=max_field)
     d = {ours: getattr(req, theirs, None) for ours, (theirs, _) in OPENAI_NAMES.items()}
     d.update(max_new_tokens=asked if asked is not None else default, json_schema=json_schema)
+    if regex is not None:
+        d["regex"] = regex
     try:
         return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
     except SamplingParamsError as e:
@@ -212,14 +248,15 @@ def response(serving: Serving, prep: Prepared, results: list[dict]) -> dict:
     choices = []
     for k, r in enumerate(results):
         meta = r["meta_info"]
+        called = False
         if prep.chat:
-            choice = {"index": k, "message": {"role": "assistant", "content": r["text"]},
-                      "logprobs": _chat_logprobs(serving, prep, meta, 0)}
+            message, called = prep.output.message(r["text"])
+            choice = {"index": k, "message": message, "logprobs": _chat_logprobs(serving, prep, meta, 0)}
         else:
             echo = prep.echo_texts[k // prep.n] if prep.echo_texts else ""
             choice = {"index": k, "text": echo + r["text"],
                       "logprobs": _completion_logprobs(serving, prep, meta, 0, True, 0)}
-        choices.append({**choice, **_finish(meta)})
+        choices.append({**choice, **_finish(meta, called)})
     return {**_head(serving, prep, uuid.uuid4().hex), "choices": choices, "usage": _usage(results, prep.n)}
 
 
@@ -228,6 +265,7 @@ async def events(serving: Serving, prep: Prepared, merged: AsyncIterator) -> Asy
     head = _head(serving, prep, uuid.uuid4().hex, chunk=True)
     seen: dict[int, tuple[int, int, int]] = {}  # index -> (text chars, output logprobs, text offset) sent
     finals: dict[int, dict] = {}
+    parsed = {}  # index -> its ChatStream, when the answer's text is parsed (reasoning, tool calls)
     async for k, item in merged:
         meta, text = item["meta_info"], item["text"]
         first = k not in seen
@@ -247,6 +285,20 @@ async def events(serving: Serving, prep: Prepared, merged: AsyncIterator) -> Asy
         finished = meta["finish_reason"] is not None
         if not (delta or finished or _has_tokens(lp)):
             continue
+        if prep.chat and not prep.output.plain:
+            stream = parsed.setdefault(k, prep.output.stream())
+            pieces = stream.feed(text, finished)
+            if not pieces and _has_tokens(lp):
+                pieces = [{}]  # text held back (a possible tag), its tokens' logprobs sent now
+            # One chunk per piece, as OpenAI sends them; the logprobs ride on the first.
+            for piece in pieces:
+                yield {**head, "choices": [{"index": k, "delta": piece, "logprobs": lp, "finish_reason": None}]}
+                lp = None
+            if finished:
+                yield {**head, "choices": [{"index": k, "delta": {}, "logprobs": lp,
+                                            **_finish(meta, stream.called)}]}
+                finals[k] = item
+            continue
         if prep.chat:
             choice = {"index": k, "delta": {"content": delta} if delta else {}, "logprobs": lp}
         else:
@@ -265,9 +317,12 @@ def _head(serving: Serving, prep: Prepared, rid: str, chunk: bool = False) -> di
             "model": serving.model_name}
 
 
-def _finish(meta: dict) -> dict:
+def _finish(meta: dict, called: bool = False) -> dict:
     reason = meta["finish_reason"] or {}
-    return {"finish_reason": reason.get("type"), "matched_stop": reason.get("matched")}
+    kind = reason.get("type")
+    if called and kind == "stop":  # OpenAI's reason for an answer that calls tools (a cut-off one stays "length")
+        kind = "tool_calls"
+    return {"finish_reason": kind, "matched_stop": reason.get("matched")}
 
 
 def _usage(results: list[dict], n: int) -> dict:
@@ -384,6 +439,7 @@ def tokenize(serving: Serving, req) -> dict:
         messages, images, _ = _chat_messages(serving, req)
         if images:
             raise ApiError("messages: /tokenize takes text only", param="messages")
+        messages, _ = tools.template_input(messages, tools.NO_TOOLS, serving.tool_format, tok.chat_template)
         text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False)
         batch, single = [tok.encode(text)], True
     else:

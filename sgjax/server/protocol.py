@@ -216,10 +216,26 @@ ContentPart = Annotated[Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePa
                                       custom_error_message="a content part needs type 'text' or 'image_url'")]
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(Strict):
+    """An earlier assistant turn's call, as the client sends it back in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None  # streamed calls carry their index; clients that rebuild messages from them keep it
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
 
 
 class JsonSchemaFormat(Strict):
@@ -234,6 +250,27 @@ class ResponseFormat(Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+class FunctionDef(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted: calls are always constrained to the schema when the grammar applies
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=0)
@@ -241,8 +278,13 @@ class ChatCompletionRequest(OpenAIBase):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # SGLang's reasoning switches (with --reasoning-parser): separate_reasoning false leaves the reasoning in the
+    # content; chat_template_kwargs are the template's variables (Qwen3's enable_thinking)
+    separate_reasoning: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # -- tokenizer and embeddings -------------------------------------------------------------------------------

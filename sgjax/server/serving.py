@@ -27,6 +27,8 @@ from sgjax.server.connection import until_disconnected
 from sgjax.server.metrics import Metrics
 from sgjax.server.args import HttpArgs
 from sgjax.server.protocol import ApiError
+from sgjax.server.reasoning import ReasoningParser
+from sgjax.server.tool_parsers import default_parser_name, get_parser
 
 log = logging.getLogger("sgjax.server")
 
@@ -90,6 +92,11 @@ class Serving:
         vision = engine.images
         self.image_token = (self.tokenizer.hf.id_to_token(vision.cfg.image_token_index)
                             if vision is not None and self.tokenizer is not None else None)
+        # The chat routes' output parsers: the tool-call format (by flag, else the one the template writes) and
+        # the reasoning split (by flag only: a model that does not think has no <think> block to split).
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        self.tool_format = get_parser(http.tool_call_parser or default_parser_name(template))
+        self.reasoning = ReasoningParser.named(http.reasoning_parser) if http.reasoning_parser else None
 
     # -- life cycle ------------------------------------------------------------------------------------------
     @property
