@@ -122,3 +122,78 @@ def boolq() -> list[dict]:
     """BoolQ validation (3,270 Wikipedia passages): {"question", "passage", "answer" (bool)}."""
     return [{"question": r["question"], "passage": r["passage"], "answer": str(r["answer"]) == "True"}
             for r in _hf_dataset("boolq/none/validation")]
+
+
+# -- BFCL (bfcl-eval's function-calling data: pip install --no-deps bfcl-eval==2026.3.23) -----------------------------
+_BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array"}
+
+
+def _bfcl_schema(node):
+    """BFCL's Python-flavoured types as JSON Schema (its own OpenAI handler does the same): dict -> object, float ->
+    number, tuple -> array, any -> no type; its `optional` marks are dropped (`required` says it)."""
+    if isinstance(node, list):
+        return [_bfcl_schema(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k == "optional":
+            continue
+        if k == "type" and isinstance(v, str):
+            if v == "any":
+                continue
+            v = _BFCL_TYPES.get(v, v)
+        out[k] = {p: _bfcl_schema(s) for p, s in v.items()} if k == "properties" else _bfcl_schema(v)
+    return out
+
+
+def bfcl_tool_name(name: str) -> str:
+    return name.replace(".", "_")  # OpenAI's function names have no dots (BFCL's handlers rename them so too)
+
+
+@functools.lru_cache(maxsize=4)
+def bfcl(category: str = "simple_python") -> tuple[dict, ...]:
+    """BFCL v4 tasks: {"id", "messages", "tools" (OpenAI tool specs), "ground_truth"} (ground truth: a list of
+    {function name: {parameter: [accepted values]}}, "" among them when the parameter may be left out)."""
+    base = os.path.join(package_dir("bfcl_eval"), "data")
+    with open(os.path.join(base, f"BFCL_v4_{category}.json")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    with open(os.path.join(base, "possible_answer", f"BFCL_v4_{category}.json")) as f:
+        truth = {r["id"]: r["ground_truth"] for r in (json.loads(line) for line in f if line.strip())}
+    return tuple({"id": r["id"], "messages": r["question"][0], "ground_truth": truth.get(r["id"], []),
+                  "tools": [{"type": "function", "function": {"name": bfcl_tool_name(fn["name"]),
+                                                              "description": fn.get("description", ""),
+                                                              "parameters": _bfcl_schema(fn["parameters"])}}
+                            for fn in r["function"]]} for r in rows)
+
+
+def _bfcl_norm(value):
+    if isinstance(value, str):  # BFCL's string match: case, spaces and some punctuation do not count
+        return "".join(c for c in value.lower() if c not in " ,./-_*^")
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return [_bfcl_norm(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _bfcl_norm(v) for k, v in value.items()}
+    return value
+
+
+def bfcl_ast_match(name: str, args: dict, ground_truth: list[dict]) -> bool:
+    """BFCL's AST check of one call (simple categories): the function's name, no unknown parameter, every
+    parameter that must be given is given, and each value is one of the accepted ones."""
+    for answer in ground_truth:
+        for fn, params in answer.items():
+            if bfcl_tool_name(fn) != name or not isinstance(args, dict) or set(args) - set(params):
+                continue
+            ok = True
+            for p, accepted in params.items():
+                if p not in args:
+                    ok = ok and "" in accepted
+                elif _bfcl_norm(args[p]) not in [_bfcl_norm(a) for a in accepted]:
+                    ok = False
+            if ok:
+                return True
+    return False

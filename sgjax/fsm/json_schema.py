@@ -33,6 +33,7 @@ FREE_DEPTH = 4
 _IGNORED = {"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
             "readOnly", "writeOnly", "additionalProperties", "$defs", "definitions", "type", "format",
             "nullable", "strict"}
+_ANNOTATIONS = {"title", "description", "examples", "default", "$comment", "deprecated", "readOnly", "writeOnly"}
 _HANDLED = {"properties", "required", "items", "minItems", "maxItems", "minLength", "maxLength", "pattern",
             "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "minimum", "maximum", "exclusiveMinimum",
             "exclusiveMaximum"}
@@ -96,6 +97,8 @@ class _Converter:
         if kind is None:
             kind = "object" if "properties" in schema else "array" if "items" in schema else None
             if kind is None:
+                if set(schema) <= _ANNOTATIONS:  # only describes the value (BFCL's "any" parameters): any JSON
+                    return self.free_value(FREE_DEPTH)
                 raise GrammarError(f"{path}: schema has no type")
         return self.typed(kind, schema, path, refs)
 
