@@ -23,6 +23,7 @@ class HttpArgs:
     # format the chat template writes (hermes when it shows none); reasoning_parser None: no reasoning split.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    disable_tool_call_constraint: bool = False  # the ablation: calls are parsed, but decoded without their grammar
     header_timeout: float = 10.0  # seconds a request line and its headers may take to arrive; then the connection closes
 
 
@@ -58,4 +59,7 @@ HTTP_FLAGS = [
                                                           "none)")),
     ("reasoning_parser", dict(choices=_REASONING_PARSERS, help="split the chat answers' <think>...</think> reasoning "
                                                                "into reasoning_content (SGLang's model types)")),
+    ("disable_tool_call_constraint", dict(action="store_true", help="decode tool calls without their grammar (they "
+                                                                    "are still parsed): the ablation of the "
+                                                                    "constraint")),
 ]

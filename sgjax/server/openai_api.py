@@ -71,7 +71,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
     schema = _response_schema(req)
-    plan = tools.plan(req, serving.tool_format)
+    plan = tools.plan(req, serving.tool_format, constrain=not serving.http.disable_tool_call_constraint)
     if plan.regex is not None and (schema is not None or req.regex is not None):
         given = "regex" if req.regex is not None else "response_format"
         raise ApiError(f"{given}: cannot be combined with tools under tool_choice {plan.choice!r}, whose calls have a "

@@ -62,12 +62,15 @@ class ToolPlan:
 NO_TOOLS = ToolPlan((), "none", True, None)
 
 
-def plan(req, fmt) -> ToolPlan:
+def plan(req, fmt, constrain: bool = True) -> ToolPlan:
+    """`constrain` False (--disable-tool-call-constraint, the ablation): the same prompt, no grammar."""
     functions = _functions(req.tools or [])
     choice, named = _choice(req.tool_choice, functions)
     parallel = req.parallel_tool_calls is not False
     if choice == "none" or not functions:
         return ToolPlan((), "none", parallel, None)
+    if not constrain:
+        return ToolPlan(functions, choice, parallel, None)
     if not isinstance(fmt, JsonFormat):
         if choice == "auto":
             return ToolPlan(functions, choice, parallel, None)
