@@ -52,6 +52,7 @@ OPENAI_NAMES: dict[str, tuple[str, str]] = {
     "skip_special_tokens": ("skip_special_tokens", "extra"),
     "no_stop_trim": ("no_stop_trim", "extra"),
     "regex": ("regex", "extra"),
+    "ebnf": ("ebnf", "extra"),
     "n": ("n", "openai"),
     "seed": ("seed", "openai"),
     "logit_bias": ("logit_bias", "openai"),
@@ -91,6 +92,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     regex: str | None = None
     json_schema: str | None = None  # a JSON string; a dict is serialized
+    ebnf: str | None = None  # SGLang's EBNF grammar (fsm/ebnf.py: recursion bounded, then a regex)
     n: int = 1
     seed: int | None = None  # SGLang's sampling_seed
     # (token id, bias) pairs added to the logits after the penalties (OpenAI's / SGLang's logit_bias; a dict of
@@ -205,8 +207,11 @@ class SamplingParams:
                 raise SamplingParamsError(f"json_schema is not valid JSON: {e}", "json_schema") from None
             except RecursionError:
                 raise SamplingParamsError("json_schema is nested too deeply", "json_schema") from None
-        if self.regex is not None and self.json_schema is not None:
-            raise SamplingParamsError("regex and json_schema are mutually exclusive: give at most one", "regex")
+        if self.ebnf is not None and not isinstance(self.ebnf, str):
+            raise SamplingParamsError(f"ebnf must be a string, got {self.ebnf!r}", "ebnf")
+        given = [n for n in ("regex", "json_schema", "ebnf") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise SamplingParamsError(f"{' and '.join(given)} are mutually exclusive: give at most one", given[0])
 
     def _validate_stops(self, name: str) -> None:
         stops = getattr(self, name)

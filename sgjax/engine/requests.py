@@ -117,9 +117,9 @@ class RequestBuilder:
 
     def grammar(self, params: SamplingParams):
         """The compiled FSM of a regex / json_schema request (cached across requests), or None."""
-        if params.regex is None and params.json_schema is None:
+        if params.regex is None and params.json_schema is None and params.ebnf is None:
             return None
-        field = "regex" if params.regex is not None else "json_schema"
+        field = "regex" if params.regex is not None else "ebnf" if params.ebnf is not None else "json_schema"
         if not self.grammars_on:
             raise RequestError("constrained decoding is off on this server (grammar_backend 'none')", field)
         if self.tokenizer is None:
@@ -129,6 +129,8 @@ class RequestBuilder:
         try:
             if params.regex is not None:
                 return self.grammars.get_regex(params.regex, self._vocabulary)
+            if params.ebnf is not None:
+                return self.grammars.get_ebnf(params.ebnf, self._vocabulary)
             return self.grammars.get_json_schema(params.json_schema, self._vocabulary)
         except (GrammarError, RegexError) as e:
             raise SamplingParamsError(f"{field}: {e}", field) from None

@@ -165,6 +165,12 @@ class GrammarCache:
         key = ("json_schema", text, vocab.fingerprint, options, canonical)
         return self._get(key, lambda: compile_grammar(schema_to_regex(schema, options), vocab, key, canonical))
 
+    def get_ebnf(self, grammar: str, vocab: Vocabulary, canonical: bool = True) -> CompiledGrammar:
+        from sgjax.fsm.ebnf import ebnf_to_regex
+
+        key = ("ebnf", grammar, vocab.fingerprint, canonical)
+        return self._get(key, lambda: compile_grammar(ebnf_to_regex(grammar), vocab, key, canonical))
+
     def _get(self, key: tuple, build) -> CompiledGrammar:
         while True:
             with self._lock:

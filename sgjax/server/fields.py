@@ -61,7 +61,6 @@ GENERATE = {
 
 # SGLang's sampling parameters (SamplingParams) beyond what engine/params.py implements.
 SAMPLING = {
-    "ebnf": Unsupported("EBNF grammars are not supported yet (regex and json_schema are)"),
     "structural_tag": Unsupported("structural tags are not supported yet (regex and json_schema are)"),
     "custom_params": _NO, "watermark": _NO,
     "beam_width": Unsupported("beam search is not supported by sgjax", (1,)),
@@ -74,7 +73,7 @@ _OPENAI_COMMON = {
     "service_tier": Meta("one tier"), "prompt_cache_key": Meta("sgjax's radix cache needs no key"),
     "safety_identifier": Meta("end-user id"), "custom_labels": Meta("metric labels"),
     "lora_path": _LORA, "session_id": _NO, "session_params": _NO, "custom_logit_processor": _NO,
-    "custom_params": _NO, "watermark": _NO, "ebnf": SAMPLING["ebnf"],
+    "custom_params": _NO, "watermark": _NO,
     "return_hidden_states": _FALSE, "return_routed_experts": _FALSE,
     "routed_experts_start_len": GENERATE["routed_experts_start_len"], "return_cached_tokens_details": _FALSE,
     "return_spec_tokens_details": _FALSE, "return_token_ids": _FALSE, "images_config": _MM, "mm_processor_kwargs": _MM,

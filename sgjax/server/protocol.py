@@ -162,6 +162,7 @@ class SglangExtras(Strict):
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     regex: str | None = None
+    ebnf: str | None = None
     stop_regex: str | list[str] | None = None
     rid: str | None = None  # SGLang's: the request id (/abort_request reaches it)
 

@@ -244,3 +244,31 @@ def test_reasoning_split_on_a_real_run(oai, tool_server):
     kept = oai.chat.completions.create(model="m", messages=ASK, max_tokens=40, temperature=0,
                                        extra_body={"regex": THINK, "separate_reasoning": False}).choices[0].message
     assert kept.content.startswith("<think>") and getattr(kept, "reasoning_content", None) is None
+
+
+# -- EBNF -----------------------------------------------------------------------------------------------------
+def test_ebnf_over_http(oai, tool_server):
+    from lark import Lark
+
+    from sgjax.fsm.automaton import compile_regex
+    from sgjax.fsm.ebnf import ebnf_to_regex
+    from tests.fsm.test_ebnf import GRAMMARS
+
+    ebnf, lark_src = GRAMMARS["arithmetic"]
+    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Write a sum."}], max_tokens=16,
+                                    temperature=0, extra_body={"ebnf": ebnf})
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        Lark(lark_src, parser="earley", lexer="dynamic").parse(text)
+    else:  # cut off by max_tokens: still a prefix of the grammar's strings
+        assert compile_regex(ebnf_to_regex(ebnf)).step(0, text.encode()) >= 0, text
+    bad = "root ::= undefined_rule"
+    for route, body, field in [
+        ("/v1/chat/completions", {"messages": ASK, "ebnf": bad}, "ebnf"),
+        ("/generate", {"text": "Hi", "sampling_params": {"ebnf": bad}}, "sampling_params.ebnf"),
+        ("/generate", {"text": "Hi", "sampling_params": {"ebnf": "root ::= 'a'", "regex": "a"}},
+         "sampling_params.regex"),
+    ]:
+        got = httpx.post(tool_server.url + route, json={**body, "max_tokens": 4}, timeout=60)
+        assert got.status_code == 400 and got.json()["error"]["param"] == field, got.text
+        assert ("undefined_rule" if "undefined" in json.dumps(body) else "mutually exclusive") in got.text
