@@ -450,6 +450,6 @@ def _asks_for_grammar(sampling_params) -> bool:
     items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
     for p in items:
         get = p.get if isinstance(p, dict) else (lambda k, p=p: getattr(p, k, None))
-        if get("regex") is not None or get("json_schema") is not None or get("ebnf") is not None:
+        if any(get(k) is not None for k in ("regex", "json_schema", "ebnf", "structural_tag")):
             return True
     return False

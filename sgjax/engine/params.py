@@ -93,6 +93,8 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None  # a JSON string; a dict is serialized
     ebnf: str | None = None  # SGLang's EBNF grammar (fsm/ebnf.py: recursion bounded, then a regex)
+    structural_tag: str | None = None  # SGLang's structural tag, a JSON string (fsm/structural_tag.py); a dict is
+    # serialized
     n: int = 1
     seed: int | None = None  # SGLang's sampling_seed
     # (token id, bias) pairs added to the logits after the penalties (OpenAI's / SGLang's logit_bias; a dict of
@@ -119,6 +121,8 @@ class SamplingParams:
                 object.__setattr__(self, name, float(value))
         if isinstance(self.json_schema, (dict, list)):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if isinstance(self.structural_tag, dict):
+            object.__setattr__(self, "structural_tag", json.dumps(self.structural_tag))
         if self.logit_bias is None:
             object.__setattr__(self, "logit_bias", ())
         elif isinstance(self.logit_bias, dict):
@@ -209,7 +213,10 @@ class SamplingParams:
                 raise SamplingParamsError("json_schema is nested too deeply", "json_schema") from None
         if self.ebnf is not None and not isinstance(self.ebnf, str):
             raise SamplingParamsError(f"ebnf must be a string, got {self.ebnf!r}", "ebnf")
-        given = [n for n in ("regex", "json_schema", "ebnf") if getattr(self, n) is not None]
+        if self.structural_tag is not None and not isinstance(self.structural_tag, str):
+            raise SamplingParamsError(f"structural_tag must be a JSON string or an object, got {self.structural_tag!r}",
+                                      "structural_tag")
+        given = [n for n in ("regex", "json_schema", "ebnf", "structural_tag") if getattr(self, n) is not None]
         if len(given) > 1:
             raise SamplingParamsError(f"{' and '.join(given)} are mutually exclusive: give at most one", given[0])
 

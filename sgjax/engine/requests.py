@@ -117,9 +117,10 @@ class RequestBuilder:
 
     def grammar(self, params: SamplingParams):
         """The compiled FSM of a regex / json_schema request (cached across requests), or None."""
-        if params.regex is None and params.json_schema is None and params.ebnf is None:
+        kinds = ("regex", "ebnf", "structural_tag", "json_schema")
+        field = next((k for k in kinds if getattr(params, k) is not None), None)
+        if field is None:
             return None
-        field = "regex" if params.regex is not None else "ebnf" if params.ebnf is not None else "json_schema"
         if not self.grammars_on:
             raise RequestError("constrained decoding is off on this server (grammar_backend 'none')", field)
         if self.tokenizer is None:
@@ -131,6 +132,8 @@ class RequestBuilder:
                 return self.grammars.get_regex(params.regex, self._vocabulary)
             if params.ebnf is not None:
                 return self.grammars.get_ebnf(params.ebnf, self._vocabulary)
+            if params.structural_tag is not None:
+                return self.grammars.get_structural_tag(params.structural_tag, self._vocabulary)
             return self.grammars.get_json_schema(params.json_schema, self._vocabulary)
         except (GrammarError, RegexError) as e:
             raise SamplingParamsError(f"{field}: {e}", field) from None

@@ -171,6 +171,12 @@ class GrammarCache:
         key = ("ebnf", grammar, vocab.fingerprint, canonical)
         return self._get(key, lambda: compile_grammar(ebnf_to_regex(grammar), vocab, key, canonical))
 
+    def get_structural_tag(self, spec: str, vocab: Vocabulary, canonical: bool = True) -> CompiledGrammar:
+        from sgjax.fsm.structural_tag import structural_tag_to_regex
+
+        key = ("structural_tag", spec, vocab.fingerprint, canonical)
+        return self._get(key, lambda: compile_grammar(structural_tag_to_regex(spec), vocab, key, canonical))
+
     def _get(self, key: tuple, build) -> CompiledGrammar:
         while True:
             with self._lock:

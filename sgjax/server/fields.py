@@ -61,7 +61,6 @@ GENERATE = {
 
 # SGLang's sampling parameters (SamplingParams) beyond what engine/params.py implements.
 SAMPLING = {
-    "structural_tag": Unsupported("structural tags are not supported yet (regex and json_schema are)"),
     "custom_params": _NO, "watermark": _NO,
     "beam_width": Unsupported("beam search is not supported by sgjax", (1,)),
     "stream_interval": Meta("sgjax streams every token"),

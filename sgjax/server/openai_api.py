@@ -71,9 +71,11 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
     schema = _response_schema(req)
+    tag = _structural_tag(req)
     plan = tools.plan(req, serving.tool_format, constrain=not serving.http.disable_tool_call_constraint)
-    if plan.regex is not None and (schema is not None or req.regex is not None):
-        given = "regex" if req.regex is not None else "response_format"
+    if plan.regex is not None and (schema is not None or tag is not None or req.regex is not None
+                                   or req.ebnf is not None):
+        given = "regex" if req.regex is not None else "ebnf" if req.ebnf is not None else "response_format"
         raise ApiError(f"{given}: cannot be combined with tools under tool_choice {plan.choice!r}, whose calls have a "
                        f"grammar of their own (tool_choice 'none' drops the tools)", param=given)
     messages, images, fields = _chat_messages(serving, req)
@@ -84,12 +86,13 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
     top = _top_logprobs(serving, req.top_logprobs, "top_logprobs")
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    renames = {**OPENAI_RENAMES, "max_new_tokens": max_field, "json_schema": "response_format.json_schema.schema"}
+    renames = {**OPENAI_RENAMES, "max_new_tokens": max_field, "json_schema": "response_format.json_schema.schema",
+               "structural_tag": "response_format"}
     if plan.regex is not None:
         renames["regex"] = "tools"  # the calls' grammar failed to compile (its size, the compile budget)
     expanded = len(images) * (serving.engine.images.cfg.num_image_tokens - 1) if images else 0
     params = _sampling(serving, req, [ids], "messages", asked, None, schema, renames, max_field, expanded,
-                       regex=plan.regex)
+                       regex=plan.regex, structural_tag=tag)
     work = Work(params=(params,), ids=(ids,), return_logprob=bool(req.logprobs), top_logprobs_num=top,
                 prompt_field="messages", renames=renames, images=(tuple(images),) if images else None,
                 image_fields=(("messages", tuple(fields)),) if images else None)
@@ -200,9 +203,22 @@ def _chat_prompt(serving: Serving, messages: list[dict], template_vars: dict | N
     return serving.tokenizer.encode(text)
 
 
+def _structural_tag(req: ChatCompletionRequest) -> dict | None:
+    """response_format {"type": "structural_tag", "structures": [{begin, schema, end}], "triggers": [...]}."""
+    rf = req.response_format
+    if rf is None or rf.type != "structural_tag":
+        return None
+    if not rf.structures or not rf.triggers:
+        raise ApiError("response_format: a structural_tag needs structures and triggers", param="response_format")
+    return {"structures": [{"begin": s.begin, "schema": s.schema_ if s.schema_ is not None else {}, "end": s.end}
+                           for s in rf.structures], "triggers": list(rf.triggers)}
+
+
 def _response_schema(req: ChatCompletionRequest):
     rf = req.response_format
     if rf is None or rf.type == "text":
+        return None
+    if rf.type == "structural_tag":
         return None
     if rf.type == "json_object":  # as SGLang maps it: any object (containers nest at most FREE_DEPTH deep here)
         return {"type": "object"}
@@ -214,7 +230,7 @@ def _response_schema(req: ChatCompletionRequest):
 
 def _sampling(serving: Serving, req, ids: list[list[int]], prompt_field: str, asked: int | None,
               default: int | None, json_schema, renames: dict, max_field: str = "max_tokens",
-              expanded: int = 0, regex: str | None = None) -> SamplingParams:
+              expanded: int = 0, regex: str | None = None, structural_tag: dict | None = None) -> SamplingParams:
     """SamplingParams of an OpenAI request. Unlike /generate (which clips, as SGLang's native API does), a
     max_tokens that does not fit beside the prompt is an error, as in OpenAI's API. `expanded`: the rows the
     engine adds when it expands image tokens, which count against the limit too."""
@@ -233,6 +249,8 @@ def _sampling(serving: Serving, req, ids: list[list[int]], prompt_field: str, as
     d.update(max_new_tokens=asked if asked is not None else default, json_schema=json_schema)
     if regex is not None:
         d["regex"] = regex
+    if structural_tag is not None:
+        d["structural_tag"] = structural_tag
     try:
         return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
     except SamplingParamsError as e:

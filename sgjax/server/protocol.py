@@ -246,9 +246,17 @@ class JsonSchemaFormat(Strict):
     strict: bool | None = None
 
 
+class TagStructure(Strict):
+    begin: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    end: str
+
+
 class ResponseFormat(Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[TagStructure] | None = None  # structural_tag (SGLang's): the constrained islands
+    triggers: list[str] | None = None
 
 
 class FunctionDef(Strict):

@@ -131,6 +131,7 @@ class JsonFormat:
     name = ""
     prefix, sep, suffix = "", "", ""
     key = "arguments"
+    trigger: str | None = None  # the text that opens calls after some text; None: calls only open the answer
 
     def head(self, name: str) -> str:
         return '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "' + self.key + '": '
@@ -149,6 +150,7 @@ class JsonFormat:
 class Hermes(JsonFormat):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    trigger = OPEN
     sep = "\n"
     tail = "}\n" + CLOSE
 
@@ -233,6 +235,7 @@ class Llama3(JsonFormat):
 class Mistral(JsonFormat):
     name = "mistral"
     MARK = "[TOOL_CALLS]"
+    trigger = MARK
     prefix, sep, suffix = MARK + " [", ", ", "]"
 
     def opener(self) -> str:

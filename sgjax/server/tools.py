@@ -4,11 +4,10 @@ model's text -> OpenAI's `tool_calls`.
 `tool_choice` (docs/server.md, "Tools and reasoning"):
 
 - `none`: the tools are left out of the prompt and the output is text (OpenAI's meaning: the model will not call).
-- `auto` (the default with tools): the model answers in text or calls. The grammar is a choice: an answer that
-  opens with the format's call text (`<tool_call>` for hermes) must be well-formed calls, each one's arguments
-  valid against its function's schema; any other first character starts free text. A call written after some
-  text is still parsed, but not constrained (a regular grammar cannot tell "text, then a call" from text that
-  mentions the opener without a lookahead per character).
+- `auto` (the default with tools): the model answers in text or calls. Formats whose calls may follow text
+  (hermes's `<tool_call>`, mistral's `[TOOL_CALLS]`): free text that never writes the trigger, then optionally
+  the calls, held to the functions' grammar from the trigger on (fsm/structural_tag.py). llama3's calls only open
+  an answer: one that opens with `{` must be calls; any other first character starts free text.
 - `required`: one or more calls, nothing else; `parallel_tool_calls: false` makes it exactly one.
 - a named function: exactly one call of that function.
 
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 
 from sgjax.fsm.automaton import GrammarError
 from sgjax.fsm.json_schema import schema_to_regex
+from sgjax.fsm.structural_tag import without
 from sgjax.server.protocol import ApiError
 from sgjax.server.tool_parsers import JsonFormat, ToolCall
 
@@ -81,7 +81,11 @@ def plan(req, fmt, constrain: bool = True) -> ToolPlan:
     one = "(?:" + "|".join(_call_regex(fmt, f, i) for i, f in targets) + ")"
     many = one if (named is not None or not parallel) else f"{one}(?:{_lit(fmt.sep)}{one})*"
     calls = _lit(fmt.prefix) + many + _lit(fmt.suffix)
-    if choice == "auto":
+    if choice == "auto" and fmt.trigger is not None:
+        # Text that never writes the trigger, then optionally the calls: once the model opens a call, it is held to
+        # the functions' grammar, and text after the calls is not allowed (SGLang's structural-tag idea).
+        calls = f"{without(fmt.trigger)}(?:{calls})?"
+    elif choice == "auto":  # the format's calls only open an answer (llama3): its first character decides
         opener = fmt.opener()[0]
         calls = f"(?:{calls}|(?:[^{_class_char(opener)}][\\s\\S]*)?)"
     return ToolPlan(functions, choice, parallel, calls)

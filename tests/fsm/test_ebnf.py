@@ -103,3 +103,40 @@ def test_recursion_is_bounded_to_a_subset():
 def test_bad_grammars_say_where(src, message):
     with pytest.raises(GrammarError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ebnf_to_regex(src)
+
+
+# -- structural tags (fsm/structural_tag.py) ------------------------------------------------------------------
+@pytest.mark.parametrize("trigger", ["<tool_call>", "[TOOL_CALLS]", "<f=", "x"])
+def test_without_trigger_is_exactly_the_strings_without_it(trigger):
+    import itertools
+
+    from sgjax.fsm.structural_tag import without
+
+    dfa = compile_regex(without(trigger))
+    alphabet = sorted(set(trigger[:3])) + ["z"]
+    rng = random.Random(1)
+    texts = ["".join(t) for n in range(5) for t in itertools.product(alphabet, repeat=n)]
+    texts += ["".join(rng.choices(sorted(set(trigger)) + ["z"], k=rng.randint(5, 30))) for _ in range(500)]
+    texts += [trigger, "ab" + trigger[:-1], trigger[0] * 3 + trigger]
+    for text in texts:
+        assert dfa.accepts(text.encode()) == (trigger not in text), text
+
+
+def test_structural_tag():
+    import json
+
+    from sgjax.fsm.structural_tag import structural_tag_to_regex
+
+    spec = {"structures": [{"begin": "<f=add>", "schema": {"type": "object", "properties": {
+        "a": {"type": "integer"}}, "required": ["a"]}, "end": "</f>"}], "triggers": ["<f="]}
+    dfa = compile_regex(structural_tag_to_regex(json.dumps(spec)))
+    for ok in ["plain text", 'x <f=add>{"a": 1}</f> and <f=add>{"a": 2}</f>.', "<f"]:
+        assert dfa.accepts(ok.encode()), ok
+    for bad in ['<f=sub>{"a": 1}</f>', '<f=add>{"a": "x"}</f>', "<f=add>"]:
+        assert not dfa.accepts(bad.encode()), bad
+    for broken, message in [({"structures": [], "triggers": ["<"]}, "structures"),
+                            ({**spec, "triggers": ["<a", "<b"]}, "exactly one trigger"),
+                            ({**spec, "triggers": ["<g="]}, "must start with the trigger"),
+                            ({**spec, "triggers": ["<f<"]}, "occurs again")]:
+        with pytest.raises(GrammarError, match=message):
+            structural_tag_to_regex(broken)

@@ -64,8 +64,8 @@ def test_generate_fields_and_sampling_params(client):
     for key, value in (("lora_path", "adapter-1"), ("return_hidden_states", True), ("session_params", {"id": 1})):
         r = client.post("/generate", json={**body, key: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == key, r.text
-    r = client.post("/generate", json={**body, "sampling_params": {"structural_tag": "{}"}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.structural_tag", r.text
+    r = client.post("/generate", json={**body, "sampling_params": {"custom_params": {"a": 1}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.custom_params", r.text
     r = client.post("/generate", json={**body, "sampling_params": {"nucleus": 0.5}})  # unknown: refused, as upstream
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.nucleus", r.text
     r = client.put("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}})

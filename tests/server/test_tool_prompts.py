@@ -85,7 +85,8 @@ def test_each_choice_grammar(fmt, smollm2_tokenizer):
         ("required", [one, two], ["hello", bad]),
         ({"type": "function", "function": {"name": "get_time"}}, [parser.render([("get_time", "{}")])], [one]),
         ("auto", [one, two, "Hello there.", ""], [bad]),
-    ]:
+    ] + ([("auto", ["Let me check.\n" + one, "x < y, [TOOL] <tool"], ["Sure. " + bad, "Sure. " + one + " Done."])]
+         if parser.trigger else []):
         plan = tools.plan(_req(tools=[WEATHER, CLOCK], tool_choice=choice), parser)
         grammar = compile_grammar(plan.regex, vocab)
         for text in accepts:

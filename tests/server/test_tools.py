@@ -126,6 +126,7 @@ def test_refusals_name_the_field(tool_server):
             "x": {"type": "string", "not": {}}}}}}], "tool_choice": "required"}, "tools.0.function.parameters"),
         ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name"),
         ({"tools": [WEATHER], "tool_choice": "required", "regex": "a+"}, "regex"),
+        ({"tools": [WEATHER], "tool_choice": "required", "ebnf": "root ::= 'a'"}, "ebnf"),
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
@@ -272,3 +273,23 @@ def test_ebnf_over_http(oai, tool_server):
         got = httpx.post(tool_server.url + route, json={**body, "max_tokens": 4}, timeout=60)
         assert got.status_code == 400 and got.json()["error"]["param"] == field, got.text
         assert ("undefined_rule" if "undefined" in json.dumps(body) else "mutually exclusive") in got.text
+
+
+def test_structural_tag_over_http(oai, tool_server):
+    tag = {"type": "structural_tag", "triggers": ["<f="], "structures": [
+        {"begin": "<f=add>", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+         "end": "</f>"}]}
+    r = oai.chat.completions.create(model="m", messages=ASK, max_tokens=12, temperature=0, response_format=tag)
+    from sgjax.fsm.automaton import compile_regex
+    from sgjax.fsm.structural_tag import structural_tag_to_regex
+
+    spec = {k: tag[k] for k in ("structures", "triggers")}
+    text = r.choices[0].message.content
+    assert text and compile_regex(structural_tag_to_regex(spec)).step(0, text.encode()) >= 0, text
+    bad = {**tag, "triggers": ["<a", "<b"]}
+    got = httpx.post(tool_server.url + "/v1/chat/completions",
+                     json={"messages": ASK, "max_tokens": 4, "response_format": bad}, timeout=60)
+    assert got.status_code == 400 and got.json()["error"]["param"] == "response_format", got.text
+    got = httpx.post(tool_server.url + "/generate", json={"text": "Hi", "sampling_params": {
+        "max_new_tokens": 4, "structural_tag": json.dumps(bad)}}, timeout=60)
+    assert got.status_code == 400 and got.json()["error"]["param"] == "sampling_params.structural_tag", got.text
