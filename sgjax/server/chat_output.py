@@ -28,8 +28,8 @@ class ChatOutput:
         if self.tools is None:
             return {**msg, "content": text}, False
         scan = self.tools.scan(text)
-        if not scan.calls:
-            return {**msg, "content": text}, False
+        if not scan.calls:  # stripped as a stream's deltas are (they cannot know whether a call follows)
+            return {**msg, "content": final_content(scan.content)}, False
         msg["content"] = final_content(scan.content) or None
         msg["tool_calls"] = [{"id": call_id(), "type": "function",
                               "function": {"name": c.name, "arguments": c.arguments}} for c in scan.calls]

@@ -131,3 +131,27 @@ def test_reasoning_split_and_stream(model_type, text, reasoning, content):
 def test_reasoning_unknown_type():
     with pytest.raises(ValueError, match="unsupported model type"):
         ReasoningParser.named("nope")
+
+
+def test_chat_output_message_equals_its_stream():
+    from sgjax.server.chat_output import ChatOutput
+
+    for out in (ChatOutput(tools=get_parser("hermes")), ChatOutput(reasoning=ReasoningParser.named("qwen3")),
+                ChatOutput(tools=get_parser("hermes"), reasoning=ReasoningParser.named("qwen3"))):
+        for text in ("  plain answer \n", "<think>hm</think>\n\n" + HERMES_TWO, HERMES_TWO, "<think>only"):
+            msg, called = out.message(text)
+            stream, got, calls = out.stream(), {"content": "", "reasoning_content": ""}, {}
+            for i in range(1, len(text) + 1):
+                pieces = stream.feed(text[:i], final=i == len(text))
+                for piece in pieces:
+                    for key in ("content", "reasoning_content"):
+                        got[key] += piece.get(key, "")
+                    for d in piece.get("tool_calls", ()):
+                        calls.setdefault(d["index"], ["", ""])
+                        calls[d["index"]][0] += d["function"].get("name", "")
+                        calls[d["index"]][1] += d["function"]["arguments"]
+            assert got["content"] == (msg.get("content") or "")
+            assert got["reasoning_content"] == (msg.get("reasoning_content") or "")
+            assert [tuple(v) for _, v in sorted(calls.items())] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+            assert stream.called == called
