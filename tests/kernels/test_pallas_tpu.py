@@ -126,8 +126,8 @@ def test_own_kernel_default_config():
     assert default_config(512, 4, 32, jnp.bfloat16) == {"block_q": 32, "pages_per_block": 4}
 
 
-def _reference_op_masked(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-                         soft_cap):
+def _reference_op_masked(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None,
+                         soft_cap=None):
     out = ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                                      sliding_window=sliding_window, soft_cap=soft_cap)
     return jnp.concatenate([out, jnp.zeros((q.shape[0] - out.shape[0],) + out.shape[1:], out.dtype)])
