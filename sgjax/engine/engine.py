@@ -27,6 +27,7 @@ from sgjax.engine.args import ServerArgs
 from sgjax.engine.embed import embed
 from sgjax.engine.images import ImageEncoder
 from sgjax.engine.loading import VISION, check_kv_cache_dtype, default_dtype, load_model_cached, pool_pages
+from sgjax.engine import mesh as tp
 from sgjax.engine import sinks
 from sgjax.engine.outputs import Outputs, abort_reason
 from sgjax.engine.request import Req
@@ -77,7 +78,9 @@ class Engine:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
         dtype = default_dtype(args)
         check_kv_cache_dtype(args, dtype)
-        cfg, weights = load_model_cached(args.model_path, dtype, args.load_format)
+        mesh = tp.make_mesh(args.tp_size)  # before loading: a tp_size the host cannot give fails at once
+        cfg, weights = load_model_cached(args.model_path, dtype, args.load_format,
+                                         mesh=mesh if args.tp_size > 1 else None)
         tokenizer = None
         if not args.skip_tokenizer_init:
             tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
@@ -97,6 +100,14 @@ class Engine:
     def _start(self, args: ServerArgs, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None,
                vision=None) -> None:
         platform = jax.devices()[0].platform
+        self.mesh = tp.make_mesh(args.tp_size)
+        tp.check_model(cfg, args.tp_size)
+        # The sharded model's config (KV heads replicated up to tp_size) and weights placed on the mesh; tp_size 1
+        # keeps the single-device program as it was.
+        run_cfg = tp.tp_config(cfg, args.tp_size)
+        run_mesh = self.mesh if args.tp_size > 1 else None
+        if run_mesh is not None:
+            weights = tp.place_weights(cfg, weights, run_mesh)
         if args.step_buckets not in (None, "fine", "coarse"):
             raise ValueError(f"step_buckets must be 'fine' or 'coarse', got {args.step_buckets!r}")
         if args.gil_switch_interval_ms is not None:
@@ -107,7 +118,7 @@ class Engine:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
         self.args, self.model_config, self.tokenizer = args, cfg, tokenizer
         self.context_length = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_pages = 1 + pool_pages(args, cfg, platform)
+        num_pages = 1 + pool_pages(args, run_cfg, platform)
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=num_pages, page_size=args.page_size, policy=args.schedule_policy,
             cache="none" if args.disable_radix_cache else args.cache,
@@ -115,12 +126,12 @@ class Engine:
             init_new_token_ratio=0.7 * args.schedule_conservativeness,
             min_new_token_ratio=0.1 * args.schedule_conservativeness, seed=args.random_seed))
         self.max_total_tokens = (num_pages - 1) * args.page_size
-        self.runner = Runner(cfg, weights, num_pages=num_pages, page_size=args.page_size,
+        self.runner = Runner(run_cfg, weights, num_pages=num_pages, page_size=args.page_size,
                              max_context=self.context_length,
                              attention=args.attention_backend or default_backend(platform),
                              max_top_logprobs=args.max_top_logprobs_num,
                              coarse=None if args.step_buckets is None else args.step_buckets == "coarse",
-                             max_reqs=args.max_running_requests)
+                             max_reqs=args.max_running_requests, mesh=run_mesh)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self.images = None if vision is None else ImageEncoder(*vision)  # a vision-language model (LLaVA)
         self.requests = RequestBuilder(cfg, tokenizer, self.images, context_length=self.context_length,
@@ -195,7 +206,7 @@ class Engine:
                 raise RequestError(f"the prompt has {len(x)} tokens; at most {self.context_length - 1} fit "
                                    f"(context_length)", "prompt")
         r = self.runner
-        vectors = self._call(lambda: embed(self.model_config, r.weights, r.attention, self.args.page_size, ids))
+        vectors = self._call(lambda: embed(r.cfg, r.weights, r.attention, self.args.page_size, ids))
         return [v.tolist() for v in vectors]
 
     @property

@@ -38,15 +38,23 @@ def check_kv_cache_dtype(args: ServerArgs, model_dtype: str) -> None:
                          f"({model_dtype}) is not supported yet; use auto")
 
 
-def load_model_cached(path, dtype, load_format="auto"):
-    """Weights are immutable arrays: engines in one process (tests, ablation sweeps) share one copy."""
-    key = (path, dtype, load_format)
+def load_model_cached(path, dtype, load_format="auto", mesh=None):
+    """Weights are immutable arrays: engines in one process (tests, ablation sweeps) share one copy. With a mesh
+    (tensor parallelism), dummy weights are born sharded on it (a checkpoint is loaded as usual and placed by
+    the engine)."""
+    key = (path, dtype, load_format) if mesh is None or load_format != "dummy" else (path, dtype, load_format, mesh)
     if key not in MODELS:
         if load_format == "dummy":
             if path is None or not os.path.isdir(path):
                 raise ValueError(f"load_format 'dummy' needs an HF directory with config.json, got {path!r}")
             cfg = config_from_hf_dir(path, dtype)
-            MODELS[key] = cfg, dummy_weights(cfg)
+            if mesh is not None:
+                from sgjax.engine.mesh import check_model, dummy_weights as sharded_dummy_weights, tp_size
+
+                check_model(cfg, tp_size(mesh))
+                MODELS[key] = cfg, sharded_dummy_weights(cfg, mesh)
+            else:
+                MODELS[key] = cfg, dummy_weights(cfg)
         elif is_llava_dir(path):
             cfg, weights, vcfg, vweights = load_llava_dir(path, dtype)
             MODELS[key], VISION[key] = (cfg, weights), (vcfg, vweights)
@@ -73,7 +81,8 @@ def pool_pages(args: ServerArgs, cfg: ModelConfig, platform: str) -> int:
             raise ValueError(f"max_total_tokens must be >= page_size, got {args.max_total_tokens}")
         return -(-args.max_total_tokens // args.page_size)
     itemsize = 2 if cfg.dtype == "bfloat16" else 4
-    bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    # per device: with tensor parallelism each holds its share of the KV heads (args.tp_size divides them, mesh.py)
+    bytes_per_token = cfg.num_layers * 2 * (cfg.num_kv_heads // args.tp_size) * cfg.head_dim * itemsize
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:

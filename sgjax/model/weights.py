@@ -168,12 +168,12 @@ def assemble(cfg: ModelConfig, arrays: Mapping[str, Any]) -> Weights:
     return Weights(layers=layers, **{k: v for k, v in out.items() if k not in layer_names})
 
 
-def dummy_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
-    """Random weights of the config's real shapes, generated on device (for performance runs)."""
+def dummy_weights(cfg: ModelConfig, seed: int = 0, shardings: Mapping[str, Any] | None = None) -> Weights:
+    """Random weights of the config's real shapes, generated on device (for performance runs). `shardings` (leaf
+    name -> Sharding) makes each leaf born sharded: jax's partitionable threefry gives the same values either way."""
     expected = shapes(cfg)
     dtype = jnp.dtype(cfg.dtype)
 
-    @jax.jit
     def init(key):
         keys = jax.random.split(key, len(expected))
         out = {}
@@ -185,7 +185,7 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
                 out[name] = (jax.random.normal(k, shape, jnp.float32) * (fan_in ** -0.5)).astype(dtype)
         return out
 
-    arrays = init(jax.random.PRNGKey(seed))
+    arrays = jax.jit(init, out_shardings=None if shardings is None else dict(shardings))(jax.random.PRNGKey(seed))
     layer_names = {f.name for f in dataclasses.fields(LayerWeights)}
     layers = LayerWeights(**{k: v for k, v in arrays.items() if k in layer_names})
     return Weights(layers=layers, **{k: v for k, v in arrays.items() if k not in layer_names})
