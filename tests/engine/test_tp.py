@@ -1,0 +1,206 @@
+"""Tensor parallelism (engine/mesh.py) against one device: the same greedy tokens and logprobs through the whole
+engine (radix-cache hits, chunked prefill, the overlap loop, a regex mask, penalties), each device holding 1/N of
+every sharded weight and of the KV pool, the donated state keeping its sharding with no recompiles, and the Pallas
+kernel under shard_map. The session has 4 CPU host devices (tests/conftest.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgjax.engine import mesh as tp
+from sgjax.engine.args import ServerArgs
+from sgjax.engine.engine import Engine
+from sgjax.model.presets import TINY_QWEN2_SMOLLM2_VOCAB
+from sgjax.model.weights import dummy_weights
+from tests.conftest import SMALL
+from tests.engine.conftest import FEW_SHOT
+
+# Longer than SMALL's 96-token prefill chunk: it is prefilled in two steps; the second round's first prompt
+# extends it, so its prefix comes from the radix cache.
+LONG = FEW_SHOT * 2 + "Q: What is the color of grass?\nA:"
+ROUND2 = [(LONG + " Green\nQ: What do bees make?\nA:", {}),
+          ("Answer yes or no, then a number:", {"regex": "(yes|no) [0-9]{2}"}),
+          ("The quick brown fox jumps over the lazy dog. The quick brown",
+           {"frequency_penalty": 0.8, "repetition_penalty": 1.3}),
+          ("Hello", {})]
+NEW_TOKENS = 8
+MODELS = ("llama", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    """name -> (config, weights, tokenizer): the tiny Llama (4 q heads on 2 KV heads) and a tiny Qwen2 (biases)."""
+    cfg, weights, tok = tiny
+    return {"llama": tiny, "qwen2": (TINY_QWEN2_SMOLLM2_VOCAB, dummy_weights(TINY_QWEN2_SMOLLM2_VOCAB, seed=2), tok)}
+
+
+def workload(engine) -> list[tuple[list[int], list[float], int]]:
+    """(output ids, output logprobs, cached tokens) of every request: one long prompt, then a batch that reuses
+    its prefix, with a regex and a penalised request among them."""
+    def run(prompts, extras):
+        params = [{"max_new_tokens": NEW_TOKENS, "temperature": 0.0, **x} for x in extras]
+        out = engine.generate(prompts, params, return_logprob=True)
+        # a grammar's forced (jump-forward) tokens have no logprob: NaN, compared as equal
+        return [(o["output_ids"], [np.nan if lp is None else lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
+                 o["meta_info"]["cached_tokens"]) for o in out]
+
+    return run([LONG], [{}]) + run([p for p, _ in ROUND2], [x for _, x in ROUND2])
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    made = {}
+
+    def get(name, tp_size):
+        if (name, tp_size) not in made:
+            made[name, tp_size] = Engine.from_weights(*models[name], **SMALL, tp_size=tp_size)
+        return made[name, tp_size]
+
+    yield get
+    for e in made.values():
+        e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(engines):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = workload(engines(name, 1))
+        return cache[name]
+
+    return get
+
+
+def assert_same(got, want):
+    for (ids, lps, cached), (ids1, lps1, cached1) in zip(got, want, strict=True):
+        assert ids == ids1
+        np.testing.assert_allclose(lps, lps1, atol=2e-4, rtol=0)
+        assert cached == cached1
+    assert want[1][2] > 0  # the shared prefix did come from the cache
+    assert [len(ids) for ids, _, _ in want] == [NEW_TOKENS, NEW_TOKENS, 5, NEW_TOKENS, NEW_TOKENS]  # regex: "no 42"
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])  # 4: more devices than the 2 KV heads, each head copied twice
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_outputs_and_logprobs_equal_one_device(engines, expected, name, tp_size):
+    engine = engines(name, tp_size)
+    got = workload(engine)
+    assert_same(got, expected(name))
+    # the same workload again from an empty cache: the same outputs, nothing compiled, the state's sharding kept
+    traces = engine.runner.traces
+    assert engine.flush_cache()
+    assert_same(workload(engine), expected(name))
+    assert engine.runner.traces == traces
+    state = engine.runner.state
+    assert state.pool.sharding.is_equivalent_to(tp.pool_sharding(engine.mesh), state.pool.ndim)
+    assert state.future.sharding.is_equivalent_to(tp.replicated(engine.mesh), 1)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_each_device_holds_its_share(engines, tp_size):
+    engine = engines("qwen2", tp_size)
+    cfg, w = engine.runner.cfg, engine.runner.weights
+    assert engine.mesh.shape == {"data": 1, "tensor": tp_size}
+    assert cfg.num_kv_heads == max(2, tp_size)  # KV heads copied up to tp
+    layers = w.layers
+    for name, axis in [("wq", 2), ("wk", 2), ("wv", 2), ("w_gate", 2), ("w_up", 2), ("wo", 1), ("w_down", 1),
+                       ("bq", 1), ("bk", 1), ("bv", 1)]:
+        a = getattr(layers, name)
+        shards = a.addressable_shards
+        assert len(shards) == tp_size and len({s.device for s in shards}) == tp_size, name
+        want = list(a.shape)
+        want[axis] //= tp_size
+        assert all(list(s.data.shape) == want for s in shards), (name, [s.data.shape for s in shards])
+        assert all(s.data.nbytes * tp_size == a.nbytes for s in shards), name
+    for a in (w.embed, w.lm_head, layers.attn_norm):  # replicated: every device has all of it
+        assert all(s.data.shape == a.shape for s in a.addressable_shards)
+    pool = engine.runner.state.pool
+    assert pool.shape[3] == 2 * cfg.num_kv_heads
+    assert {s.data.shape[3] for s in pool.addressable_shards} == {2 * cfg.num_kv_heads // tp_size}
+    per_device = tp.addressable_bytes(pool)
+    assert len(per_device) == tp_size and set(per_device.values()) == {pool.nbytes // tp_size}
+
+
+def test_kv_heads_expanded_in_place():
+    cfg = TINY_QWEN2_SMOLLM2_VOCAB  # 2 KV heads of 16
+    wk = np.arange(2 * 3 * 32, dtype=np.float32).reshape(2, 3, 32)
+    out = tp.expand_kv(wk, cfg, 4)
+    assert out.shape == (2, 3, 64)
+    heads = out.reshape(2, 3, 4, 16)
+    for h in range(4):  # q heads 2h, 2h+1 read KV head h // 2 before and copy h after
+        np.testing.assert_array_equal(heads[:, :, h], wk.reshape(2, 3, 2, 16)[:, :, h // 2])
+    np.testing.assert_array_equal(np.asarray(tp.expand_kv(jnp.asarray(wk), cfg, 4)), out)
+    assert tp.expand_kv(wk, cfg, 2) is wk
+
+
+def test_real_smollm2_three_ways(smollm2):
+    """SmolLM2-135M (9 heads on 3 KV heads) split 3 ways: the same greedy text as on one device."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    params = {"max_new_tokens": 6, "temperature": 0.0}
+    texts = {}
+    for tp_size in (1, 3):
+        engine = Engine.from_weights(*smollm2, **SMALL, tp_size=tp_size)
+        try:
+            texts[tp_size] = [o["text"] for o in engine.generate(prompts, params)]
+        finally:
+            engine.shutdown()
+    assert texts[3] == texts[1]
+    assert all(texts[1])
+
+
+def test_dummy_weights_born_sharded_equal_unsharded():
+    cfg = TINY_QWEN2_SMOLLM2_VOCAB
+    mesh = tp.make_mesh(4)
+    sharded = tp.dummy_weights(cfg, mesh, seed=5)
+    plain = dummy_weights(cfg, seed=5)
+    assert sharded.layers.wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
+    np.testing.assert_array_equal(np.asarray(sharded.layers.wq), np.asarray(plain.layers.wq))
+    np.testing.assert_array_equal(np.asarray(sharded.layers.wk), tp.expand_kv(np.asarray(plain.layers.wk), cfg, 4))
+    np.testing.assert_array_equal(np.asarray(sharded.embed), np.asarray(plain.embed))
+
+
+def test_pallas_kernel_under_shard_map_matches_ref():
+    """The GPU Pallas kernel (interpret mode on CPU) under shard_map on 2 devices, against `ref` unsharded."""
+    from sgjax.kernels import pallas_attention, ref_attention
+    from tests.kernels.test_ref_attention import make_case
+
+    rng = np.random.default_rng(7)
+    (q, k, v, pool, layer, meta), _, total = make_case(rng, q_lens=[1, 5, 1], prefix_lens=[6, 0, 9], page_size=4,
+                                                       num_heads=4, num_kv_heads=2)
+    mesh = tp.make_mesh(2)
+    want, want_pool = jax.jit(lambda *a: ref_attention(*a, sm_scale=0.25))(q, k, v, pool, layer, meta)
+    heads = jax.sharding.NamedSharding(mesh, tp.HEADS_SPEC)
+    args = (jax.device_put(q, heads), jax.device_put(k, heads), jax.device_put(v, heads),
+            jax.device_put(pool, tp.pool_sharding(mesh)), layer, meta)
+    attend = tp.sharded_attention(pallas_attention, mesh)
+    got, got_pool = jax.jit(lambda *a: attend(*a, sm_scale=0.25))(*args)
+    assert got_pool.sharding.is_equivalent_to(tp.pool_sharding(mesh), got_pool.ndim)
+    assert {s.data.shape[1] for s in got.addressable_shards} == {2}  # each device attended 2 of the 4 q heads
+    np.testing.assert_allclose(np.asarray(got)[:total], np.asarray(want)[:total], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(np.asarray(got_pool), np.asarray(want_pool))
+
+
+@pytest.mark.parametrize("tp_size, message", [(8, "tp_size=8 needs 8 devices"),
+                                              (3, "tp_size=3 must divide the model's 4 attention heads"),
+                                              (0, "tp_size must be a positive integer")])
+def test_bad_tp_size_fails_at_start(tiny, tp_size, message):
+    with pytest.raises(ValueError, match=message):
+        Engine.from_weights(*tiny, **SMALL, tp_size=tp_size)
+
+
+def test_kv_heads_that_do_not_split():
+    cfg = TINY_QWEN2_SMOLLM2_VOCAB.replace(num_heads=12, num_kv_heads=3, intermediate_size=120)
+    with pytest.raises(ValueError, match="tp_size=2 and the model's 3 KV heads"):
+        tp.check_model(cfg, 2)
+    tp.check_model(cfg, 3)
+    tp.check_model(cfg, 6)
+
+
+def test_tp_size_flag():
+    from sgjax.cli import build_parser, split_args
+
+    engine, _ = split_args(build_parser().parse_args(["serve", "--tp-size", "2"]))
+    assert engine == ServerArgs(tp_size=2)
