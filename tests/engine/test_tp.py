@@ -204,3 +204,27 @@ def test_tp_size_flag():
 
     engine, _ = split_args(build_parser().parse_args(["serve", "--tp-size", "2"]))
     assert engine == ServerArgs(tp_size=2)
+
+
+def test_server_with_tp_size_flag(smollm2):
+    """`sgjax serve --tp-size 3` (a child process with 4 CPU host devices): one /generate answered with the greedy
+    text of one device, and /get_server_info reporting the mesh."""
+    import httpx
+
+    from tests.server.conftest import SMALL_FLAGS, serving
+
+    prompt, params = "The capital of France is", {"max_new_tokens": 6, "temperature": 0.0}
+    engine = Engine.from_weights(*smollm2, **SMALL)
+    try:
+        want = engine.generate(prompt, params)["text"]
+    finally:
+        engine.shutdown()
+    srv = serving(*SMALL_FLAGS, "--tp-size", "3", env={"JAX_NUM_CPU_DEVICES": "4"})
+    server = next(srv)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            assert c.post("/generate", json={"text": prompt, "sampling_params": params}).json()["text"] == want
+            info = c.get("/get_server_info").json()
+        assert info["tp_size"] == 3 and info["mesh_shape"] == {"data": 1, "tensor": 3}
+    finally:
+        next(srv, None)  # stops the server; it must exit cleanly
