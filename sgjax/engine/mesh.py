@@ -118,7 +118,9 @@ def place_weights(cfg: ModelConfig, weights: W.Weights, mesh: Mesh, shard_vocab:
         if a is None:
             out[name] = None
             continue
-        sharding, expand = target[name], name in KV_LEAVES and tp > cfg.num_kv_heads
+        # by shape, so that placing placed weights again (another rule table) does not expand twice
+        sharding = target[name]
+        expand = name in KV_LEAVES and tp > cfg.num_kv_heads and a.shape[-1] == cfg.num_kv_heads * cfg.head_dim
         if isinstance(a, jax.Array) and not expand and a.sharding.is_equivalent_to(sharding, a.ndim):
             out[name] = a
             continue
@@ -135,7 +137,7 @@ def _expanded_struct(cfg, weights, tp):
         if a is None:
             return None
         shape = a.shape
-        if name in KV_LEAVES and tp > cfg.num_kv_heads:
+        if name in KV_LEAVES and tp > cfg.num_kv_heads and shape[-1] == cfg.num_kv_heads * cfg.head_dim:
             shape = shape[:-1] + (tp * cfg.head_dim,)
         return jax.ShapeDtypeStruct(shape, a.dtype)
 
@@ -149,14 +151,16 @@ def unstack_placed(weights: W.Weights, mesh: Mesh, shard_vocab: bool = False) ->
     return jax.jit(W.unstack_layers, out_shardings=weight_shardings(struct, mesh, shard_vocab))(weights)
 
 
-def dummy_weights(cfg: ModelConfig, mesh: Mesh, seed: int = 0) -> W.Weights:
+def dummy_weights(cfg: ModelConfig, mesh: Mesh, seed: int = 0, shard_vocab: bool = False) -> W.Weights:
     """Random weights born sharded: the initialiser is jitted with out_shardings (jax's partitionable threefry gives
     the same values as the unsharded `weights.dummy_weights`), KV heads then expanded for tp > num_kv_heads."""
     tp = tp_size(mesh)
-    rules = RULES if cfg.num_kv_heads % tp == 0 else {**RULES, "kv_heads": None}  # replicated until expanded
+    rules = VOCAB_RULES if shard_vocab else RULES
+    if cfg.num_kv_heads % tp:
+        rules = {**rules, "kv_heads": None}  # replicated until expanded
     flat = {name: NamedSharding(mesh, P(*(rules.get(n) for n in W.LOGICAL_AXES[name])))
             for name in W.shapes(cfg)}
-    return place_weights(cfg, W.dummy_weights(cfg, seed, shardings=flat), mesh)
+    return place_weights(cfg, W.dummy_weights(cfg, seed, shardings=flat), mesh, shard_vocab)
 
 
 # -- attention under shard_map ---------------------------------------------------------------------------------
