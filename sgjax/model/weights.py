@@ -141,7 +141,12 @@ def shardings(weights: Weights, mesh: jax.sharding.Mesh, rules: Mapping[str, str
     P = jax.sharding.PartitionSpec
     axes = logical_axes(weights)
     return jax.tree.map(lambda names: jax.sharding.NamedSharding(mesh, P(*(rules.get(n) for n in names))),
-                        axes, is_leaf=lambda x: isinstance(x, tuple))
+                        axes, is_leaf=_is_axes)
+
+
+def _is_axes(x) -> bool:
+    """A leaf's axis names (a tuple of str), not the unrolled layers' tuple of LayerWeights."""
+    return isinstance(x, tuple) and all(isinstance(n, str) for n in x)
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

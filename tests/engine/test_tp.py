@@ -228,3 +228,18 @@ def test_server_with_tp_size_flag(smollm2):
         assert info["tp_size"] == 3 and info["mesh_shape"] == {"data": 1, "tensor": 3}
     finally:
         next(srv, None)  # stops the server; it must exit cleanly
+
+
+def test_unstacked_layers_keep_their_partitioning(models):
+    """The accelerators' per-layer weights (an unrolled forward) come from placed stacked ones slice by slice."""
+    cfg, weights, _ = models["qwen2"]
+    mesh = tp.make_mesh(4)
+    placed = tp.place_weights(cfg, weights, mesh)
+    layers = tp.unstack_placed(placed, mesh).layers
+    assert len(layers) == cfg.num_layers
+    P = jax.sharding.PartitionSpec
+    for i, layer in enumerate(layers):
+        assert layer.wq.sharding.spec == P(None, "tensor") and layer.wo.sharding.spec == P("tensor", None)
+        assert layer.bk.sharding.spec == P("tensor")
+        assert {s.data.shape for s in layer.wk.addressable_shards} == {(cfg.hidden_size, cfg.head_dim)}
+        np.testing.assert_array_equal(np.asarray(layer.wv), np.asarray(placed.layers.wv[i]))
