@@ -25,7 +25,6 @@ ROUND2 = [(LONG + " Green\nQ: What do bees make?\nA:", {}),
            {"frequency_penalty": 0.8, "repetition_penalty": 1.3}),
           ("Hello", {})]
 NEW_TOKENS = 8
-MODELS = ("llama", "qwen2")
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +82,9 @@ def assert_same(got, want):
     assert [len(ids) for ids, _, _ in want] == [NEW_TOKENS, NEW_TOKENS, 5, NEW_TOKENS, NEW_TOKENS]  # regex: "no 42"
 
 
-@pytest.mark.parametrize("tp_size", [2, 4])  # 4: more devices than the 2 KV heads, each head copied twice
-@pytest.mark.parametrize("name", MODELS)
+# TP=4: more devices than the 2 KV heads, each head (and Qwen2's K/V biases) copied twice. Three cases, not all
+# four: each engine compiles its own step shapes (~30 s cold on 2 cores).
+@pytest.mark.parametrize("name, tp_size", [("llama", 2), ("llama", 4), ("qwen2", 4)])
 def test_greedy_outputs_and_logprobs_equal_one_device(engines, expected, name, tp_size):
     engine = engines(name, tp_size)
     got = workload(engine)
@@ -99,23 +99,25 @@ def test_greedy_outputs_and_logprobs_equal_one_device(engines, expected, name, t
     assert state.future.sharding.is_equivalent_to(tp.replicated(engine.mesh), 1)
 
 
-@pytest.mark.parametrize("tp_size", [2, 4])
-def test_each_device_holds_its_share(engines, tp_size):
-    engine = engines("qwen2", tp_size)
+@pytest.mark.parametrize("name, tp_size", [("llama", 2), ("qwen2", 4)])  # engines the test above made
+def test_each_device_holds_its_share(engines, name, tp_size):
+    engine = engines(name, tp_size)
     cfg, w = engine.runner.cfg, engine.runner.weights
     assert engine.mesh.shape == {"data": 1, "tensor": tp_size}
     assert cfg.num_kv_heads == max(2, tp_size)  # KV heads copied up to tp
     layers = w.layers
-    for name, axis in [("wq", 2), ("wk", 2), ("wv", 2), ("w_gate", 2), ("w_up", 2), ("wo", 1), ("w_down", 1),
-                       ("bq", 1), ("bk", 1), ("bv", 1)]:
-        a = getattr(layers, name)
+    biases = [("bq", 1), ("bk", 1), ("bv", 1)] if name == "qwen2" else []
+    for leaf, axis in [("wq", 2), ("wk", 2), ("wv", 2), ("w_gate", 2), ("w_up", 2), ("wo", 1), ("w_down", 1)] + biases:
+        a = getattr(layers, leaf)
         shards = a.addressable_shards
-        assert len(shards) == tp_size and len({s.device for s in shards}) == tp_size, name
+        assert len(shards) == tp_size and len({s.device for s in shards}) == tp_size, leaf
         want = list(a.shape)
         want[axis] //= tp_size
-        assert all(list(s.data.shape) == want for s in shards), (name, [s.data.shape for s in shards])
-        assert all(s.data.nbytes * tp_size == a.nbytes for s in shards), name
+        assert all(list(s.data.shape) == want for s in shards), (leaf, [s.data.shape for s in shards])
+        assert all(s.data.nbytes * tp_size == a.nbytes for s in shards), leaf
     for a in (w.embed, w.lm_head, layers.attn_norm):  # replicated: every device has all of it
+        if a is None:  # the tied Llama's head is its embedding
+            continue
         assert all(s.data.shape == a.shape for s in a.addressable_shards)
     pool = engine.runner.state.pool
     assert pool.shape[3] == 2 * cfg.num_kv_heads
