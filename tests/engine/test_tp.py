@@ -245,3 +245,25 @@ def test_unstacked_layers_keep_their_partitioning(models):
         assert layer.bk.sharding.spec == P("tensor")
         assert {s.data.shape for s in layer.wk.addressable_shards} == {(cfg.hidden_size, cfg.head_dim)}
         np.testing.assert_array_equal(np.asarray(layer.wv), np.asarray(placed.layers.wv[i]))
+
+
+def test_dummy_load_format_is_born_sharded(tmp_path):
+    """--load-format dummy with --tp-size: the checkpoint config's random weights made on the mesh, KV heads copied."""
+    import json
+
+    from sgjax.engine.loading import load_model_cached
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
+        intermediate_size=160, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-6)))
+    mesh = tp.make_mesh(4)
+    cfg, weights = load_model_cached(str(tmp_path), "float32", "dummy", mesh=mesh)
+    assert weights.layers.wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
+    assert weights.layers.wk.shape[-1] == 4 * cfg.head_dim  # 2 KV heads, each copied to 2 devices
+    plain = dummy_weights(cfg)
+    np.testing.assert_array_equal(np.asarray(weights.layers.wk), tp.expand_kv(np.asarray(plain.layers.wk), cfg, 4))
+    again = tp.place_weights(cfg, weights, mesh)  # what the engine does next: nothing to move, nothing to expand
+    assert again.layers.wk is weights.layers.wk and again.embed is weights.embed
+    with pytest.raises(ValueError, match="tp_size=3 must divide the model's 8 attention heads"):
+        load_model_cached(str(tmp_path), "float32", "dummy", mesh=tp.make_mesh(3))
