@@ -40,9 +40,10 @@ def check_kv_cache_dtype(args: ServerArgs, model_dtype: str) -> None:
 
 def load_model_cached(path, dtype, load_format="auto", mesh=None):
     """Weights are immutable arrays: engines in one process (tests, ablation sweeps) share one copy. With a mesh
-    (tensor parallelism), dummy weights are born sharded on it (a checkpoint is loaded as usual and placed by
-    the engine)."""
-    key = (path, dtype, load_format) if mesh is None or load_format != "dummy" else (path, dtype, load_format, mesh)
+    (tensor parallelism) they are placed on it as they are made: dummy weights generated sharded, a GGUF or HF
+    checkpoint read into host memory and each device given its slice (engine/mesh.py), so no device holds the whole
+    model. LLaVA and orbax checkpoints load onto the default device and are placed by the engine."""
+    key = (path, dtype, load_format) if mesh is None else (path, dtype, load_format, mesh)
     if key not in MODELS:
         if load_format == "dummy":
             if path is None or not os.path.isdir(path):
@@ -57,7 +58,13 @@ def load_model_cached(path, dtype, load_format="auto", mesh=None):
                 MODELS[key] = cfg, dummy_weights(cfg)
         elif is_llava_dir(path):
             cfg, weights, vcfg, vweights = load_llava_dir(path, dtype)
-            MODELS[key], VISION[key] = (cfg, weights), (vcfg, vweights)
+            MODELS[key], VISION[key[:3]] = (cfg, weights), (vcfg, vweights)  # the engine looks it up without the mesh
+        elif mesh is not None:
+            from sgjax.engine.mesh import check_model, place_weights, tp_size
+
+            cfg, weights = load_model(path, dtype, host=True)
+            check_model(cfg, tp_size(mesh))
+            MODELS[key] = cfg, place_weights(cfg, weights, mesh)
         else:
             MODELS[key] = load_model(path, dtype)
     return MODELS[key]

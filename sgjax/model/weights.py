@@ -155,8 +155,9 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             for leaf in LEAVES if leaf.present(cfg)}
 
 
-def assemble(cfg: ModelConfig, arrays: Mapping[str, Any]) -> Weights:
-    """Weights from a flat dict of our names, checking every shape against the config."""
+def assemble(cfg: ModelConfig, arrays: Mapping[str, Any], host: bool = False) -> Weights:
+    """Weights from a flat dict of our names, checking every shape against the config. host=True keeps them numpy
+    arrays (of the config's dtype) for placement on a mesh (engine/mesh.py), so no device gets the whole model."""
     expected = shapes(cfg)
     missing = sorted(set(expected) - set(arrays))
     if missing:
@@ -167,7 +168,7 @@ def assemble(cfg: ModelConfig, arrays: Mapping[str, Any]) -> Weights:
         a = arrays[name]
         if tuple(a.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)}, the config expects {shape}")
-        out[name] = jnp.asarray(a, dtype=dtype)
+        out[name] = np.asarray(a, dtype=dtype) if host else jnp.asarray(a, dtype=dtype)
     layer_names = {f.name for f in dataclasses.fields(LayerWeights)}
     layers = LayerWeights(**{k: v for k, v in out.items() if k in layer_names})
     return Weights(layers=layers, **{k: v for k, v in out.items() if k not in layer_names})
@@ -196,7 +197,7 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0, shardings: Mapping[str, Any] 
     return Weights(layers=layers, **{k: v for k, v in arrays.items() if k not in layer_names})
 
 
-def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str]) -> Weights:
+def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool = False) -> Weights:
     """Weights from HF tensor names; `get(name)` returns a numpy array in torch layout (out, in)."""
     layer_leaf = {leaf.hf: leaf for leaf in LEAVES if leaf.layer}
     top_leaf = {leaf.hf: leaf for leaf in LEAVES if not leaf.layer}
@@ -227,7 +228,7 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str]) -> Weights:
         elif any(present):
             missing = [i for i, p in enumerate(present) if not p]
             raise ValueError(f"checkpoint has {ours} for some layers but not for layers {missing}")
-    return assemble(cfg, flat)
+    return assemble(cfg, flat, host)
 
 
 def to_hf_state_dict(cfg: ModelConfig, weights: Weights, convert: Any = np.asarray) -> dict[str, Any]:

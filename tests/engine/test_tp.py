@@ -267,3 +267,35 @@ def test_dummy_load_format_is_born_sharded(tmp_path):
     assert again.layers.wk is weights.layers.wk and again.embed is weights.embed
     with pytest.raises(ValueError, match="tp_size=3 must divide the model's 8 attention heads"):
         load_model_cached(str(tmp_path), "float32", "dummy", mesh=tp.make_mesh(3))
+
+
+def test_checkpoint_loaded_onto_the_mesh(smollm2):
+    """A checkpoint with a mesh is read to host memory and each device gets only its slice (the GGUF SmolLM2)."""
+    from sgjax.engine import loading
+
+    mesh = tp.make_mesh(3)
+    key = (None, "float32", "auto", mesh)
+    try:
+        cfg, weights = loading.load_model_cached(None, "float32", mesh=mesh)
+        wq = weights.layers.wq
+        assert wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
+        assert {s.data.shape[-1] for s in wq.addressable_shards} == {cfg.q_size // 3}
+        np.testing.assert_array_equal(np.asarray(wq), np.asarray(smollm2[1].layers.wq))
+        per_device = tp.addressable_bytes(weights)
+        replicated = sum(a.nbytes for a in (weights.embed, weights.final_norm, weights.layers.attn_norm,
+                                            weights.layers.mlp_norm))
+        total = sum(a.nbytes for a in jax.tree.leaves(weights))
+        assert set(per_device.values()) == {replicated + (total - replicated) // 3}
+    finally:
+        loading.MODELS.pop(key, None)
+
+
+def test_host_assembly_stays_numpy():
+    """What the mesh loading relies on: assemble(host=True) hands over numpy arrays, not device-0 arrays."""
+    from sgjax.model import weights as W
+    from sgjax.model.presets import MICRO_LLAMA
+
+    arrays = {name: np.ones(shape, np.float32) for name, shape in W.shapes(MICRO_LLAMA).items()}
+    host = W.assemble(MICRO_LLAMA, arrays, host=True)
+    assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(host))
+    assert all(isinstance(a, jax.Array) for a in jax.tree.leaves(W.assemble(MICRO_LLAMA, arrays)))
