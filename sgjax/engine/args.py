@@ -46,6 +46,7 @@ class ServerArgs:
     disable_jump_forward: bool = False  # decode forced grammar text token by token (same output, more steps)
     grammar_cache_size: int = 128  # compiled grammars kept; 0 rebuilds per request (the paper's ablation)
     grammar_compile_timeout: float | None = 20.0  # seconds one regex / JSON schema may take to compile; then a 400
+    grammar_backend: str = "sgjax"  # sgjax (the compressed FSM, fsm/) or none (constrained requests refused)
     # JAX's persistent compilation cache, used when the process has not configured one (JAX_COMPILATION_CACHE_DIR
     # or jax.config): restarts then load the step's executables instead of compiling them again.
     compilation_cache_dir: str | None = "~/.cache/sgjax/jax"
@@ -126,6 +127,10 @@ ENGINE_FLAGS = [
                                                "request (the paper's ablation)")),
     ("grammar_compile_timeout", dict(type=float, help="seconds one regex / JSON schema may take to compile; "
                                                       "longer is a 400 naming the field")),
+    ("grammar_backend", dict(choices=["sgjax", "none", "xgrammar", "outlines", "llguidance"],
+                             help="regex / JSON-schema backend: sgjax (its compressed FSM with jump-forward) or none "
+                                  "(constrained requests get a 400); SGLang's xgrammar, outlines and llguidance are "
+                                  "refused at start")),
     ("compilation_cache_dir", dict(help="JAX's persistent compilation cache, used when JAX_COMPILATION_CACHE_DIR "
                                         "is not set; '' for none")),
     ("gil_switch_interval_ms", dict(type=float, help="Python's thread switch interval while serving (the engine "

@@ -1,6 +1,8 @@
-"""Embeddings of whole prompts: the final normed hidden state of each prompt's last token, L2-normalized
-(last-token pooling, as decoder-only embedding models and SGLang's pooler for them do; OpenAI's vectors are unit
-length too). A prefill over a scratch KV pool of its own, so the serving pool and the radix cache are untouched."""
+"""Whole-prompt readouts of the last token, from a prefill over a scratch KV pool of its own (the serving pool and
+the radix cache are untouched):
+- embeddings: the final normed hidden state, L2-normalized (last-token pooling, as decoder-only embedding models and
+  SGLang's pooler for them do; OpenAI's vectors are unit length too);
+- next-token log-probabilities over the whole vocabulary (SGLang's /v1/score reads its label tokens from them)."""
 
 from __future__ import annotations
 
@@ -18,18 +20,32 @@ from sgjax.model.llama import forward
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_encode(cfg: ModelConfig, attention: str):
+def jitted_readout(cfg: ModelConfig, attention: str, readout: str):
     attend = get_backend(attention)
 
-    def encode(weights, pool, batch):
+    def run(weights, pool, batch):
+        if readout == "logprobs":
+            logits, _ = forward(weights, pool, batch, cfg=cfg, attention=attend)
+            return jax.nn.log_softmax(logits, axis=-1)
         hidden, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, output="hidden")
         return hidden / jnp.maximum(jnp.linalg.norm(hidden, axis=-1, keepdims=True), 1e-12)
 
-    return jax.jit(encode)
+    return jax.jit(run)
 
 
 def embed(cfg: ModelConfig, weights, attention: str, page_size: int, prompts: list[list[int]]) -> np.ndarray:
-    """[len(prompts), hidden] float32 unit vectors. Shapes are bucketed (tokens, requests, pages) as steps are."""
+    """[len(prompts), hidden] float32 unit vectors."""
+    return _readout(cfg, weights, attention, page_size, prompts, "embedding")
+
+
+def next_token_logprobs(cfg: ModelConfig, weights, attention: str, page_size: int,
+                        prompts: list[list[int]]) -> np.ndarray:
+    """[len(prompts), vocab] float32: log p(next token | prompt)."""
+    return _readout(cfg, weights, attention, page_size, prompts, "logprobs")
+
+
+def _readout(cfg, weights, attention, page_size, prompts, readout) -> np.ndarray:
+    """Shapes are bucketed (tokens, requests, pages) as steps are."""
     pages = [-(-len(p) // page_size) for p in prompts]
     width = bucket(max(pages), 4)
     num_reqs = bucket(len(prompts), 4)
@@ -42,5 +58,5 @@ def embed(cfg: ModelConfig, weights, attention: str, page_size: int, prompts: li
                         bucket(sum(map(len, prompts)), 16), num_reqs, width)
     pool = allocate_pool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                          dtype=jnp.dtype(cfg.dtype))
-    out = jitted_encode(cfg, attention)(weights, pool, jax.tree.map(jnp.asarray, batch))
+    out = jitted_readout(cfg, attention, readout)(weights, pool, jax.tree.map(jnp.asarray, batch))
     return np.asarray(out)[:len(prompts)]

@@ -24,11 +24,11 @@ from typing import Callable
 import jax
 
 from sgjax.engine.args import ServerArgs
-from sgjax.engine.embed import embed
+from sgjax.engine.embed import embed, next_token_logprobs
 from sgjax.engine.images import ImageEncoder
-from sgjax.engine.loading import VISION, check_kv_cache_dtype, default_dtype, load_model_cached, pool_pages
+from sgjax.engine.loading import VISION, check_args, default_dtype, load_model_cached, pool_pages
 from sgjax.engine import mesh as tp
-from sgjax.engine import sinks
+from sgjax.engine import scoring, sinks
 from sgjax.engine.outputs import Outputs, abort_reason
 from sgjax.engine.request import Req
 from sgjax.engine.requests import GenerateCall, RequestBuilder
@@ -74,10 +74,8 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs):
         """Load a model (None: the default SmolLM2) and start serving. kwargs: ServerArgs fields."""
         args = ServerArgs.from_kwargs(model_path, kwargs)
-        if args.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
         dtype = default_dtype(args)
-        check_kv_cache_dtype(args, dtype)
+        check_args(args, dtype)
         mesh = tp.make_mesh(args.tp_size)  # before loading: a tp_size the host cannot give fails at once
         cfg, weights = load_model_cached(args.model_path, dtype, args.load_format,
                                          mesh=mesh if args.tp_size > 1 else None)
@@ -138,7 +136,8 @@ class Engine:
                                        max_total_tokens=self.max_total_tokens,
                                        max_top_logprobs=args.max_top_logprobs_num, eos_ids=self.eos_ids,
                                        seed=args.random_seed, grammar_cache_size=args.grammar_cache_size,
-                                       grammar_compile_timeout=args.grammar_compile_timeout)
+                                       grammar_compile_timeout=args.grammar_compile_timeout,
+                                       grammars_on=args.grammar_backend != "none")
         self.outputs = Outputs(self.scheduler, tokenizer, self.eos_ids, jump_forward=not args.disable_jump_forward,
                                on_finish=self._forget)
         self._live: set[str] = set()  # ids of requests made and not finished
@@ -194,20 +193,28 @@ class Engine:
     def encode(self, prompt=None, input_ids=None) -> list[list[float]]:
         """Embeddings (SGLang's Engine.encode): one unit vector per prompt, the final hidden state of its last token
         (engine/embed.py). Runs between steps on the engine thread; the serving pool is not used."""
-        if (prompt is None) == (input_ids is None):
-            raise RequestError("give exactly one of prompt or input_ids", "prompt")
-        single = isinstance(prompt, str) if prompt is not None else not (input_ids and isinstance(input_ids[0], list))
-        items = ([prompt] if single else list(prompt)) if prompt is not None else (
-            [input_ids] if single else list(input_ids))
-        ids = [self.requests.prompt_ids(p, None) if prompt is not None else self.requests.prompt_ids(None, p)
-               for p in items]
-        for x in ids:
-            if len(x) >= self.context_length:
-                raise RequestError(f"the prompt has {len(x)} tokens; at most {self.context_length - 1} fit "
-                                   f"(context_length)", "prompt")
-        r = self.runner
+        ids, r = self.requests.whole_prompts(prompt, input_ids), self.runner
+        # the runner's config: under tensor parallelism its KV heads may be copied up to tp_size (engine/mesh.py)
         vectors = self._call(lambda: embed(r.cfg, r.weights, r.attention, self.args.page_size, ids))
         return [v.tolist() for v in vectors]
+
+    def score(self, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
+              item_first: bool = False, temperature: float = 1.0, detail: bool = False):
+        """SGLang's Engine.score: scores[i][j], the probability of label j as the next token after query + item i
+        (engine/scoring.py), from the same scratch prefill as encode. detail: a Scores with the log-probabilities."""
+        scoring.check_temperature(temperature, apply_softmax)
+        items, texts = scoring.prompts(query, items)
+        query = query if query is not None else ("" if texts else [])
+        joined = [scoring.join(query, x if texts else list(x), item_first) for x in items]
+        ids = self.requests.whole_prompts(*((joined, None) if texts else (None, joined))) if items else []
+        labels = scoring.labels_per_item(label_token_ids, len(ids), self.model_config.vocab_size) if ids else []
+        r = self.runner
+        rows = self._call(lambda: next_token_logprobs(r.cfg, r.weights, r.attention,
+                                                      self.args.page_size, ids)) if ids else []
+        lps = [[float(row[t]) for t in one] for row, one in zip(rows, labels)]
+        out = scoring.Scores([scoring.probabilities(lp, apply_softmax, temperature) for lp in lps], lps,
+                             sum(map(len, ids)))
+        return out if detail else out.scores
 
     @property
     def alive(self) -> bool:

@@ -32,10 +32,16 @@ def default_dtype(args: ServerArgs) -> str:
     return dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
 
 
-def check_kv_cache_dtype(args: ServerArgs, model_dtype: str) -> None:
+def check_args(args: ServerArgs, model_dtype: str) -> None:
+    """The settings that name something sgjax does not have: a one-line error naming the setting, before loading."""
+    if args.load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
     if args.kv_cache_dtype not in ("auto", model_dtype):
         raise ValueError(f"kv_cache_dtype {args.kv_cache_dtype!r}: a KV cache dtype other than the model's "
                          f"({model_dtype}) is not supported yet; use auto")
+    if args.grammar_backend not in ("sgjax", "none"):
+        raise ValueError(f"grammar_backend {args.grammar_backend!r} is not supported: sgjax compiles regexes and JSON "
+                         f"schemas with its own compressed FSM (grammar_backend 'sgjax', or 'none' to refuse them)")
 
 
 def load_model_cached(path, dtype, load_format="auto", mesh=None):

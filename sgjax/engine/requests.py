@@ -55,13 +55,14 @@ def check_token_ids(ids, vocab: int, field: str) -> None:
 class RequestBuilder:
     def __init__(self, cfg: ModelConfig, tokenizer, images, *, context_length: int, max_total_tokens: int,
                  max_top_logprobs: int, eos_ids: frozenset, seed: int, grammar_cache_size: int,
-                 grammar_compile_timeout: float | None = None):
+                 grammar_compile_timeout: float | None = None, grammars_on: bool = True):
         self.cfg, self.tokenizer, self.images = cfg, tokenizer, images
         self.context_length, self.max_total_tokens = context_length, max_total_tokens
         self.max_top_logprobs, self.eos_ids = max_top_logprobs, eos_ids
         self.grammars = GrammarCache(max_entries=grammar_cache_size, compile_timeout=grammar_compile_timeout)
         self._seeds = np.random.default_rng(seed)
         self._vocabulary = None
+        self.grammars_on = grammars_on
 
     def build(self, call: GenerateCall) -> tuple[list[Req], bool]:
         """The requests of a call (prompts x n copies) and whether it was a single prompt."""
@@ -119,6 +120,8 @@ class RequestBuilder:
         if params.regex is None and params.json_schema is None:
             return None
         field = "regex" if params.regex is not None else "json_schema"
+        if not self.grammars_on:
+            raise RequestError("constrained decoding is off on this server (grammar_backend 'none')", field)
         if self.tokenizer is None:
             raise RequestError("regex and json_schema need a tokenizer; this engine has none", field)
         if self._vocabulary is None:
@@ -146,6 +149,21 @@ class RequestBuilder:
         if not ids:
             raise RequestError("the prompt is empty (0 tokens)", "prompt")
         check_token_ids(ids, self.cfg.vocab_size, "input_ids")
+        return ids
+
+    def whole_prompts(self, prompt, input_ids) -> list[list[int]]:
+        """The prompts of a readout call (embeddings, scores): one or a batch, as text or ids, each checked and
+        short enough to prefill."""
+        if (prompt is None) == (input_ids is None):
+            raise RequestError("give exactly one of prompt or input_ids", "prompt")
+        single = isinstance(prompt, str) if prompt is not None else not (input_ids and isinstance(input_ids[0], list))
+        given = prompt if prompt is not None else input_ids
+        items = [given] if single else list(given)
+        ids = [self.prompt_ids(p, None) if prompt is not None else self.prompt_ids(None, p) for p in items]
+        for x in ids:
+            if len(x) >= self.context_length:
+                raise RequestError(f"the prompt has {len(x)} tokens; at most {self.context_length - 1} fit "
+                                   f"(context_length)", "prompt")
         return ids
 
     def _fit_length(self, params: SamplingParams, ids: list[int]) -> SamplingParams:

@@ -25,7 +25,8 @@ from sgjax.server import native_api, openai_api
 from sgjax.server.metrics import Metrics
 from sgjax.server.fields import screener
 from sgjax.server.protocol import (AbortRequest, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   EmbeddingRequest, GenerateRequest, TokenizeRequest, parse_body, read_body)
+                                   EmbeddingRequest, GenerateRequest, ScoreRequest, TokenizeRequest, parse_body,
+                                   read_body)
 from sgjax.server.connection import ClientDisconnected
 from sgjax.server.serving import Serving, Work
 
@@ -34,7 +35,7 @@ log = logging.getLogger("sgjax.server")
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 ROUTES = GENERATION_ROUTES + ("/v1/models", "/health", "/health_generate", "/get_model_info", "/get_server_info",
                               "/model_info", "/server_info", "/ready", "/flush_cache", "/abort_request", "/metrics",
-                              "/tokenize", "/detokenize", "/v1/embeddings", "/start_profile", "/stop_profile")
+                              "/tokenize", "/detokenize", "/v1/embeddings", "/v1/score", "/start_profile", "/stop_profile")
 OPEN_ROUTES = ("/health", "/ready")  # probes answer without --api-key's header, as in SGLang and vLLM
 
 
@@ -116,6 +117,11 @@ def build_app(serving: Serving) -> FastAPI:
     async def embeddings(request: Request):
         req = parse_body(await read_body(request), EmbeddingRequest, screener("/v1/embeddings"))
         return await openai_api.embeddings(serving, req)
+
+    @app.post("/v1/score")
+    async def score(request: Request):
+        req = parse_body(await read_body(request), ScoreRequest, screener("/v1/score"))
+        return await openai_api.score(serving, req)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -132,6 +132,12 @@ def screen(body: dict, known, table: dict, route: str, prefix: str = "", keep_un
     return out
 
 
+# SGLang's /v1/score beyond the pointwise causal-LM scoring sgjax implements.
+SCORE = {
+    "embed_override_token_id": _NO, "query_embed_overrides": _NO, "item_embed_overrides": _NO,
+    "return_pooled_hidden_states": Unsupported("pooled hidden states are for classification models", (False,)),
+    "score_extraction_token": Unsupported("setwise scoring is not supported by sgjax"),
+}
 # A chat message's fields beyond ChatMessage's.
 MESSAGE = {
     "refusal": Meta("the assistant's refusal text; not read"),
@@ -181,5 +187,6 @@ def screener(route: str):
 
     table = {"/generate": generate, "/v1/chat/completions": chat, "/v1/completions": completions,
              "/v1/embeddings": plain(P.EmbeddingRequest), "/tokenize": plain(P.TokenizeRequest),
-             "/detokenize": plain(P.DetokenizeRequest), "/abort_request": plain(P.AbortRequest)}
+             "/detokenize": plain(P.DetokenizeRequest), "/abort_request": plain(P.AbortRequest),
+             "/v1/score": lambda body: screen(body, P.ScoreRequest.model_fields, SCORE, route)}
     return table[route]

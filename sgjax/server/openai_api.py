@@ -359,6 +359,20 @@ async def embeddings(serving: Serving, req) -> dict:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
+async def score(serving: Serving, req) -> dict:
+    """SGLang's /v1/score (engine/scoring.py has the rules)."""
+    try:
+        result = await asyncio.to_thread(
+            serving.engine.score, req.query, req.items, req.label_token_ids, apply_softmax=req.apply_softmax,
+            item_first=req.item_first, temperature=req.temperature, detail=True)
+    except RequestError as e:
+        raise params_error(e, renames={"prompt": "items", "input_ids": "items"}) from None
+    return {"object": "scoring", "model": serving.model_name, "scores": result.scores,
+            "token_logprobs": result.logprobs if req.return_token_logprobs else None,
+            "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": 0,
+                      "total_tokens": result.prompt_tokens}}
+
+
 def tokenize(serving: Serving, req) -> dict:
     """SGLang's and vLLM's /tokenize: `text` or `prompt` (one or a list), or chat `messages` through the template."""
     _need_tokenizer(serving)

@@ -263,6 +263,20 @@ class DetokenizeRequest(Strict):
     tokens: list[int] | list[list[int]]
 
 
+class ScoreRequest(Strict):
+    """SGLang's /v1/score (pointwise, causal LM): the probability of each label token as the next token after
+    query + item (item + query with item_first)."""
+
+    model: str | None = None
+    query: str | list[int] | None = None
+    items: str | list[str] | list[list[int]] | None = None
+    label_token_ids: list[int] | list[list[int]] | None = None
+    apply_softmax: bool = False
+    temperature: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    item_first: bool = False
+    return_token_logprobs: bool = False
+
+
 class EmbeddingRequest(Strict):
     """OpenAI's /v1/embeddings: `input` as a text, texts, ids or lists of ids."""
 

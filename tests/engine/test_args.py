@@ -7,7 +7,9 @@ import pytest
 
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.engine import Engine
-from sgjax.engine.loading import check_kv_cache_dtype, default_dtype
+from sgjax.engine.loading import check_args, default_dtype
+from sgjax.errors import RequestError
+from tests.engine.conftest import tiny_engine
 from sgjax.model import chat_templates
 
 
@@ -24,10 +26,25 @@ def test_float16_is_refused_by_name(given):
 
 
 def test_kv_cache_dtype_other_than_the_models_is_refused():
-    check_kv_cache_dtype(ServerArgs(kv_cache_dtype="auto"), "float32")
-    check_kv_cache_dtype(ServerArgs(kv_cache_dtype="bfloat16"), "bfloat16")
+    check_args(ServerArgs(kv_cache_dtype="auto"), "float32")
+    check_args(ServerArgs(kv_cache_dtype="bfloat16"), "bfloat16")
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e4m3'"):
         Engine(kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("peer", ["xgrammar", "outlines", "llguidance"])
+def test_a_peer_grammar_backend_is_refused_by_name(peer):
+    with pytest.raises(ValueError, match=f"grammar_backend '{peer}' is not supported"):
+        Engine(grammar_backend=peer)
+
+
+def test_grammar_backend_none_refuses_constrained_requests_and_serves_the_rest(tiny):
+    with tiny_engine(tiny, grammar_backend="none") as eng:
+        for field, params in [("regex", {"regex": "a+"}), ("json_schema", {"json_schema": '{"type": "string"}'})]:
+            with pytest.raises(RequestError, match="grammar_backend 'none'") as e:
+                eng.generate("hi", {"max_new_tokens": 2, **params})
+            assert e.value.field == field
+        assert eng.generate("hi", {"max_new_tokens": 2, "temperature": 0})["meta_info"]["completion_tokens"] == 2
 
 
 def test_chat_template_by_name_or_file_and_tokenizer_path(smollm2_path, tmp_path):

@@ -299,3 +299,12 @@ def test_host_assembly_stays_numpy():
     host = W.assemble(MICRO_LLAMA, arrays, host=True)
     assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(host))
     assert all(isinstance(a, jax.Array) for a in jax.tree.leaves(W.assemble(MICRO_LLAMA, arrays)))
+
+
+def test_encode_and_score_on_the_mesh(engines):
+    """The scratch-prefill paths (embeddings, /v1/score) run on the placed weights of the sharded config."""
+    one, four = engines("llama", 1), engines("llama", 4)
+    prompts = ["The capital of France is", "Hello"]
+    np.testing.assert_allclose(four.encode(prompts), one.encode(prompts), atol=1e-5)
+    args = dict(query="Is the sky blue? Answer:", items=[" yes", " no"], label_token_ids=[5, 17, 300])
+    np.testing.assert_allclose(four.score(**args), one.score(**args), atol=1e-5)

@@ -132,6 +132,52 @@ def test_embeddings_are_hfs_normalized_last_hidden_state(oai, hf_smollm2, smollm
         oai.embeddings.create(model="m", input="Hello", dimensions=3)
 
 
+def test_score_is_hfs_next_token_probability_of_each_label(client, hf_smollm2, smollm2):
+    import torch
+
+    tok = smollm2[2]
+    query, items = "The capital of France is", [" Paris", " London", " a"]
+    labels = [tok.encode(" the")[0], tok.encode(" and")[0], tok.encode(".")[0]]
+    got = client.post("/v1/score", json={"query": query, "items": items, "label_token_ids": labels}).json()
+    assert got["object"] == "scoring" and got["usage"]["completion_tokens"] == 0 and got["token_logprobs"] is None
+    expected = []
+    for item in items:
+        with torch.no_grad():
+            logits = hf_smollm2(torch.tensor([tok.encode(query + item)])).logits[0, -1]
+        expected.append(torch.softmax(logits.double(), -1)[labels].numpy())
+    np.testing.assert_allclose(got["scores"], expected, rtol=2e-3, atol=1e-6)
+    # a softmax over the labels only, with a temperature; ids give what the same text gives; item_first
+    soft = client.post("/v1/score", json={"query": query, "items": items, "label_token_ids": labels,
+                                          "apply_softmax": True, "temperature": 0.5}).json()["scores"]
+    e = np.log(np.asarray(expected)) / 0.5
+    np.testing.assert_allclose(soft, np.exp(e) / np.exp(e).sum(-1, keepdims=True), rtol=2e-3)
+    ids = client.post("/v1/score", json={"query": tok.encode(query), "items": [tok.encode(" Paris")],
+                                         "label_token_ids": labels, "return_token_logprobs": True}).json()
+    np.testing.assert_allclose(ids["scores"][0], got["scores"][0], rtol=1e-4)
+    np.testing.assert_allclose(np.exp(ids["token_logprobs"][0]), ids["scores"][0], rtol=1e-6)
+    first = client.post("/v1/score", json={"query": " is big.", "items": "Paris", "item_first": True,
+                                           "label_token_ids": [labels]}).json()["scores"]
+    with torch.no_grad():
+        logits = hf_smollm2(torch.tensor([tok.encode("Paris is big.")])).logits[0, -1]
+    np.testing.assert_allclose(first[0], torch.softmax(logits.double(), -1)[labels].numpy(), rtol=2e-3, atol=1e-6)
+    assert client.post("/v1/score", json={"query": "q", "items": [], "label_token_ids": labels}).json()["scores"] == []
+    for body, field in [({"query": "q", "items": ["a"]}, "label_token_ids"),
+                        ({"query": "q", "items": ["a"], "label_token_ids": [1, 1]}, "label_token_ids"),
+                        ({"query": "q", "items": ["a"], "label_token_ids": [10 ** 9]}, "label_token_ids"),
+                        ({"query": "q", "items": ["a", "b"], "label_token_ids": [[1], [2], [3]]}, "label_token_ids"),
+                        ({"query": "q", "items": ["a"], "label_token_ids": [1], "temperature": 2}, "temperature"),
+                        ({"query": [1, 2], "items": ["a"], "label_token_ids": [1]}, "items"),
+                        ({"query": "q", "label_token_ids": [1]}, "items"),
+                        ({"query": "", "items": [""], "label_token_ids": [1]}, "items"),
+                        ({"query": "q", "items": ["a"], "label_token_ids": [1], "score_extraction_token": "<s>"},
+                         "score_extraction_token")]:
+        r = client.post("/v1/score", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+    ok = client.post("/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": [1],
+                                        "return_pooled_hidden_states": False, "embed_override_token_id": None})
+    assert ok.status_code == 200
+
+
 def test_abort_all_ends_every_running_request(client, url):
     results = []
 
