@@ -29,6 +29,12 @@ from sgjax.model.config import ModelConfig
 from sgjax.model import weights as W
 
 AXES = ("data", "tensor")
+try:  # GSPMD ("auto") axes, spelled out where jax has axis types: the placement and shard_map rely on them
+    from jax.sharding import AxisType
+
+    _AUTO_AXES = dict(axis_types=(AxisType.Auto,) * len(AXES))
+except ImportError:
+    _AUTO_AXES = {}
 # logical axis -> mesh axis; axes not named here are replicated ("vocab", "embed", "layers")
 RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
 VOCAB_RULES = {**RULES, "vocab": "tensor"}  # the vocab-sharded alternative (scripts/perf/bench_tp.py --shard-vocab)
@@ -46,7 +52,7 @@ def make_mesh(tp_size: int, devices: Sequence[Any] | None = None) -> Mesh:
     if tp_size > len(devices):
         raise ValueError(f"tp_size={tp_size} needs {tp_size} devices, but only {len(devices)} "
                          f"{devices[0].platform} device(s) are visible")
-    return Mesh(np.asarray(devices[:tp_size]).reshape(1, tp_size), AXES)
+    return Mesh(np.asarray(devices[:tp_size]).reshape(1, tp_size), AXES, **_AUTO_AXES)
 
 
 def tp_size(mesh: Mesh | None) -> int:
