@@ -22,14 +22,16 @@ class WeightFileError(ValueError):
     """A weight file that exists but cannot be read (truncated, corrupt, wrong format)."""
 
 
-def load_model(model_path: str | None = None, dtype: str = "float32") -> tuple[ModelConfig, W.Weights]:
-    """Config and weights from a GGUF file, an HF directory or an orbax checkpoint; None = SmolLM2."""
+def load_model(model_path: str | None = None, dtype: str = "float32",
+               host: bool = False) -> tuple[ModelConfig, W.Weights]:
+    """Config and weights from a GGUF file, an HF directory or an orbax checkpoint; None = SmolLM2. host=True: the
+    GGUF and HF loaders return numpy arrays, to be placed on a mesh (orbax restores onto the default device)."""
     if _is_orbax(model_path):
         return load_orbax(model_path, dtype)
     path = resolve_model_path(model_path)
     if path.endswith(".gguf"):
-        return load_gguf(path, dtype)
-    return load_hf_dir(path, dtype)
+        return load_gguf(path, dtype, host)
+    return load_hf_dir(path, dtype, host)
 
 
 def _is_orbax(path: str | None) -> bool:
@@ -44,7 +46,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, W.Weights]:
+def load_gguf(path: str, dtype: str = "float32", host: bool = False) -> tuple[ModelConfig, W.Weights]:
     from gguf import dequantize
 
     reader = gguf_meta.open_gguf(path)
@@ -80,19 +82,19 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, W.Weights
         if any(x is None for x in items):
             raise WeightFileError(f"{path}: tensor {ours} is missing for some layers")
         flat[ours] = np.stack(items)
-    return cfg, _assemble(cfg, flat, path)
+    return cfg, _assemble(cfg, flat, path, host)
 
 
-def _assemble(cfg, flat, path):
+def _assemble(cfg, flat, path, host=False):
     try:
-        return W.assemble(cfg, flat)
+        return W.assemble(cfg, flat, host)
     except ValueError as e:
         raise WeightFileError(f"{path}: {e}") from e
 
 
 # --- HF safetensors directory ------------------------------------------------------------------------
 
-def load_hf_dir(path: str, dtype: str = "float32") -> tuple[ModelConfig, W.Weights]:
+def load_hf_dir(path: str, dtype: str = "float32", host: bool = False) -> tuple[ModelConfig, W.Weights]:
     from safetensors import safe_open
 
     cfg = config_from_hf_dir(path, dtype)
@@ -116,7 +118,7 @@ def load_hf_dir(path: str, dtype: str = "float32") -> tuple[ModelConfig, W.Weigh
             raise WeightFileError(f"{path}: cannot read tensor {name!r}: {e}") from e
 
     try:
-        return cfg, W.from_hf_state_dict(cfg, get, set(where))
+        return cfg, W.from_hf_state_dict(cfg, get, set(where), host)
     except WeightFileError:
         raise
     except ValueError as e:

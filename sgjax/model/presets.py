@@ -27,3 +27,6 @@ TINY_QWEN2 = ModelConfig(architecture="qwen2", vocab_size=256, hidden_size=64, i
 # would dominate (switch intervals, the step log).
 MICRO_LLAMA = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
                           num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+
+# TINY_QWEN2 with SmolLM2's vocabulary (an untied head), for engine tests with the real tokenizer (tensor parallel).
+TINY_QWEN2_SMOLLM2_VOCAB = TINY_QWEN2.replace(vocab_size=49152)

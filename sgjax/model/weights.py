@@ -166,7 +166,12 @@ def shardings(weights: Weights, mesh: jax.sharding.Mesh, rules: Mapping[str, str
     P = jax.sharding.PartitionSpec
     axes = logical_axes(weights)
     return jax.tree.map(lambda names: jax.sharding.NamedSharding(mesh, P(*(rules.get(n) for n in names))),
-                        axes, is_leaf=lambda x: isinstance(x, tuple))
+                        axes, is_leaf=_is_axes)
+
+
+def _is_axes(x) -> bool:
+    """A leaf's axis names (a tuple of str), not the unrolled layers' tuple of LayerWeights."""
+    return isinstance(x, tuple) and all(isinstance(n, str) for n in x)
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -175,8 +180,9 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             for leaf in LEAVES if leaf.present(cfg)}
 
 
-def assemble(cfg: ModelConfig, arrays: Mapping[str, Any]) -> Weights:
-    """Weights from a flat dict of our names, checking every shape against the config."""
+def assemble(cfg: ModelConfig, arrays: Mapping[str, Any], host: bool = False) -> Weights:
+    """Weights from a flat dict of our names, checking every shape against the config. host=True keeps them numpy
+    arrays (of the config's dtype) for placement on a mesh (engine/mesh.py), so no device gets the whole model."""
     expected = shapes(cfg)
     missing = sorted(set(expected) - set(arrays))
     if missing:
@@ -187,18 +193,18 @@ def assemble(cfg: ModelConfig, arrays: Mapping[str, Any]) -> Weights:
         a = arrays[name]
         if tuple(a.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)}, the config expects {shape}")
-        out[name] = jnp.asarray(a, dtype=dtype)
+        out[name] = np.asarray(a, dtype=dtype) if host else jnp.asarray(a, dtype=dtype)
     layer_names = {f.name for f in dataclasses.fields(LayerWeights)}
     layers = LayerWeights(**{k: v for k, v in out.items() if k in layer_names})
     return Weights(layers=layers, **{k: v for k, v in out.items() if k not in layer_names})
 
 
-def dummy_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
-    """Random weights of the config's real shapes, generated on device (for performance runs)."""
+def dummy_weights(cfg: ModelConfig, seed: int = 0, shardings: Mapping[str, Any] | None = None) -> Weights:
+    """Random weights of the config's real shapes, generated on device (for performance runs). `shardings` (leaf
+    name -> Sharding) makes each leaf born sharded: jax's partitionable threefry gives the same values either way."""
     expected = shapes(cfg)
     dtype = jnp.dtype(cfg.dtype)
 
-    @jax.jit
     def init(key):
         keys = jax.random.split(key, len(expected))
         out = {}
@@ -210,7 +216,7 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
                 out[name] = (jax.random.normal(k, shape, jnp.float32) * (fan_in ** -0.5)).astype(dtype)
         return out
 
-    arrays = init(jax.random.PRNGKey(seed))
+    arrays = jax.jit(init, out_shardings=None if shardings is None else dict(shardings))(jax.random.PRNGKey(seed))
     layer_names = {f.name for f in dataclasses.fields(LayerWeights)}
     layers = LayerWeights(**{k: v for k, v in arrays.items() if k in layer_names})
     return Weights(layers=layers, **{k: v for k, v in arrays.items() if k not in layer_names})
@@ -223,7 +229,7 @@ def _plus_one(cfg: ModelConfig, leaf: Leaf) -> float:
     return 1.0 if FAMILY[cfg.architecture].norm_plus_one and leaf.init == "ones" else 0.0
 
 
-def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str]) -> Weights:
+def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool = False) -> Weights:
     """Weights from HF tensor names; `get(name)` returns a numpy array in torch layout (out, in)."""
     from sgjax.model.families import FAMILY
 
@@ -267,7 +273,7 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str]) -> Weights:
         elif any(got):
             missing = [i for i, p in enumerate(got) if not p]
             raise ValueError(f"checkpoint has {leaf_name} for some layers but not for layers {missing}")
-    return assemble(cfg, flat)
+    return assemble(cfg, flat, host)
 
 
 def to_hf_state_dict(cfg: ModelConfig, weights: Weights, convert: Any = np.asarray) -> dict[str, Any]:
