@@ -182,13 +182,21 @@ def shard_map(f, mesh: Mesh, in_specs, out_specs):
 
 def sharded_attention(attend, mesh: Mesh):
     """The backend signature over the mesh: each device attends its local heads over its slice of the pool."""
-    def attention(q, k, v, pool, layer, meta, *, sm_scale: float):
-        def local(q, k, v, pool, layer, meta):
-            return attend(q, k, v, pool, layer, meta, sm_scale=sm_scale)
+    def attention(q, k, v, pool, layer, meta, *, sm_scale: float, **masks):
+        # masks: a family's window / softcap (model/llama.py passes them only when it has them); a window that is
+        # a static int stays static (jax's TPU kernel needs that), a traced one (scanned layers) is an operand.
+        window = masks.pop("window", 0)
+        static = isinstance(window, int)
 
-        fn = shard_map(local, mesh, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, P(), P()),
+        def local(q, k, v, pool, layer, meta, win):
+            extra = dict(masks)
+            if not static or window:
+                extra["window"] = window if static else win
+            return attend(q, k, v, pool, layer, meta, sm_scale=sm_scale, **extra)
+
+        fn = shard_map(local, mesh, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, P(), P(), P()),
                        out_specs=(HEADS_SPEC, POOL_SPEC))
-        return fn(q, k, v, pool, layer, meta)
+        return fn(q, k, v, pool, layer, meta, jnp.asarray(0 if static else window, jnp.int32))
 
     return attention
 
