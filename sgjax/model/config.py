@@ -213,3 +213,25 @@ def llama3_8b_config(dtype: str = "bfloat16") -> ModelConfig:
     return ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
                        rope_theta=500000.0, max_position_embeddings=8192, dtype=dtype)
+
+
+def qwen3_8b_config(dtype: str = "bfloat16") -> ModelConfig:
+    """Qwen3-8B's shapes (q/k norms, untied head), for performance runs with dummy weights."""
+    return ModelConfig(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                       num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True, dtype=dtype)
+
+
+def gemma3_12b_config(dtype: str = "bfloat16") -> ModelConfig:
+    """Gemma-3-12B's text shapes (5 sliding layers of 1024 keys : 1 global, head_dim 256), for performance runs."""
+    return ModelConfig(architecture="gemma3", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                       num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0, rope_scaling=RopeScaling(kind="linear", factor=8.0),
+                       max_position_embeddings=131072, tie_word_embeddings=True, qk_norm=True, sandwich_norms=True,
+                       activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=256.0, sliding_window=1024,
+                       sliding_layers=tuple((i + 1) % 6 != 0 for i in range(48)), rope_local_theta=10000.0,
+                       dtype=dtype)
+
+
+# Dummy-weight shapes for benchmarks, by name (scripts/perf/bench_forward.py --model).
+BENCH_CONFIGS = {"llama3-8b": llama3_8b_config, "qwen3-8b": qwen3_8b_config, "gemma3-12b": gemma3_12b_config}

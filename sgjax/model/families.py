@@ -127,6 +127,35 @@ FAMILIES: tuple[Family, ...] = (
 FAMILY = {f.name: f for f in FAMILIES}
 
 
+def hf_config_dict(cfg) -> dict:
+    """The HF config.json of a ModelConfig, the inverse of config_from_hf: benchmarks build HF's own model over
+    sgjax's weights (scripts/bench/hf_backend.py), and tests check the round trip."""
+    fam = FAMILY[cfg.architecture]
+    d = {"architectures": [fam.hf_architectures[0]], "model_type": fam.hf_model_types[0],
+         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+         "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+         "attention_bias": cfg.qkv_bias and fam.name != "qwen2", "rope_theta": cfg.rope_theta,
+         "sliding_window": cfg.sliding_window, "pad_token_id": None}
+    rs = cfg.rope_scaling
+    if rs.kind == "linear":
+        d["rope_scaling"] = {"rope_type": "linear", "factor": rs.factor}
+    elif rs.kind == "llama3":
+        d["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                             "high_freq_factor": rs.high_freq_factor,
+                             "original_max_position_embeddings": rs.original_max_position_embeddings}
+    if fam.name in ("gemma2", "gemma3"):
+        scalar = cfg.query_pre_attn_scalar
+        d.update(query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar, attn_logit_softcapping=cfg.attn_softcap,
+                 final_logit_softcapping=cfg.final_softcap, hidden_activation="gelu_pytorch_tanh",
+                 layer_types=["sliding_attention" if cfg.window(i) else "full_attention"
+                              for i in range(cfg.num_layers)])
+        if fam.name == "gemma3":
+            d["rope_local_base_freq"] = cfg.rope_local_theta
+    return d
+
+
 def family_of_hf(d: dict) -> Family:
     archs = d.get("architectures") or []
     for f in FAMILIES:

@@ -117,3 +117,23 @@ def test_gemma3_gguf_metadata_maps_to_the_families_fields():
     assert [cfg.window(i) for i in range(6)] == [512] * 5 + [0] and cfg.rope_local_theta == 10000.0
     with pytest.raises(UnsupportedModelError, match="'falcon'"):
         config_from_gguf({**meta, "general.architecture": "falcon"}, set())
+
+
+@pytest.mark.parametrize("variant", sorted(__import__("tests.model.hf_tiny", fromlist=["VARIANTS"]).VARIANTS))
+def test_hf_config_round_trip(variant, tmp_path):
+    """hf_config_dict (what benchmarks give HF's model classes) is config_from_hf's inverse, and HF's own class
+    built from it has the checkpoint's parameter shapes."""
+    from transformers import AutoConfig
+
+    from sgjax.model.families import hf_config_dict
+    from tests.model.hf_tiny import write_tiny
+
+    write_tiny(variant, str(tmp_path))
+    cfg, _ = load_model(str(tmp_path))
+    d = hf_config_dict(cfg)
+    assert config_from_hf(d) == cfg
+    saved = AutoConfig.from_pretrained(str(tmp_path))
+    hf = AutoConfig.for_model(d["model_type"], **{k: v for k, v in d.items() if k != "model_type"})
+    for key in ("hidden_size", "num_key_value_heads", "head_dim", "sliding_window", "layer_types",
+                "query_pre_attn_scalar", "attn_logit_softcapping", "tie_word_embeddings"):
+        assert not hasattr(saved, key) or getattr(hf, key, None) == getattr(saved, key), key
