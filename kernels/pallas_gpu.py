@@ -57,11 +57,12 @@ def _pow2_floor(x: int) -> int:
 
 
 def _kernel(blk_ref, layer_ref, pt_ref, q_ref, kv_ref, *out_refs, block_q, group, block_k, page_size,
-            pages_per_req, pages_per_layer, num_heads, head_dim, num_splits, scale, prefetch_pages):
+            pages_per_req, pages_per_layer, num_heads, head_dim, num_splits, scale, prefetch_pages, softcap):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row_start, row_end = blk_ref[b, rb.ROW_START], blk_ref[b, rb.ROW_END]
     pos_offset, req = blk_ref[b, rb.POS_OFFSET], blk_ref[b, rb.REQUEST]
     layer_base = layer_ref[0] * pages_per_layer
+    window = layer_ref[1]  # 0: none; else a row at p sees keys (p - window, p]
     num_rows = q_ref.shape[0] // num_heads
     m_rows = block_q * group
 
@@ -74,14 +75,16 @@ def _kernel(blk_ref, layer_ref, pt_ref, q_ref, kv_ref, *out_refs, block_q, group
     q = plgpu.load(q_ref.at[q_row[:, None], d[None, :]], mask=row_ok[:, None], other=0)
     pos = token + pos_offset  # absolute position of each row
 
-    # Keys [0, kv_end) cover every row of the block (causal); tiles up to n_full need no mask.
+    # Keys [first, kv_end) cover every row of the block (causal, and the window's lower edge for the first row);
+    # without a window the tiles up to n_full need no mask, with one every tile is masked (its edge moves by row).
     last_row = jnp.minimum(row_start + block_q, row_end)
     kv_end = jnp.maximum(last_row + pos_offset, 0)
     n_tiles = (kv_end + block_k - 1) // block_k
-    per_split = (n_tiles + num_splits - 1) // num_splits
-    lo = jnp.minimum(split * per_split, n_tiles)
+    first_tile = jnp.where(window > 0, jnp.maximum(row_start + pos_offset - window + 1, 0) // block_k, 0)
+    per_split = (n_tiles - first_tile + num_splits - 1) // num_splits
+    lo = jnp.minimum(first_tile + split * per_split, n_tiles)
     hi = jnp.minimum(lo + per_split, n_tiles)
-    n_full = jnp.clip((row_start + pos_offset + 1) // block_k, lo, hi)
+    n_full = jnp.where(window > 0, lo, jnp.clip((row_start + pos_offset + 1) // block_k, lo, hi))
 
     # Pallas-Triton runs fp32 dots at DEFAULT precision as TF32 (~1e-3 error); fp32 is the exact mode.
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -104,9 +107,11 @@ def _kernel(blk_ref, layer_ref, pt_ref, q_ref, kv_ref, *out_refs, block_q, group
         k = kv_ref[slot[:, None], k_col[None, :]]
         v = kv_ref[slot[:, None], v_col[None, :]]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                preferred_element_type=jnp.float32) * scale
+                                preferred_element_type=jnp.float32)
+        # scores in log2 units: scale is sm_scale * log2(e); a soft cap applies to the natural-unit score
+        s = (softcap * _LOG2E) * jnp.tanh(s * (scale / _LOG2E / softcap)) if softcap else s * scale
         if masked:
-            valid = key[None, :] <= pos[:, None]
+            valid = (key[None, :] <= pos[:, None]) & ((window <= 0) | (key[None, :] > pos[:, None] - window))
             s = jnp.where(valid, s, _MASK)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         p = jnp.exp2(s - m_new[:, None])
@@ -166,7 +171,7 @@ def _num_cores() -> int:
 
 def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float,
                          interpret: bool = False, kv_write: str | None = None, prefill_kernel: str = "auto",
-                         mgpu: dict | None = None, **config):
+                         mgpu: dict | None = None, window=0, softcap: float | None = None, **config):
     """The `pallas` backend on GPU (and in interpret mode on CPU). Returns ([T, Hq, D], pool).
 
     `config` overrides default_config's block_q, block_k, num_splits, num_warps, num_stages,
@@ -179,6 +184,8 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
     one is split by request. "triton" keeps everything on this module's kernel; "auto" (the default) is "mgpu" on
     a Hopper GPU and "triton" elsewhere (wgmma exists only on sm_90). With `interpret`, "mgpu" runs the Hopper
     kernel in jax's GPU interpret mode (tests) and "auto" is "triton".
+    `window` (an int or traced int32, 0: none) and `softcap` (Gemma): the Triton kernel applies them; the Hopper
+    kernel has neither, so a sliding or soft-capped layer stays on Triton.
     """
     kv_write = kv_write or ("xla" if interpret else "pallas")
     if kv_write == "pallas":
@@ -193,6 +200,9 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
         raise ValueError(f"prefill_kernel must be 'auto', 'triton' or 'mgpu', got {prefill_kernel!r}")
     if prefill_kernel == "auto":
         prefill_kernel = "triton" if interpret or not _is_hopper() else "mgpu"
+    if softcap or not (isinstance(window, int) and window == 0):
+        prefill_kernel = "triton"
+    masks = dict(window=window, softcap=softcap)
     # Decode-shaped buckets (no more rows than requests) stay on the Triton kernel: no request can be long there.
     if prefill_kernel == "mgpu" and num_rows >= MGPU_MIN_ROWS_PER_REQ and num_rows > num_reqs:
         from sgjax.kernels import pallas_mgpu
@@ -210,11 +220,12 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
             short_out = _triton_attention(q, pool, layer, meta, sm_scale=sm_scale, interpret=interpret,
                                           include=~long_req, config=config)
             return jnp.where(rb.row_mask(meta, num_rows, long_req)[:, None, None], long_out, short_out), pool
-    return _triton_attention(q, pool, layer, meta, sm_scale=sm_scale, interpret=interpret, config=config), pool
+    return _triton_attention(q, pool, layer, meta, sm_scale=sm_scale, interpret=interpret, config=config,
+                             **masks), pool
 
 
 def _triton_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: float, interpret: bool, config: dict,
-                      include=None):
+                      include=None, window=0, softcap: float | None = None):
     """This module's kernel over the requests in `include` (bool[R + 1], padding last; None: all). With
     `include`, the bucket's other requests are the Hopper kernel's, so the blocks are sized for decodes."""
     (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
@@ -236,7 +247,7 @@ def _triton_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: floa
     kernel = functools.partial(
         _kernel, block_q=block_q, group=g, block_k=cfg["block_k"], page_size=page_size,
         pages_per_req=pages_per_req, pages_per_layer=num_pages, num_heads=heads, head_dim=head_dim,
-        num_splits=num_splits, scale=sm_scale * _LOG2E, prefetch_pages=cfg["prefetch_pages"])
+        num_splits=num_splits, scale=sm_scale * _LOG2E, prefetch_pages=cfg["prefetch_pages"], softcap=softcap)
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_rows * heads, head_dim), q.dtype)]
     else:
@@ -249,7 +260,7 @@ def _triton_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: floa
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
         name="ragged_paged_attention",
-    )(blocks, jnp.reshape(layer, (1,)).astype(jnp.int32), meta.page_table.reshape(-1).astype(jnp.int32),
+    )(blocks, jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)]), meta.page_table.reshape(-1).astype(jnp.int32),
       q.reshape(num_rows * heads, head_dim),
       pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim))
     out = outs[0] if num_splits == 1 else _combine(*outs).astype(q.dtype)

@@ -38,7 +38,7 @@ _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so a fully masked ro
 
 
 def _kernel(blk_ref, kv_lens_ref, pt_ref, layer_ref, q_hbm, kv_hbm, o_ref, q_buf, k_buf, v_buf, sems, *,
-            block_q, group, head_dim, page_size, pages_per_block, pages_per_req, pages_per_layer, scale):
+            block_q, group, head_dim, page_size, pages_per_block, pages_per_req, pages_per_layer, scale, softcap):
     b, h = pl.program_id(0), pl.program_id(1)
     f = rb.NUM_FIELDS
     row_start, row_end = blk_ref[b * f + rb.ROW_START], blk_ref[b * f + rb.ROW_END]
@@ -49,6 +49,10 @@ def _kernel(blk_ref, kv_lens_ref, pt_ref, layer_ref, q_hbm, kv_hbm, o_ref, q_buf
     block_k = pages_per_block * page_size
     num_tiles = (num_keys + block_k - 1) // block_k
     layer_base = layer_ref[0] * pages_per_layer
+    window = layer_ref[1]  # 0: none; else a row at p sees keys (p - window, p]
+    # the first tile any row of the block can see: the window's lower edge for the block's first row
+    first_tile = jnp.minimum(jnp.where(window > 0, jnp.maximum(row_start + pos_offset - window + 1, 0) // block_k, 0),
+                             num_tiles)
 
     q_copy = pltpu.make_async_copy(q_hbm.at[h, :, pl.ds(row_start, block_q), :], q_buf, sems.at[0, 0])
     q_copy.start()
@@ -67,9 +71,9 @@ def _kernel(blk_ref, kv_lens_ref, pt_ref, layer_ref, q_hbm, kv_hbm, o_ref, q_buf
                 v_buf.at[slot, dst], sems.at[2, slot]))
         return copies
 
-    @pl.when(num_tiles > 0)
+    @pl.when(first_tile < num_tiles)
     def _():
-        for c in tile_copies(0, 0):
+        for c in tile_copies(first_tile, first_tile % 2):
             c.start()
 
     q_copy.wait()
@@ -91,8 +95,11 @@ def _kernel(blk_ref, kv_lens_ref, pt_ref, layer_ref, q_hbm, kv_hbm, o_ref, q_buf
 
         k, v = k_buf[slot], v_buf[slot]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        if softcap:
+            s = softcap * jnp.tanh(s / softcap)
         key_pos = tile * block_k + key_iota
-        s = jnp.where((key_pos <= row_pos) & (key_pos < num_keys), s, _MASK)
+        seen = (key_pos <= row_pos) & (key_pos < num_keys) & ((window <= 0) | (key_pos > row_pos - window))
+        s = jnp.where(seen, s, _MASK)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         p = jnp.exp(s - m_new)
         alpha = jnp.exp(m - m_new)
@@ -102,7 +109,7 @@ def _kernel(blk_ref, kv_lens_ref, pt_ref, layer_ref, q_hbm, kv_hbm, o_ref, q_buf
 
     init = (jnp.full((m_rows, 1), _MASK, jnp.float32), jnp.zeros((m_rows, 1), jnp.float32),
             jnp.zeros((m_rows, head_dim), jnp.float32))
-    _, l, acc = lax.fori_loop(0, num_tiles, body, init)
+    _, l, acc = lax.fori_loop(first_tile, num_tiles, body, init)
     out = acc / jnp.where(l == 0, 1.0, l)  # a block with no keys (padding, unused) writes zeros
     o_ref[...] = out.reshape(group, block_q, head_dim).astype(o_ref.dtype)
 
@@ -116,7 +123,7 @@ def default_config(num_rows: int, num_reqs: int, page_size: int, dtype) -> dict:
 
 
 def sgjax_tpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float,
-                        interpret: bool = False, **config):
+                        interpret: bool = False, window=0, softcap: float | None = None, **config):
     """Backend signature; returns ([T, Hq, D], pool). `config` overrides block_q and pages_per_block.
     `interpret=True` runs the kernel in TPU interpret mode (on CPU)."""
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
@@ -135,7 +142,8 @@ def sgjax_tpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sca
                   ((0, 0), (0, 0), (0, block_q), (0, 0)))
     kernel = functools.partial(
         _kernel, block_q=block_q, group=group, head_dim=head_dim, page_size=page_size,
-        pages_per_block=pages_per_block, pages_per_req=pages_per_req, pages_per_layer=num_pages, scale=sm_scale)
+        pages_per_block=pages_per_block, pages_per_req=pages_per_req, pages_per_layer=num_pages, scale=sm_scale,
+        softcap=softcap)
     out_blocks = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -152,7 +160,7 @@ def sgjax_tpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sca
         interpret=pltpu.InterpretParams() if interpret else False,
         name="sgjax_ragged_paged_attention",
     )(blocks.reshape(-1), meta.kv_lens.astype(jnp.int32), meta.page_table.reshape(-1).astype(jnp.int32),
-      jnp.reshape(layer, (1,)).astype(jnp.int32), q_t,
+      jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)]), q_t,
       pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim))
     return _gather_rows(out_blocks, blocks, num_rows), pool
 

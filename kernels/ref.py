@@ -35,8 +35,12 @@ def choose_strategy(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: 
     return "segment" if num_reqs * num_heads <= 2 * num_kv_heads * head_dim else "gather"
 
 
-def ref_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float, strategy: str = "auto"):
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns ([T, Hq, D], pool)."""
+def ref_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float, strategy: str = "auto",
+                  window=0, softcap: float | None = None):
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns ([T, Hq, D], pool).
+
+    window (an int or a traced int32; 0: none): a row at position p sees keys p - window < k <= p (HF's sliding
+    window). softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -69,9 +73,14 @@ def ref_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: fl
             mask = (kpos < len_b[:, None]) & (kpos <= pos_b[:, None])
         else:
             s = jnp.einsum("bhgd,khd->bhgk", qg, all_keys, preferred_element_type=jnp.float32)
-            mask = ((key_req[None, :] == req_b[:, None]) & (key_pos[None, :] < len_b[:, None])
-                    & (key_pos[None, :] <= pos_b[:, None]))
-        probs = _masked_softmax(s * sm_scale, mask[:, None, None, :])
+            kpos = key_pos[None, :]
+            mask = (key_req[None, :] == req_b[:, None]) & (kpos < len_b[:, None]) & (kpos <= pos_b[:, None])
+        if not (isinstance(window, int) and window == 0):
+            mask = mask & ((window <= 0) | (kpos > pos_b[:, None] - window))
+        s = s * sm_scale
+        if softcap:
+            s = softcap * jnp.tanh(s / softcap)
+        probs = _masked_softmax(s, mask[:, None, None, :])
         if strategy == "gather":
             out = jnp.einsum("bhgk,bkhd->bhgd", probs.astype(values.dtype), values,
                              preferred_element_type=jnp.float32)

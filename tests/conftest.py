@@ -14,6 +14,9 @@ _CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR",
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# Host devices for the tensor-parallel tests (tests/engine/test_tp.py), set before anything starts jax's backend.
+# Everything else still runs on device 0 (jax's default placement); SGJAX_TEST_CPU_DEVICES=1 turns it off.
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("SGJAX_TEST_CPU_DEVICES", "4")))
 
 
 # One engine config for the tests' in-process engines and test servers (tests/server/conftest.py's SMALL_FLAGS):

@@ -36,21 +36,17 @@ def load_hf_model(model_path: str, device: str = "cpu", dtype=torch.float32):
 
 
 def hf_model_from_weights(cfg, weights, device: str = "cpu", dtype=torch.bfloat16):
-    """HF's Llama/Qwen2 model holding sgjax's weights (e.g. the dummy Llama-3-8B of a GPU run), copied one tensor at
-    a time (on a GPU, straight from jax's buffer through DLPack), so the baseline computes the same function."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """HF's own model of the config's family holding sgjax's weights (e.g. the dummy Llama-3-8B of a GPU run), copied
+    one tensor at a time (on a GPU, straight from jax's buffer through DLPack), so the baseline computes the same
+    function."""
+    import transformers
 
+    from sgjax.model.families import hf_config_dict
     from sgjax.model.weights import to_hf_state_dict
 
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if cfg.architecture == "qwen2" else (LlamaConfig,
-                                                                                                  LlamaForCausalLM)
-    hf_cfg = config_cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-                        tie_word_embeddings=cfg.tie_word_embeddings)
-    if cfg.rope_scaling.kind != "default":
-        raise ValueError(f"hf_model_from_weights: rope scaling {cfg.rope_scaling.kind!r} is not mapped")
+    d = hf_config_dict(cfg)
+    hf_cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    model_cls = getattr(transformers, d["architectures"][0])
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in the target dtype: an fp32 8B would need 32 GB first
     try:

@@ -77,7 +77,7 @@ MMLU_SUBJECTS = ("world_religions", "management")
 MMLU_WARMUP_SUBJECT = "conceptual_physics"
 
 
-# -- workloads (built here with the SmolLM2 tokenizer) ------------------------------------------------------
+# -- workloads (built here with the model's tokenizer; SmolLM2's for dummy weights) ------------------------------------------------------
 def sharegpt_workload(tok, n: int, max_prompt_len: int, max_output_len: int) -> dict:
     from sgjax.data import sharegpt
 
@@ -136,7 +136,8 @@ def mmlu5_workload(tok, n: int, new_tokens: int, subjects=MMLU_SUBJECTS) -> dict
 def build_workloads(args) -> dict:
     from sgjax.model.tokenizer import load_tokenizer
 
-    tok = load_tokenizer()
+    own = args.model_path if args.model_path and args.load_format == "auto" and not args.dummy else None
+    tok = load_tokenizer(own)
     builders = {"sharegpt": lambda: sharegpt_workload(tok, args.num_requests, args.max_prompt_len,
                                                       args.max_output_len),
                 "mmlu5": lambda: mmlu5_workload(tok, args.num_requests, args.mmlu_new_tokens,
@@ -145,7 +146,7 @@ def build_workloads(args) -> dict:
     for name in args.workloads:
         if name not in builders:
             raise SystemExit(f"unknown workload {name!r}; known: {sorted(builders)}")
-        out[name] = {**builders[name](), "tokenizer": "smollm2"}
+        out[name] = {**builders[name](), "tokenizer": own or "smollm2"}
     return out
 
 

@@ -1,6 +1,7 @@
-"""Forward-step time of the Llama-family model on the GPU, against the roofline and HF transformers.
+"""Forward-step time of a model on the GPU, against the roofline and HF transformers.
 
     python scripts/perf/bench_forward.py --out out/          # H200: dummy Llama-3-8B, bf16
+    python scripts/perf/bench_forward.py --model qwen3-8b --out out/   # or gemma3-12b (sliding windows)
     python scripts/perf/bench_forward.py --small --out out/  # CPU smoke run on a tiny config
 
 Runs two child processes in turn (so neither framework holds GPU memory the other needs): `sgjax`
@@ -27,13 +28,13 @@ WORKLOADS = [  # (name, batch, context, new tokens per request)
 SMALL_WORKLOADS = [("decode", 1, 64, 1), ("decode", 8, 64, 1), ("prefill", 1, 128, 128)]
 
 
-def model_config(small: bool):
-    from sgjax.model.config import ModelConfig, llama3_8b_config
+def model_config(small: bool, model: str = "llama3-8b"):
+    from sgjax.model.config import BENCH_CONFIGS, ModelConfig
 
     if small:
         return ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
                            num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16, dtype="bfloat16")
-    return llama3_8b_config("bfloat16")
+    return BENCH_CONFIGS[model]("bfloat16")
 
 
 def cost(cfg, batch: int, context: int, new: int) -> tuple[float, float]:
@@ -69,7 +70,7 @@ def run_sgjax(args):
     rate = matmul_rate(512 if small else 8192)
     rows = [{"kind": "ceiling", "copy_gb_per_s": bw / 1e9, "bf16_tflop_per_s": rate / 1e12,
              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}]
-    cfg = model_config(small)
+    cfg = model_config(small, args.model)
     weights = for_platform(dummy_weights(cfg), jax.devices()[0].platform)
     page = 16
     workloads = SMALL_WORKLOADS if small else WORKLOADS
@@ -120,17 +121,17 @@ def run_hf(args):
     import time
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    cfg = model_config(args.small)
-    hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                     num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
-                     max_position_embeddings=8192, rms_norm_eps=cfg.rms_norm_eps)
+    from sgjax.model.families import hf_config_dict
+
+    cfg = model_config(args.small, args.model)
+    d = hf_config_dict(cfg)
+    hc = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(hc).to(torch.bfloat16).eval()
+        model = getattr(transformers, d["architectures"][0])(hc).to(torch.bfloat16).eval()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
     workloads = SMALL_WORKLOADS if args.small else WORKLOADS
@@ -163,6 +164,8 @@ def run_hf(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny config (CPU smoke run)")
+    parser.add_argument("--model", default="llama3-8b", choices=["llama3-8b", "qwen3-8b", "gemma3-12b"],
+                        help="dummy-weight shapes (sgjax.model.config.BENCH_CONFIGS)")
     parser.add_argument("--out", default="out")
     parser.add_argument("--attention", nargs="+", default=["ref"], help="attention backends to time")
     parser.add_argument("--part", choices=["sgjax", "hf"], help=argparse.SUPPRESS)
@@ -175,7 +178,8 @@ def main():
             json.dump(rows, f)
         return
     os.makedirs(args.out, exist_ok=True)
-    base = ([sys.executable, __file__, "--out", args.out, "--attention", *args.attention] + (["--small"] * args.small)
+    base = ([sys.executable, __file__, "--out", args.out, "--model", args.model, "--attention", *args.attention]
+            + (["--small"] * args.small)
             + (["--workloads", *args.workloads] if args.workloads else []))
     subprocess.run(base + ["--part", "sgjax"], check=True)
     rows = json.load(open(os.path.join(args.out, "part_sgjax.json")))
@@ -191,7 +195,7 @@ def report(rows, args):
 
     ceiling = rows[0]
     bw, rate = ceiling["copy_gb_per_s"] * 1e9, ceiling["bf16_tflop_per_s"] * 1e12
-    cfg = model_config(args.small)
+    cfg = model_config(args.small, args.model)
     steps = [r for r in rows if r["kind"] == "step"]
     for r in steps:
         if "seconds" in r:
@@ -207,7 +211,7 @@ def report(rows, args):
         for r in steps:
             key = (r["workload"], r["batch"], r["context"])
             r["speedup_vs_hf"] = hf[key] / r["ms"] if key in hf else None
-            r["config"] = "dummy-llama3-8b-bf16" if not args.small else "tiny-bf16"
+            r["config"] = f"dummy-{args.model}-bf16" if not args.small else "tiny-bf16"
             f.write(json.dumps({**r, "ceiling": ceiling}) + "\n")
             vs = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] else "-"
             print(f"{r['impl']:18} {r['workload']:8} {r['batch']:5d} {r['context']:5d} {r['ms']:9.2f} "

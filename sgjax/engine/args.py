@@ -59,6 +59,9 @@ class ServerArgs:
     # and step k+1 reads k's tokens on the device. Decode steps overlap, penalised rows included (their window names
     # the token in flight); steps with a grammar row, a prefill row or a retraction run one after the other.
     disable_overlap_schedule: bool = False
+    # Tensor parallelism over the first tp_size local devices (engine/mesh.py): weights and the KV pool split by
+    # heads, one jitted step over the mesh; the host side is unchanged.
+    tp_size: int = 1
 
     @classmethod
     def from_kwargs(cls, model_path, kwargs: dict) -> "ServerArgs":
@@ -134,4 +137,6 @@ ENGINE_FLAGS = [
                                                      "loop shares the GIL with the HTTP server's threads)")),
     ("disable_overlap_schedule", dict(action="store_true", help="wait for each step's tokens before scheduling the "
                                                                 "next (no overlap of host work with decode steps)")),
+    ("tp_size", dict(type=int, help="tensor parallelism: shard the weights and the KV pool by heads over this many "
+                                    "local devices (one jitted step over the mesh)")),
 ]

@@ -27,6 +27,7 @@ from sgjax.engine.args import ServerArgs
 from sgjax.engine.embed import embed, next_token_logprobs
 from sgjax.engine.images import ImageEncoder
 from sgjax.engine.loading import VISION, check_args, default_dtype, load_model_cached, pool_pages
+from sgjax.engine import mesh as tp
 from sgjax.engine import scoring, sinks
 from sgjax.engine.outputs import Outputs, abort_reason
 from sgjax.engine.request import Req
@@ -75,7 +76,9 @@ class Engine:
         args = ServerArgs.from_kwargs(model_path, kwargs)
         dtype = default_dtype(args)
         check_args(args, dtype)
-        cfg, weights = load_model_cached(args.model_path, dtype, args.load_format)
+        mesh = tp.make_mesh(args.tp_size)  # before loading: a tp_size the host cannot give fails at once
+        cfg, weights = load_model_cached(args.model_path, dtype, args.load_format,
+                                         mesh=mesh if args.tp_size > 1 else None)
         tokenizer = None
         if not args.skip_tokenizer_init:
             tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
@@ -95,6 +98,14 @@ class Engine:
     def _start(self, args: ServerArgs, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None,
                vision=None) -> None:
         platform = jax.devices()[0].platform
+        self.mesh = tp.make_mesh(args.tp_size)
+        tp.check_model(cfg, args.tp_size)
+        # The sharded model's config (KV heads replicated up to tp_size) and weights placed on the mesh; tp_size 1
+        # keeps the single-device program as it was.
+        run_cfg = tp.tp_config(cfg, args.tp_size)
+        run_mesh = self.mesh if args.tp_size > 1 else None
+        if run_mesh is not None:
+            weights = tp.place_weights(cfg, weights, run_mesh)
         if args.step_buckets not in (None, "fine", "coarse"):
             raise ValueError(f"step_buckets must be 'fine' or 'coarse', got {args.step_buckets!r}")
         if args.gil_switch_interval_ms is not None:
@@ -105,7 +116,7 @@ class Engine:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
         self.args, self.model_config, self.tokenizer = args, cfg, tokenizer
         self.context_length = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_pages = 1 + pool_pages(args, cfg, platform)
+        num_pages = 1 + pool_pages(args, run_cfg, platform)
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=num_pages, page_size=args.page_size, policy=args.schedule_policy,
             cache="none" if args.disable_radix_cache else args.cache,
@@ -113,12 +124,12 @@ class Engine:
             init_new_token_ratio=0.7 * args.schedule_conservativeness,
             min_new_token_ratio=0.1 * args.schedule_conservativeness, seed=args.random_seed))
         self.max_total_tokens = (num_pages - 1) * args.page_size
-        self.runner = Runner(cfg, weights, num_pages=num_pages, page_size=args.page_size,
+        self.runner = Runner(run_cfg, weights, num_pages=num_pages, page_size=args.page_size,
                              max_context=self.context_length,
                              attention=args.attention_backend or default_backend(platform),
                              max_top_logprobs=args.max_top_logprobs_num,
                              coarse=None if args.step_buckets is None else args.step_buckets == "coarse",
-                             max_reqs=args.max_running_requests)
+                             max_reqs=args.max_running_requests, mesh=run_mesh)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self.images = None if vision is None else ImageEncoder(*vision)  # a vision-language model (LLaVA)
         self.requests = RequestBuilder(cfg, tokenizer, self.images, context_length=self.context_length,
@@ -183,7 +194,8 @@ class Engine:
         """Embeddings (SGLang's Engine.encode): one unit vector per prompt, the final hidden state of its last token
         (engine/embed.py). Runs between steps on the engine thread; the serving pool is not used."""
         ids, r = self.requests.whole_prompts(prompt, input_ids), self.runner
-        vectors = self._call(lambda: embed(self.model_config, r.weights, r.attention, self.args.page_size, ids))
+        # the runner's config: under tensor parallelism its KV heads may be copied up to tp_size (engine/mesh.py)
+        vectors = self._call(lambda: embed(r.cfg, r.weights, r.attention, self.args.page_size, ids))
         return [v.tolist() for v in vectors]
 
     def score(self, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
@@ -197,7 +209,7 @@ class Engine:
         ids = self.requests.whole_prompts(*((joined, None) if texts else (None, joined))) if items else []
         labels = scoring.labels_per_item(label_token_ids, len(ids), self.model_config.vocab_size) if ids else []
         r = self.runner
-        rows = self._call(lambda: next_token_logprobs(self.model_config, r.weights, r.attention,
+        rows = self._call(lambda: next_token_logprobs(r.cfg, r.weights, r.attention,
                                                       self.args.page_size, ids)) if ids else []
         lps = [[float(row[t]) for t in one] for row, one in zip(rows, labels)]
         out = scoring.Scores([scoring.probabilities(lp, apply_softmax, temperature) for lp in lps], lps,

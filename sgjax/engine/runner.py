@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sgjax.engine import mesh as tp
 from sgjax.engine.sampler import default_rows, sample
 from sgjax.engine.scheduler import Work
 from sgjax.engine.sentinels import bias_entry, future_history, future_input, future_slot, prompt_entry, resolve_future
@@ -41,7 +42,7 @@ from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import BatchShape, build_batch
 from sgjax.model.config import ModelConfig
 from sgjax.model.llama import forward
-from sgjax.model.weights import Weights, for_platform
+from sgjax.model.weights import Weights, for_platform, layer_loop_for
 
 
 # A sampling row's temperature is float32: far above any logit range, larger values change nothing.
@@ -104,11 +105,16 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_step(cfg: ModelConfig, attention: str):
+def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None = None):
     """The jitted (weights, state, buffer, shape, image_features) -> (SampleOutput, state); one per (model,
-    backend) per process, so every engine in a process shares its compiled executables. The DeviceState (pool and
-    future tokens) is donated. `compiles(fn)` counts the executables it got (tests, benchmarks)."""
+    backend, mesh) per process, so every engine in a process shares its compiled executables. The DeviceState (pool
+    and future tokens) is donated. `compiles(fn)` counts the executables it got (tests, benchmarks).
+
+    With a mesh (tensor parallelism, engine/mesh.py) attention runs under shard_map over the heads, the logits are
+    gathered to every device before the sampler (which runs replicated), and the state keeps its sharding."""
     attend = get_backend(attention)
+    if mesh is not None:
+        attend = tp.sharded_attention(attend, mesh)
 
     def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None):
         batch, rows, image_rows, mask_words = unpack(buffer, shape)
@@ -122,11 +128,16 @@ def jitted_step(cfg: ModelConfig, attention: str):
             picked = image_features[jnp.clip(image_rows, 0, shape.image_rows - 1)].astype(embeds.dtype)
             embeds = jnp.where((image_rows >= 0)[:, None], picked, embeds)
         logits, pool = forward(weights, state.pool, batch, cfg=cfg, attention=attend, input_embeds=embeds)
+        if mesh is not None:  # full-vocabulary logits for the sampler (a gather when the lm_head is vocab-sharded)
+            logits = jax.lax.with_sharding_constraint(logits, tp.replicated(mesh))
         mask = None if mask_words is None else unpack_bits(mask_words, cfg.vocab_size)
         with jax.named_scope("sampler"):
             out = sample(logits, rows, num_top_logprobs=shape.top_logprobs, mask=mask)
         slots = future.shape[0]
         future = future.at[jnp.where(rows.slot >= 0, rows.slot, slots)].set(out.tokens, mode="drop")
+        if mesh is not None:  # the donated state comes back as it went in, so the next step neither moves nor compiles
+            pool = jax.lax.with_sharding_constraint(pool, tp.pool_sharding(mesh))
+            future = jax.lax.with_sharding_constraint(future, tp.replicated(mesh))
         return out, DeviceState(pool=pool, future=future)
 
     step.__name__ = step.__qualname__ = f"sgjax_step_{len(_COMPILES)}"  # its compile events' fun_name
@@ -142,27 +153,41 @@ def compiles(fn) -> int:
 
 class Runner:
     def __init__(self, cfg: ModelConfig, weights: Weights, *, num_pages: int, page_size: int, max_context: int,
-                 attention: str, max_top_logprobs: int = 20, coarse: bool | None = None, max_reqs: int = 64):
-        self.cfg, self.page_size, self.attention = cfg, page_size, attention
+                 attention: str, max_top_logprobs: int = 20, coarse: bool | None = None, max_reqs: int = 64,
+                 mesh: jax.sharding.Mesh | None = None):
+        """`mesh`: tensor parallelism (engine/mesh.py); then cfg is the sharded model's (mesh.tp_config) and the
+        weights are placed (mesh.place_weights), stacked."""
+        self.cfg, self.page_size, self.attention, self.mesh = cfg, page_size, attention, mesh
         self.platform = jax.devices()[0].platform
         coarse = self.platform != "cpu" if coarse is None else coarse
         self.buckets = Buckets(coarse=coarse, max_reqs=max_reqs, max_top_logprobs=max_top_logprobs)
-        self.weights = for_platform(weights, self.platform)
+        if mesh is not None and layer_loop_for(self.platform) == "unrolled":
+            self.weights = tp.unstack_placed(weights, mesh, shard_vocab=_vocab_sharded(weights))
+        else:
+            self.weights = for_platform(weights, self.platform)
         self.max_pages = -(-max_context // page_size)
         self.max_top_logprobs = max_top_logprobs
         self.num_pages = num_pages
         self.max_reqs = max_reqs
         self.state: DeviceState | None = None
         self.reset_pool()
-        self.step = jitted_step(cfg, attention)
+        self.step = jitted_step(cfg, attention, mesh)
         self.shapes_seen: set[StepShape] = set()
 
     def reset_pool(self) -> None:
         """A fresh DeviceState (donated to every step, so a failed step may take it)."""
         cfg = self.cfg
+        mesh = self.mesh
         pool = allocate_pool(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
-                             dtype=jnp.dtype(cfg.dtype))
-        self.state = DeviceState(pool=pool, future=jnp.zeros(self.max_reqs, jnp.int32))
+                             dtype=jnp.dtype(cfg.dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
+        future = jnp.zeros(self.max_reqs, jnp.int32)
+        if mesh is not None:
+            future = jax.device_put(future, tp.replicated(mesh))
+        self.state = DeviceState(pool=pool, future=future)
+
+    def _to_device(self, host: np.ndarray):
+        """A step input: replicated over the mesh (what the compiled step expects), else on the default device."""
+        return jnp.asarray(host) if self.mesh is None else jax.device_put(host, tp.replicated(self.mesh))
 
     def release(self) -> None:
         """Drop the device state (shutdown): the pool's memory goes back to the device."""
@@ -194,8 +219,8 @@ class Runner:
         A work's token may be a placeholder -1 - slot for a token the previous step sampled (Req.slot)."""
         buffer, shape, sample_rows, prompt_rows, features = self.prepare(works)
         # features only when there are some: the call must match the precompiled (lowered) one to hit jit's cache
-        extra = () if features is None else (jnp.asarray(features),)
-        out, self.state = self.step(self.weights, self.state, jnp.asarray(buffer), shape, *extra)
+        extra = () if features is None else (self._to_device(features),)
+        out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
         self.shapes_seen.add(shape)
         return out, sample_rows, prompt_rows
 
@@ -367,7 +392,8 @@ class Runner:
         todo = [s for s in shapes if s not in self.shapes_seen]
 
         def compile_one(shape):
-            buffer = jax.ShapeDtypeStruct((shape.size,), jnp.int32)
+            buffer = jax.ShapeDtypeStruct((shape.size,), jnp.int32,
+                                          sharding=None if self.mesh is None else tp.replicated(self.mesh))
             self.step.lower(self.weights, self.state, buffer, shape).compile()
             return shape
 
@@ -404,9 +430,14 @@ class Runner:
 
     def run_dummy(self, shape: StepShape):
         """One step of `shape` on the dummy buffer (compiles it the first time); returns the sampled tokens."""
-        out, self.state = self.step(self.weights, self.state, jnp.asarray(self._dummy_buffer(shape)), shape)
+        out, self.state = self.step(self.weights, self.state, self._to_device(self._dummy_buffer(shape)), shape)
         self.shapes_seen.add(shape)
         return out.tokens
+
+
+def _vocab_sharded(weights: Weights) -> bool:
+    spec = getattr(weights.embed.sharding, "spec", ())
+    return len(spec) > 0 and spec[0] is not None
 
 
 def uses_penalties(p) -> bool:

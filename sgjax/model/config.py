@@ -26,7 +26,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # the family (model/families.py): llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -41,6 +41,17 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     dtype: str = "float32"  # parameter and activation dtype: float32 | bfloat16
+    # The few blocks a family changes (their defaults are Llama's).
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's q and k before RoPE
+    sandwich_norms: bool = False  # Gemma 2/3: the attention and MLP outputs are normed too, before the residual
+    activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 instead of head_dim's
+    attn_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    sliding_window: int | None = None  # keys within this many positions of the query, on the sliding layers
+    sliding_layers: tuple[bool, ...] = ()  # per layer; () with a window: every layer slides (Mistral)
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (rope_scaling is the global's)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -50,6 +61,10 @@ class ModelConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.rope_scaling.kind not in ("default", "linear", "llama3"):
             raise UnsupportedModelError(f"rope scaling {self.rope_scaling.kind!r} is not supported")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise UnsupportedModelError(f"activation {self.activation!r} is not supported (silu, gelu_tanh)")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -62,54 +77,65 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in positions; 0: it attends to the whole context."""
+        if not self.sliding_window:
+            return 0
+        return self.sliding_window if not self.sliding_layers or self.sliding_layers[layer] else 0
+
     def num_params(self) -> int:
         d, f, L = self.hidden_size, self.intermediate_size, self.num_layers
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * d * f + 2 * d
+        norms = 2 * d + (2 * d if self.sandwich_norms else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + 3 * d * f + norms
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + L * per_layer + d + head
 
 
-_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
-
-
 def config_from_hf(d: dict, dtype: str = "float32") -> ModelConfig:
-    archs = d.get("architectures") or []
-    arch = next((_ARCHS[a] for a in archs if a in _ARCHS), None)
-    if arch is None:
-        model_type = d.get("model_type")
-        arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}.get(model_type)
-    if arch is None:
-        raise UnsupportedModelError(
-            f"architecture {archs or d.get('model_type')!r} is not supported (supported: {sorted(_ARCHS)})")
-    if d.get("sliding_window") and d.get("use_sliding_window", arch != "qwen2"):
-        raise UnsupportedModelError("sliding-window attention is not supported")
+    """The config of an HF config.json: the common fields here, the family's own from its table entry."""
+    from sgjax.model.families import family_of_hf
+
+    fam = family_of_hf(d)
     num_heads = d["num_attention_heads"]
-    head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
-    return ModelConfig(
-        architecture=arch,
+    common = dict(
+        architecture=fam.name,
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
         intermediate_size=d["intermediate_size"],
         num_layers=d["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=d.get("num_key_value_heads") or num_heads,
-        head_dim=head_dim,
+        head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
         rms_norm_eps=d.get("rms_norm_eps", 1e-6),
         rope_theta=_rope_theta(d),
-        rope_scaling=_rope_scaling_from_hf(d.get("rope_scaling") or d.get("rope_parameters")),
+        rope_scaling=_rope_scaling_from_hf(_rope_params(d)),
         max_position_embeddings=d.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", fam.tied_by_default)),
+        qkv_bias=bool(d.get("attention_bias", False)),
         dtype=dtype,
     )
+    return ModelConfig(**{**common, **fam.hf_config(d)})
+
+
+def _rope_params(d: dict) -> dict | None:
+    """The RoPE parameters of the global layers: `rope_scaling` (transformers 4) or `rope_parameters` (5), which
+    may be per layer type ({"full_attention": {...}, "sliding_attention": {...}})."""
+    rs = d.get("rope_scaling") or d.get("rope_parameters")
+    if isinstance(rs, dict) and "full_attention" in rs:
+        rs = rs["full_attention"]
+    return rs
 
 
 def _rope_theta(d: dict) -> float:
-    params = d.get("rope_parameters") or {}
-    return float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    params = _rope_params(d) if "rope_parameters" in d else {}
+    return float(d.get("rope_theta") or (params or {}).get("rope_theta") or 10000.0)
 
 
 def _rope_scaling_from_hf(rs: dict | None) -> RopeScaling:
@@ -128,15 +154,24 @@ def _rope_scaling_from_hf(rs: dict | None) -> RopeScaling:
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
+def rope_theta_of(d: dict, layer_type: str, default: float) -> float:
+    """A layer type's RoPE base from transformers 5's per-type rope_parameters."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params:
+        return float(params[layer_type].get("rope_theta", default))
+    return default
+
+
 def config_from_hf_dir(path: str, dtype: str = "float32") -> ModelConfig:
     with open(os.path.join(path, "config.json")) as f:
         return config_from_hf(json.load(f), dtype)
 
 
 def config_from_gguf(meta: dict, tensor_names: set[str], dtype: str = "float32") -> ModelConfig:
+    from sgjax.model.families import family_of_gguf
+
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    fam = family_of_gguf(arch)
 
     def g(key, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -153,8 +188,8 @@ def config_from_gguf(meta: dict, tensor_names: set[str], dtype: str = "float32")
     if "rope_freqs.weight" in tensor_names:
         raise UnsupportedModelError("GGUF rope_freqs tensors (llama3 scaling baked into the file) are not supported")
     vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    return ModelConfig(
-        architecture=arch,
+    common = dict(
+        architecture=fam.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")),
@@ -167,9 +202,10 @@ def config_from_gguf(meta: dict, tensor_names: set[str], dtype: str = "float32")
         rope_scaling=scaling,
         max_position_embeddings=int(g("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias=arch == "qwen2",
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
         dtype=dtype,
     )
+    return ModelConfig(**{**common, **fam.gguf_config(g, common)})
 
 
 def llama3_8b_config(dtype: str = "bfloat16") -> ModelConfig:
@@ -177,3 +213,25 @@ def llama3_8b_config(dtype: str = "bfloat16") -> ModelConfig:
     return ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
                        rope_theta=500000.0, max_position_embeddings=8192, dtype=dtype)
+
+
+def qwen3_8b_config(dtype: str = "bfloat16") -> ModelConfig:
+    """Qwen3-8B's shapes (q/k norms, untied head), for performance runs with dummy weights."""
+    return ModelConfig(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                       num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True, dtype=dtype)
+
+
+def gemma3_12b_config(dtype: str = "bfloat16") -> ModelConfig:
+    """Gemma-3-12B's text shapes (5 sliding layers of 1024 keys : 1 global, head_dim 256), for performance runs."""
+    return ModelConfig(architecture="gemma3", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                       num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0, rope_scaling=RopeScaling(kind="linear", factor=8.0),
+                       max_position_embeddings=131072, tie_word_embeddings=True, qk_norm=True, sandwich_norms=True,
+                       activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=256.0, sliding_window=1024,
+                       sliding_layers=tuple((i + 1) % 6 != 0 for i in range(48)), rope_local_theta=10000.0,
+                       dtype=dtype)
+
+
+# Dummy-weight shapes for benchmarks, by name (scripts/perf/bench_forward.py --model).
+BENCH_CONFIGS = {"llama3-8b": llama3_8b_config, "qwen3-8b": qwen3_8b_config, "gemma3-12b": gemma3_12b_config}

@@ -1,4 +1,5 @@
-"""Llama-family forward (Llama, Qwen2) as pure functions over the Weights pytree.
+"""The decoder forward of every family (model/families.py: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) as pure
+functions over the Weights pytree; the blocks a family changes are ModelConfig switches.
 
 One call processes a ragged batch over the paged KV pool and scans over the stacked layers, so
 compile time does not grow with depth.
@@ -51,23 +52,49 @@ def apply_rope(x, positions, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _block(x, pool, w, index, batch: StepBatch, cfg: ModelConfig, attention, inv_freq):
-    """One transformer block on the ragged rows; writes its K/V into layer `index` of the pool."""
+def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention):
+    """One transformer block on the ragged rows; writes its K/V into the pool at `layer` = (index, window, inv_freq):
+    the layer's index, sliding window (0: none) and RoPE frequencies (Gemma 3's local and global layers differ)."""
+    index, window, inv_freq = layer
     num_rows = x.shape[0]
     with jax.named_scope("qkv"):
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
         q, k, v = h @ w.wq, h @ w.wk, h @ w.wv
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
-        q = apply_rope(q.reshape(num_rows, cfg.num_heads, cfg.head_dim), batch.positions, inv_freq)
-        k = apply_rope(k.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim), batch.positions, inv_freq)
+        q = q.reshape(num_rows, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
         v = v.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
     with jax.named_scope("attention"):
-        attn, pool = attention(q, k, v, pool, index, batch.attn, sm_scale=cfg.head_dim ** -0.5)
-        x = x + attn.reshape(num_rows, cfg.q_size).astype(x.dtype) @ w.wo
+        # Only the families that have them pass a window or a soft cap: Llama's call stays the plain signature.
+        extra = {"window": window} if cfg.sliding_window else {}
+        if cfg.attn_softcap:
+            extra["softcap"] = cfg.attn_softcap
+        attn, pool = attention(q, k, v, pool, index, batch.attn, sm_scale=cfg.sm_scale, **extra)
+        out = attn.reshape(num_rows, cfg.q_size).astype(x.dtype) @ w.wo
+        if cfg.sandwich_norms:
+            out = rms_norm(out, w.post_attn_norm, cfg.rms_norm_eps)
+        x = x + out
     with jax.named_scope("mlp"):
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        return x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down, pool
+        act = jax.nn.silu if cfg.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+        out = (act(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
+        if cfg.sandwich_norms:
+            out = rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps)
+        return x + out, pool
+
+
+def layer_rope(cfg: ModelConfig) -> np.ndarray:
+    """[L, head_dim / 2] RoPE frequencies per layer: the global base and scaling, or Gemma 3's local base on its
+    sliding layers."""
+    glob = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.rope_local_theta is None:
+        return np.broadcast_to(glob, (cfg.num_layers, glob.shape[0]))
+    local = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, RopeScaling())
+    return np.stack([local if cfg.window(i) else glob for i in range(cfg.num_layers)])
 
 
 def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, attention, input_embeds=None,
@@ -94,19 +121,29 @@ def matmul_precision(dtype: str):
 
 
 def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"):
-    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-    x = (weights.embed[batch.input_ids] if input_embeds is None else input_embeds).astype(jnp.dtype(cfg.dtype))
-    block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, inv_freq=inv_freq)
+    rope = layer_rope(cfg)
+    if input_embeds is None:
+        x = weights.embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
+        if cfg.embed_scale:  # in the model's dtype, as HF's Gemma rounds it
+            x = x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.dtype(cfg.dtype))
+    else:
+        x = input_embeds.astype(jnp.dtype(cfg.dtype))
+    block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention)
+    windows = [cfg.window(i) for i in range(cfg.num_layers)]
     if isinstance(weights.layers, (tuple, list)):
         for i, w in enumerate(weights.layers):
             with jax.named_scope(f"layer{i}"):
-                x, pool = block(x, pool, w, jnp.int32(i))
+                x, pool = block(x, pool, w, (jnp.int32(i), windows[i], jnp.asarray(rope[i])))
     else:
-        def body(carry, inputs):
-            return block(*carry, *inputs), None
+        same = len(set(windows)) == 1  # every layer alike (Llama, Mistral): the window stays a static int
 
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, pool), _ = jax.lax.scan(body, (x, pool), (weights.layers, layer_ids))
+        def body(carry, inputs):
+            w, i, win, inv = inputs
+            return block(*carry, w, (i, windows[0] if same else win, inv)), None
+
+        scanned = (weights.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(windows, jnp.int32),
+                   jnp.asarray(rope))
+        (x, pool), _ = jax.lax.scan(body, (x, pool), scanned)
     with jax.named_scope("lm_head"):
         x = rms_norm(x[batch.logits_idx], weights.final_norm, cfg.rms_norm_eps)
         if output == "hidden":
@@ -115,4 +152,6 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"
             logits = jnp.einsum("bd,vd->bv", x, weights.embed, preferred_element_type=jnp.float32)
         else:
             logits = jnp.dot(x, weights.lm_head, preferred_element_type=jnp.float32)
+        if cfg.final_softcap:
+            logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return logits, pool

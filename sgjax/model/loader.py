@@ -12,6 +12,7 @@ import numpy as np
 
 from sgjax.model import gguf_meta, weights as W
 from sgjax.model.config import ModelConfig, config_from_gguf, config_from_hf_dir
+from sgjax.model.families import FAMILY
 from sgjax.model.paths import ModelNotFoundError, resolve_model_path
 
 ORBAX_CONFIG = "sgjax_config.json"
@@ -21,14 +22,16 @@ class WeightFileError(ValueError):
     """A weight file that exists but cannot be read (truncated, corrupt, wrong format)."""
 
 
-def load_model(model_path: str | None = None, dtype: str = "float32") -> tuple[ModelConfig, W.Weights]:
-    """Config and weights from a GGUF file, an HF directory or an orbax checkpoint; None = SmolLM2."""
+def load_model(model_path: str | None = None, dtype: str = "float32",
+               host: bool = False) -> tuple[ModelConfig, W.Weights]:
+    """Config and weights from a GGUF file, an HF directory or an orbax checkpoint; None = SmolLM2. host=True: the
+    GGUF and HF loaders return numpy arrays, to be placed on a mesh (orbax restores onto the default device)."""
     if _is_orbax(model_path):
         return load_orbax(model_path, dtype)
     path = resolve_model_path(model_path)
     if path.endswith(".gguf"):
-        return load_gguf(path, dtype)
-    return load_hf_dir(path, dtype)
+        return load_gguf(path, dtype, host)
+    return load_hf_dir(path, dtype, host)
 
 
 def _is_orbax(path: str | None) -> bool:
@@ -37,23 +40,23 @@ def _is_orbax(path: str | None) -> bool:
 
 # --- GGUF -----------------------------------------------------------------------------------------
 
-_GGUF_LAYER = {leaf.gguf: leaf for leaf in W.LEAVES if leaf.layer}  # "attn_q.weight" -> wq (under blk.{i}.)
-_GGUF_TOP = {leaf.gguf: leaf for leaf in W.LEAVES if not leaf.layer}
-
-
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     # llama.cpp's converter interleaves the two rotary halves of each head's q/k rows; undo it so
     # the rows are in HF's rotate_half order again (only for the llama architecture).
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, W.Weights]:
+def load_gguf(path: str, dtype: str = "float32", host: bool = False) -> tuple[ModelConfig, W.Weights]:
     from gguf import dequantize
 
     reader = gguf_meta.open_gguf(path)
     meta = gguf_meta.read_metadata(path)
     names = {t.name for t in reader.tensors}
     cfg = config_from_gguf(meta, names, dtype)
+    present = [leaf for leaf in W.LEAVES if leaf.present(cfg)]
+    by_layer = {W.gguf_name(cfg, leaf): leaf for leaf in present if leaf.layer}  # "attn_q.weight" (under blk.{i}.)
+    top = {W.gguf_name(cfg, leaf): leaf for leaf in present if not leaf.layer}
+    unpermute = FAMILY[cfg.architecture].gguf_unpermute_qk
     per_layer: dict[str, list] = {}
     flat: dict[str, np.ndarray] = {}
     for t in reader.tensors:
@@ -64,34 +67,34 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, W.Weights
         parts = t.name.split(".")
         if parts[0] == "blk":
             layer, kind = int(parts[1]), parts[2]
-            leaf = _GGUF_LAYER.get(".".join(parts[2:]))
+            leaf = by_layer.get(".".join(parts[2:]))
             if leaf is None:
                 raise WeightFileError(f"{path}: unexpected tensor {t.name!r}")
-            if kind in ("attn_q", "attn_k") and cfg.architecture == "llama":
+            if kind in ("attn_q", "attn_k") and unpermute:
                 w = _unpermute(w, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
             if leaf.transposed:
                 w = w.T
             per_layer.setdefault(leaf.name, [None] * cfg.num_layers)[layer] = w
-        elif t.name in _GGUF_TOP:
-            leaf = _GGUF_TOP[t.name]
+        elif t.name in top:
+            leaf = top[t.name]
             flat[leaf.name] = w.T if leaf.transposed else w
     for ours, items in per_layer.items():
         if any(x is None for x in items):
             raise WeightFileError(f"{path}: tensor {ours} is missing for some layers")
         flat[ours] = np.stack(items)
-    return cfg, _assemble(cfg, flat, path)
+    return cfg, _assemble(cfg, flat, path, host)
 
 
-def _assemble(cfg, flat, path):
+def _assemble(cfg, flat, path, host=False):
     try:
-        return W.assemble(cfg, flat)
+        return W.assemble(cfg, flat, host)
     except ValueError as e:
         raise WeightFileError(f"{path}: {e}") from e
 
 
 # --- HF safetensors directory ------------------------------------------------------------------------
 
-def load_hf_dir(path: str, dtype: str = "float32") -> tuple[ModelConfig, W.Weights]:
+def load_hf_dir(path: str, dtype: str = "float32", host: bool = False) -> tuple[ModelConfig, W.Weights]:
     from safetensors import safe_open
 
     cfg = config_from_hf_dir(path, dtype)
@@ -115,7 +118,7 @@ def load_hf_dir(path: str, dtype: str = "float32") -> tuple[ModelConfig, W.Weigh
             raise WeightFileError(f"{path}: cannot read tensor {name!r}: {e}") from e
 
     try:
-        return cfg, W.from_hf_state_dict(cfg, get, set(where))
+        return cfg, W.from_hf_state_dict(cfg, get, set(where), host)
     except WeightFileError:
         raise
     except ValueError as e:
@@ -159,4 +162,5 @@ def _config_from_json(d: dict) -> ModelConfig:
 
     d = dict(d)
     d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["sliding_layers"] = tuple(d.get("sliding_layers", ()))  # JSON gives a list; the config must stay hashable
     return ModelConfig(**d)

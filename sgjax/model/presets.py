@@ -27,3 +27,15 @@ TINY_QWEN2 = ModelConfig(architecture="qwen2", vocab_size=256, hidden_size=64, i
 # would dominate (switch intervals, the step log).
 MICRO_LLAMA = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
                           num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+
+# TINY_QWEN2 with SmolLM2's vocabulary (an untied head), for engine tests with the real tokenizer (tensor parallel).
+TINY_QWEN2_SMOLLM2_VOCAB = TINY_QWEN2.replace(vocab_size=49152)
+
+# A 2-layer Gemma 3 (a sliding layer of a 16-token window, then a global one; q/k and sandwich norms, GeGLU, the
+# embedding scale, one KV head) with SmolLM2's vocabulary: the family's switches through the engine (tensor
+# parallel, where its one KV head is copied to every device).
+TINY_GEMMA3_SMOLLM2_VOCAB = ModelConfig(
+    architecture="gemma3", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, qk_norm=True,
+    sandwich_norms=True, activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=24.0, sliding_window=16,
+    sliding_layers=(True, False), rope_local_theta=10000.0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
 from sgjax.model import gguf_meta
 from sgjax.model.paths import resolve_model_path
@@ -88,20 +88,26 @@ def _load_cached(path: str) -> Tokenizer:
 def _from_gguf(path: str) -> Tokenizer:
     meta = gguf_meta.read_metadata(path)
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"{path}: tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                ignore_merges=False))
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    hf.pre_tokenizer = _pre_tokenizer(pre)
-    hf.decoder = decoders.ByteLevel()
+    if model == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                    ignore_merges=False))
+        hf.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+        hf.decoder = decoders.ByteLevel()
+    elif model == "llama" and meta.get("general.architecture") in ("gemma", "gemma2", "gemma3"):
+        hf = _gemma_bpe(tokens)
+    else:
+        raise ValueError(f"{path}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2', and Gemma's "
+                         f"SentencePiece BPE 'llama')")
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, y in zip(tokens, types) if y == _TOKEN_TYPE_CONTROL])
+    # user-defined tokens are matched whole, as llama.cpp does; one the model spells differently (Gemma's runs of
+    # spaces, respelled in _gemma_bpe) stays the model's own token rather than becoming a new id
+    vocab = hf.get_vocab(with_added_tokens=False)
     hf.add_tokens([AddedToken(t, special=False, normalized=False)
-                   for t, y in zip(tokens, types) if y == _TOKEN_TYPE_USER_DEFINED])
+                   for t, y in zip(tokens, types) if y == _TOKEN_TYPE_USER_DEFINED and t in vocab])
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [eos] if eos is not None else []
     eot = meta.get("tokenizer.ggml.eot_token_id")
@@ -115,6 +121,30 @@ def _from_gguf(path: str) -> Tokenizer:
         chat_template=meta.get("tokenizer.chat_template"),
         special_ids=frozenset(i for i, y in enumerate(types) if y == _TOKEN_TYPE_CONTROL),
     )
+
+
+def _gemma_bpe(tokens: list[str]) -> HFTokenizer:
+    """Gemma's SentencePiece BPE from the GGUF vocabulary (what HF's GemmaTokenizer is): byte fallback, spaces as
+    U+2581 with no prefix space, pieces split after each space.
+
+    The file has no merges: they are the vocabulary's pairs, the standard SentencePiece-to-BPE recovery: every
+    token that is two tokens joined gives a merge, ranked by the token's position in the file (Gemma's scores do not
+    follow its merge order; the file order does), ties broken towards the longer left part. llama.cpp's converter
+    stores tokens of 2+ spaces with real spaces; they are respelled as U+2581 first so that they merge."""
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for rank, token in enumerate(tokens):
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        merges.extend((left, right, -rank) for left, right in pairs)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[(left, right) for left, right, _ in merges], fuse_unk=True,
+                                unk_token="<unk>", byte_fallback=True))
+    hf.normalizer = normalizers.Replace(" ", "\u2581")
+    hf.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return hf
 
 
 def _pre_tokenizer(pre: str):

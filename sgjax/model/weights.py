@@ -40,6 +40,10 @@ class LayerWeights:
     bq: Array | None = None  # [L, Hq*hd] (Qwen2)
     bk: Array | None = None
     bv: Array | None = None
+    q_norm: Array | None = None  # [L, hd] (Qwen3, Gemma 3), shared by the heads
+    k_norm: Array | None = None
+    post_attn_norm: Array | None = None  # [L, D] (Gemma 2/3)
+    post_mlp_norm: Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -99,8 +103,29 @@ LEAVES: tuple[Leaf, ...] = (
          present=lambda c: c.qkv_bias),
     dataclasses.replace(_matrix("lm_head", _D, _V, ("embed", "vocab"), "lm_head.weight", "output.weight"),
                         layer=False, present=lambda c: not c.tie_word_embeddings),
+    Leaf("q_norm", lambda c: (c.head_dim,), ("head_dim",), "self_attn.q_norm.weight", "attn_q_norm.weight",
+         init="ones", present=lambda c: c.qk_norm),
+    Leaf("k_norm", lambda c: (c.head_dim,), ("head_dim",), "self_attn.k_norm.weight", "attn_k_norm.weight",
+         init="ones", present=lambda c: c.qk_norm),
+    Leaf("post_attn_norm", lambda c: (c.hidden_size,), ("embed",), "post_attention_norm.weight",
+         "post_attention_norm.weight", init="ones", present=lambda c: c.sandwich_norms),
+    Leaf("post_mlp_norm", lambda c: (c.hidden_size,), ("embed",), "post_mlp_norm.weight", "post_ffw_norm.weight",
+         init="ones", present=lambda c: c.sandwich_norms),
 )
 LEAF = {leaf.name: leaf for leaf in LEAVES}
+
+
+def hf_name(cfg: ModelConfig, leaf: Leaf) -> str:
+    """The leaf's name in the family's HF checkpoints (a layer leaf's under model.layers.{i}.)."""
+    from sgjax.model.families import FAMILY
+
+    return FAMILY[cfg.architecture].hf_names.get(leaf.name, leaf.hf)
+
+
+def gguf_name(cfg: ModelConfig, leaf: Leaf) -> str:
+    from sgjax.model.families import FAMILY
+
+    return FAMILY[cfg.architecture].gguf_names.get(leaf.name, leaf.gguf)
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     leaf.name: (("layers",) if leaf.layer else ()) + leaf.axes for leaf in LEAVES}
 
@@ -141,7 +166,12 @@ def shardings(weights: Weights, mesh: jax.sharding.Mesh, rules: Mapping[str, str
     P = jax.sharding.PartitionSpec
     axes = logical_axes(weights)
     return jax.tree.map(lambda names: jax.sharding.NamedSharding(mesh, P(*(rules.get(n) for n in names))),
-                        axes, is_leaf=lambda x: isinstance(x, tuple))
+                        axes, is_leaf=_is_axes)
+
+
+def _is_axes(x) -> bool:
+    """A leaf's axis names (a tuple of str), not the unrolled layers' tuple of LayerWeights."""
+    return isinstance(x, tuple) and all(isinstance(n, str) for n in x)
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -150,8 +180,9 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             for leaf in LEAVES if leaf.present(cfg)}
 
 
-def assemble(cfg: ModelConfig, arrays: Mapping[str, Any]) -> Weights:
-    """Weights from a flat dict of our names, checking every shape against the config."""
+def assemble(cfg: ModelConfig, arrays: Mapping[str, Any], host: bool = False) -> Weights:
+    """Weights from a flat dict of our names, checking every shape against the config. host=True keeps them numpy
+    arrays (of the config's dtype) for placement on a mesh (engine/mesh.py), so no device gets the whole model."""
     expected = shapes(cfg)
     missing = sorted(set(expected) - set(arrays))
     if missing:
@@ -162,18 +193,18 @@ def assemble(cfg: ModelConfig, arrays: Mapping[str, Any]) -> Weights:
         a = arrays[name]
         if tuple(a.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)}, the config expects {shape}")
-        out[name] = jnp.asarray(a, dtype=dtype)
+        out[name] = np.asarray(a, dtype=dtype) if host else jnp.asarray(a, dtype=dtype)
     layer_names = {f.name for f in dataclasses.fields(LayerWeights)}
     layers = LayerWeights(**{k: v for k, v in out.items() if k in layer_names})
     return Weights(layers=layers, **{k: v for k, v in out.items() if k not in layer_names})
 
 
-def dummy_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
-    """Random weights of the config's real shapes, generated on device (for performance runs)."""
+def dummy_weights(cfg: ModelConfig, seed: int = 0, shardings: Mapping[str, Any] | None = None) -> Weights:
+    """Random weights of the config's real shapes, generated on device (for performance runs). `shardings` (leaf
+    name -> Sharding) makes each leaf born sharded: jax's partitionable threefry gives the same values either way."""
     expected = shapes(cfg)
     dtype = jnp.dtype(cfg.dtype)
 
-    @jax.jit
     def init(key):
         keys = jax.random.split(key, len(expected))
         out = {}
@@ -185,59 +216,93 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
                 out[name] = (jax.random.normal(k, shape, jnp.float32) * (fan_in ** -0.5)).astype(dtype)
         return out
 
-    arrays = init(jax.random.PRNGKey(seed))
+    arrays = jax.jit(init, out_shardings=None if shardings is None else dict(shardings))(jax.random.PRNGKey(seed))
     layer_names = {f.name for f in dataclasses.fields(LayerWeights)}
     layers = LayerWeights(**{k: v for k, v in arrays.items() if k in layer_names})
     return Weights(layers=layers, **{k: v for k, v in arrays.items() if k not in layer_names})
 
 
-def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str]) -> Weights:
+def _plus_one(cfg: ModelConfig, leaf: Leaf) -> float:
+    """What HF's checkpoint adds to this leaf to give sgjax's value: 1 for Gemma's norm scales, else 0."""
+    from sgjax.model.families import FAMILY
+
+    return 1.0 if FAMILY[cfg.architecture].norm_plus_one and leaf.init == "ones" else 0.0
+
+
+def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool = False) -> Weights:
     """Weights from HF tensor names; `get(name)` returns a numpy array in torch layout (out, in)."""
-    layer_leaf = {leaf.hf: leaf for leaf in LEAVES if leaf.layer}
-    top_leaf = {leaf.hf: leaf for leaf in LEAVES if not leaf.layer}
-    per_layer: dict[str, list] = {leaf.name: [None] * cfg.num_layers for leaf in LEAVES if leaf.layer}
+    from sgjax.model.families import FAMILY
+
+    fused = FAMILY[cfg.architecture].hf_fused
+    present = [leaf for leaf in LEAVES if leaf.present(cfg)]
+    layer_leaf = {hf_name(cfg, leaf): leaf for leaf in present if leaf.layer}
+    top_leaf = {hf_name(cfg, leaf): leaf for leaf in present if not leaf.layer}
+    per_layer: dict[str, list] = {leaf.name: [None] * cfg.num_layers for leaf in present if leaf.layer}
     flat: dict[str, Any] = {}
+
+    def ours(leaf, a):
+        a = a + _plus_one(cfg, leaf) if _plus_one(cfg, leaf) else a
+        return a.T if leaf.transposed else a
+
     for name in names:
         if name in top_leaf:
-            leaf = top_leaf[name]
-            if leaf.present(cfg):
-                a = get(name)
-                flat[leaf.name] = a.T if leaf.transposed else a
+            flat[top_leaf[name].name] = ours(top_leaf[name], get(name))
             continue
         parts = name.split(".")
         if parts[:2] != ["model", "layers"] or len(parts) < 4:
             continue  # e.g. rotary inv_freq buffers
-        leaf = layer_leaf.get(".".join(parts[3:]))
-        if leaf is None:
+        rest, i = ".".join(parts[3:]), int(parts[2])
+        if rest not in layer_leaf and rest not in fused:
             continue
-        i = int(parts[2])
         if i >= cfg.num_layers:
             raise ValueError(f"tensor {name!r} is for layer {i}, the config has {cfg.num_layers} layers")
-        a = get(name)
-        per_layer[leaf.name][i] = a.T if leaf.transposed else a
-    for ours, items in per_layer.items():
-        present = [x is not None for x in items]
-        if all(present):
-            flat[ours] = np.stack(items)
-        elif any(present):
-            missing = [i for i, p in enumerate(present) if not p]
-            raise ValueError(f"checkpoint has {ours} for some layers but not for layers {missing}")
-    return assemble(cfg, flat)
+        if rest in fused:  # stacked on the output axis, in the order the family lists them
+            a, start = get(name), 0
+            for leaf in (LEAF[n] for n in fused[rest]):
+                rows = leaf.shape(cfg)[1]
+                per_layer[leaf.name][i] = ours(leaf, a[start:start + rows])
+                start += rows
+            if start != a.shape[0]:
+                raise ValueError(f"tensor {name!r} has {a.shape[0]} rows, its parts {list(fused[rest])} {start}")
+            continue
+        per_layer[layer_leaf[rest].name][i] = ours(layer_leaf[rest], get(name))
+    for leaf_name, items in per_layer.items():
+        got = [x is not None for x in items]
+        if all(got):
+            flat[leaf_name] = np.stack(items)
+        elif any(got):
+            missing = [i for i, p in enumerate(got) if not p]
+            raise ValueError(f"checkpoint has {leaf_name} for some layers but not for layers {missing}")
+    return assemble(cfg, flat, host)
 
 
 def to_hf_state_dict(cfg: ModelConfig, weights: Weights, convert: Any = np.asarray) -> dict[str, Any]:
     """HF tensor names -> convert(tensor in torch layout (out, in)): the inverse of from_hf_state_dict (benchmarks
     give HF transformers the same dummy weights). A tied head has no lm_head entry."""
+    from sgjax.model.families import FAMILY
+
+    fused = FAMILY[cfg.architecture].hf_fused
+    in_fused = {n: key for key, parts in fused.items() for n in parts}
     out: dict[str, Any] = {}
     stacked = not isinstance(weights.layers, (tuple, list))
+
+    def hf(leaf, a):
+        a = np.asarray(a, np.float32) - _plus_one(cfg, leaf) if _plus_one(cfg, leaf) else a
+        return a.T if leaf.transposed else a
+
     for leaf in LEAVES:
         if not leaf.present(cfg):
             continue
         if not leaf.layer:
-            a = getattr(weights, leaf.name)
-            out[leaf.hf] = convert(a.T if leaf.transposed else a)
+            out[hf_name(cfg, leaf)] = convert(hf(leaf, getattr(weights, leaf.name)))
+            continue
+        if leaf.name in in_fused:
             continue
         for i in range(cfg.num_layers):
             a = getattr(weights.layers, leaf.name)[i] if stacked else getattr(weights.layers[i], leaf.name)
-            out[f"model.layers.{i}.{leaf.hf}"] = convert(a.T if leaf.transposed else a)
+            out[f"model.layers.{i}.{hf_name(cfg, leaf)}"] = convert(hf(leaf, a))
+    for key, parts in fused.items():
+        for i in range(cfg.num_layers):
+            layer = jax.tree.map(lambda x: x[i], weights.layers) if stacked else weights.layers[i]
+            out[f"model.layers.{i}.{key}"] = convert(np.concatenate([np.asarray(getattr(layer, n)).T for n in parts]))
     return out

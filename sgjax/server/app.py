@@ -169,7 +169,9 @@ def build_app(serving: Serving) -> FastAPI:
         http = {**dataclasses.asdict(serving.http), "api_key": None if serving.http.api_key is None else "<set>"}
         # SGLang's keys beside ours: its server args at the top level, its scheduler state per data-parallel rank in
         # internal_states (bench_serving reads it)
-        return {**engine_args, "tp_size": 1, "dp_size": 1, "nnodes": 1, **http, **info,
+        mesh = serving.engine.mesh
+        return {**engine_args, "tp_size": serving.engine.args.tp_size, "dp_size": 1, "nnodes": 1,
+                "mesh_shape": dict(mesh.shape), **http, **info,
                 "served_model_name": serving.model_name, "version": _version(), "frontend": "sgjax",
                 "internal_states": [info], "server_args": engine_args, "http_args": http}
 

@@ -14,7 +14,7 @@ import pytest
 from sgjax.kernels import BACKENDS, default_backend, get_backend, pallas_attention, ref_attention
 from sgjax.kernels import ragged_blocks as rb
 from sgjax.kernels.pallas_gpu import default_config
-from tests.kernels.test_ref_attention import CASES, make_case
+from tests.kernels.test_ref_attention import CASES, WINDOWED, make_case, windowed_args
 
 ON_GPU = jax.default_backend() == "gpu"
 HEADS = {"mha": (4, 4), "gqa4": (8, 2), "gqa8": (8, 1)}
@@ -123,3 +123,28 @@ def test_default_config_fills_the_gpu():
     assert prefill["num_splits"] == 1 and prefill["block_q"] * 4 == 64
     short = default_config(num_rows=1, num_reqs=1, group=4, num_kv_heads=8, context=256)
     assert short["num_splits"] == 1  # one 64-key tile per split would be all overhead
+
+
+def check_windowed(case, attend, tol=2e-5, jit=True, **config):
+    """A backend on a sliding-window / soft-cap case against the numpy expectation (jit=False: eagerly, for jax's
+    eager-only reference of its TPU op)."""
+    rng = np.random.default_rng(sorted(WINDOWED).index(case))
+    args, expected, total = make_case(rng, num_heads=8, num_kv_heads=2, **WINDOWED[case])
+    _, extra = windowed_args(WINDOWED[case])
+    q, k, v, pool, layer, meta = args
+    fn = functools.partial(attend, sm_scale=q.shape[-1] ** -0.5, softcap=extra["softcap"], **config)
+    fn = jax.jit(fn, static_argnames=("window",)) if jit else fn
+    out, _ = fn(q, k, v, pool, layer, meta, window=extra["window"])
+    np.testing.assert_allclose(np.asarray(out)[:total], expected[:total], atol=tol * (5 if ON_GPU else 1), rtol=tol)
+    return args, extra, expected, total
+
+
+@pytest.mark.parametrize("case", sorted(WINDOWED))
+@pytest.mark.parametrize("config", [{}, dict(num_splits=2, block_k=8), dict(block_q=2, block_k=4)],
+                         ids=["default", "split-k", "small-tiles"])
+def test_sliding_window_and_softcap(case, config):
+    args, extra, expected, total = check_windowed(case, pallas_attention, **config)
+    q, k, v, pool, layer, meta = args
+    traced = jax.jit(lambda w: pallas_attention(q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5,
+                                                window=w, softcap=extra["softcap"], **config)[0])
+    np.testing.assert_allclose(np.asarray(traced(jnp.int32(extra["window"])))[:total], expected[:total], atol=1e-4)

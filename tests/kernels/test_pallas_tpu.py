@@ -23,8 +23,8 @@ from sgjax.kernels.metadata import AttentionMetadata
 from sgjax.kernels import pallas_attention
 from sgjax.kernels.pallas_tpu import pallas_tpu_attention, tpu_operands
 from sgjax.kernels.pallas_tpu_kernel import default_config, sgjax_tpu_attention
-from tests.kernels.test_pallas_attention import _check
-from tests.kernels.test_ref_attention import CASES, make_case
+from tests.kernels.test_pallas_attention import _check, check_windowed
+from tests.kernels.test_ref_attention import CASES, WINDOWED, make_case
 
 
 def _reference_op(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale):
@@ -124,3 +124,16 @@ def test_own_kernel_default_config():
     assert default_config(64, 64, 16, jnp.float32) == {"block_q": 8, "pages_per_block": 8}  # decode
     assert default_config(64, 64, 16, jnp.bfloat16)["block_q"] == 16  # bf16's sublane tile
     assert default_config(512, 4, 32, jnp.bfloat16) == {"block_q": 32, "pages_per_block": 4}
+
+
+def _reference_op_masked(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None,
+                         soft_cap=None):
+    out = ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                                     sliding_window=sliding_window, soft_cap=soft_cap)
+    return jnp.concatenate([out, jnp.zeros((q.shape[0] - out.shape[0],) + out.shape[1:], out.dtype)])
+
+
+@pytest.mark.parametrize("case", sorted(WINDOWED))
+def test_window_and_softcap_reach_jaxs_op_and_our_kernel(case):
+    check_windowed(case, functools.partial(pallas_tpu_attention, op=_reference_op_masked), jit=False)
+    check_windowed(case, functools.partial(sgjax_tpu_attention, interpret=True, block_q=8, pages_per_block=2))

