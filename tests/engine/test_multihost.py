@@ -93,8 +93,10 @@ def pair(model_dir, smollm2_path):
     finally:
         for r in ranks:
             r.kill()
-        for r in ranks:
+        for r in ranks:  # no process of either group is left
             assert r.proc.poll() is not None
+            with pytest.raises(ProcessLookupError):
+                os.killpg(r.proc.pid, 0)
             r.log.close()
             os.unlink(r.log.name)
 
@@ -120,3 +122,65 @@ def test_two_processes_answer_like_one_device(pair, model_dir, smollm2_path):
     ranks[0].proc.send_signal(signal.SIGTERM)
     for r in ranks:
         assert r.proc.wait(60) == 0, r.text()
+
+
+def test_killed_follower_fails_requests_naming_the_rank(pair):
+    """SIGKILL on rank 1 while a request runs: rank 0 answers it with a 500 naming rank 1, within a bounded time,
+    and exits non-zero; no process is left."""
+    import threading
+
+    ranks, url = pair
+    box = {}
+
+    def ask():
+        with httpx.Client(base_url=url, timeout=60) as c:
+            box["r"] = c.post("/generate", json={"text": PROMPT, "sampling_params": {
+                "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}})
+
+    t = threading.Thread(target=ask)
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the request is running
+        info = httpx.get(url + "/get_server_info", timeout=10).json()
+        if info["running_requests"]:
+            break
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    os.killpg(ranks[1].proc.pid, signal.SIGKILL)
+    t.join(30)
+    elapsed = time.monotonic() - t0
+    assert not t.is_alive(), "the request hung after its follower died"
+    r = box["r"]
+    assert r.status_code == 500 and "lost follower rank 1 of 2" in r.json()["error"]["message"], (r.status_code,
+                                                                                                r.text)
+    assert elapsed < 15, elapsed
+    assert ranks[0].proc.wait(30) != 0, ranks[0].text()
+    assert "lost follower rank 1" in ranks[0].text()
+
+
+def test_killed_leader_ends_the_follower(pair):
+    """SIGKILL on rank 0: the follower sees its connection close without a STOP and exits non-zero at once."""
+    ranks, _ = pair
+    os.killpg(ranks[0].proc.pid, signal.SIGKILL)
+    assert ranks[1].proc.wait(30) != 0, ranks[1].text()
+    assert "lost the leader" in ranks[1].text()
+
+
+def test_header_round_trip_and_flag_errors():
+    import numpy as np
+
+    from sgjax.engine import distributed
+    from sgjax.engine.args import ServerArgs
+    from sgjax.engine.step import StepShape
+    from sgjax.model.batch import BatchShape
+
+    shape = StepShape(BatchShape(32, 4, 16, 8), 64, 2, 3, 16)
+    h = distributed._header(distributed.STEP, shape, np.zeros((16, 5), np.float32))
+    assert h.dtype == np.int32 and len(h) == distributed.HEADER
+    assert distributed._shape(h) == shape and h[9] == 5 and h[10] == shape.size
+    distributed.check_args(ServerArgs())
+    for kwargs, message in ((dict(nnodes=2), "dist-init-addr"), (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"),
+                                                                "node_rank must be in"),
+                            (dict(nnodes=2, dist_init_addr="nohost"), "host:port"), (dict(nnodes=0), "nnodes")):
+        with pytest.raises(ValueError, match=message):
+            distributed.check_args(ServerArgs(**kwargs))
