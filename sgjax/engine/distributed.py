@@ -74,6 +74,20 @@ def initialize(args) -> None:
              jax.local_device_count(), jax.device_count())
 
 
+def _keepalive(conn: socket.socket) -> None:
+    """A host that vanishes without closing the connection (power, network) is noticed in about 10 s too."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 4), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timing
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _padded(n: int) -> int:
+    """The broadcast's length for an n-word buffer: a power of two, so the broadcast compiles a handful of programs
+    (one per length) rather than one per step shape."""
+    return 1 << max(n - 1, 1).bit_length()
+
+
 def _broadcast(x: np.ndarray, leader: bool) -> np.ndarray:
     from jax.experimental import multihost_utils
 
@@ -119,6 +133,7 @@ class Leader:
             conn.settimeout(CONNECT_TIMEOUT)
             rank = int(conn.recv(16).decode().strip() or -1)
             conn.settimeout(None)
+            _keepalive(conn)
             self._conns[rank] = conn
         self._listener.close()
         for rank, conn in self._conns.items():
@@ -141,7 +156,9 @@ class Leader:
 
     def step(self, shape, buffer: np.ndarray, features: np.ndarray | None) -> None:
         _broadcast(_header(STEP, shape, features), True)
-        _broadcast(buffer, True)
+        padded = np.zeros(_padded(buffer.size), np.int32)
+        padded[:buffer.size] = buffer
+        _broadcast(padded, True)
         if shape.image_rows:
             _broadcast(features.astype(np.float32), True)
 
@@ -176,6 +193,7 @@ class Follower:
                 time.sleep(0.2)
         self.conn.sendall(f"{args.node_rank}\n".encode())
         self.conn.settimeout(None)
+        _keepalive(self.conn)
         self.rank = args.node_rank
         self._stopped = False
         threading.Thread(target=self._watch, name="sgjax-watch-leader", daemon=True).start()
@@ -206,7 +224,8 @@ class Follower:
             if op != STEP:
                 raise RuntimeError(f"rank {self.rank}: unknown step opcode {op}")
             shape = _shape(h)
-            buffer = _broadcast(np.zeros(int(h[10]), np.int32), False)
+            size = int(h[10])
+            buffer = _broadcast(np.zeros(_padded(size), np.int32), False)[:size]
             features = None
             if shape.image_rows:
                 features = _broadcast(np.zeros((shape.image_rows, int(h[9])), np.float32), False)

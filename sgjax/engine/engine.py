@@ -177,10 +177,10 @@ class Engine:
         self._queue = sinks.Queue(add=lambda req: self._inbox.put(Add(req)), abort=self.abort)
         self._step_seconds = 0.0
         self._closed = False
+        if args.precompile if args.precompile is not None else platform != "cpu":
+            self._precompile()  # a follower compiles the same shapes; rank 0's warm-up runs them on both
         if follower is not None:  # a follower runs no loop thread: `follow` executes rank 0's steps
             return
-        if args.precompile if args.precompile is not None else platform != "cpu":
-            self._precompile()
         self._thread = threading.Thread(target=self._loop, name="sgjax-engine", daemon=True)
         self._thread.start()
 
@@ -504,6 +504,9 @@ class Engine:
         threads = 1 if self.runner.platform == "cpu" else max(1, min(len(shapes), (os.cpu_count() or 2) // 2))
         self.runner.precompile(shapes, threads)
         t1 = time.perf_counter()
+        if self._follower is not None:  # the warm-up's steps are broadcast: a follower runs them in `follow`
+            log.info("precompiled %d step shapes in %.1f s (%d threads)", len(shapes), t1 - t0, threads)
+            return
         self.runner.warm(shapes)
         log.info("precompiled %d step shapes in %.1f s (%d threads), ran each once in %.1f s", len(shapes),
                  t1 - t0, threads, time.perf_counter() - t1)

@@ -22,7 +22,7 @@ CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size
               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True)
 FLAGS = ["--max-total-tokens", "1024", "--chunked-prefill-size", "64", "--max-running-requests", "4",
-         "--load-format", "dummy", "--skip-server-warmup"]
+         "--load-format", "dummy", "--skip-server-warmup", "--precompile"]
 PROMPT, PARAMS = "The capital of France is", {"max_new_tokens": 8, "temperature": 0.0}
 
 
@@ -125,8 +125,8 @@ def test_two_processes_answer_like_one_device(pair, model_dir, smollm2_path):
 
 
 def test_killed_follower_fails_requests_naming_the_rank(pair):
-    """SIGKILL on rank 1 while a request runs: rank 0 answers it with a 500 naming rank 1, within a bounded time,
-    and exits non-zero; no process is left."""
+    """SIGKILL on rank 1 while two requests run: rank 0 answers one with a 500 naming rank 1 and ends the other's
+    stream with that error, within a bounded time, and exits non-zero; no process is left."""
     import threading
 
     ranks, url = pair
@@ -137,23 +137,33 @@ def test_killed_follower_fails_requests_naming_the_rank(pair):
             box["r"] = c.post("/generate", json={"text": PROMPT, "sampling_params": {
                 "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}})
 
+    def ask_stream():
+        with httpx.Client(base_url=url, timeout=60) as c:
+            with c.stream("POST", "/generate", json={"text": PROMPT, "stream": True, "sampling_params": {
+                    "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}}) as r:
+                box["stream"] = "".join(r.iter_text())
+
     t = threading.Thread(target=ask)
     t.start()
+    ts = threading.Thread(target=ask_stream)
+    ts.start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the request is running
         info = httpx.get(url + "/get_server_info", timeout=10).json()
-        if info["running_requests"]:
+        if info["running_requests"] == 2:
             break
         time.sleep(0.05)
     t0 = time.monotonic()
     os.killpg(ranks[1].proc.pid, signal.SIGKILL)
     t.join(30)
+    ts.join(30)
     elapsed = time.monotonic() - t0
     assert not t.is_alive(), "the request hung after its follower died"
     r = box["r"]
     assert r.status_code == 500 and "lost follower rank 1 of 2" in r.json()["error"]["message"], (r.status_code,
                                                                                                 r.text)
     assert elapsed < 15, elapsed
+    assert not ts.is_alive() and "lost follower rank 1 of 2" in box["stream"], box.get("stream", "")[-500:]
     assert ranks[0].proc.wait(30) != 0, ranks[0].text()
     assert "lost follower rank 1" in ranks[0].text()
 
@@ -184,3 +194,10 @@ def test_header_round_trip_and_flag_errors():
                             (dict(nnodes=2, dist_init_addr="nohost"), "host:port"), (dict(nnodes=0), "nnodes")):
         with pytest.raises(ValueError, match=message):
             distributed.check_args(ServerArgs(**kwargs))
+
+
+def test_dp_size_with_nnodes_is_refused():
+    from sgjax.cli import main
+
+    with pytest.raises(SystemExit, match="--dp-size with --nnodes > 1 is not supported"):
+        main(["serve", "--dp-size", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"])
