@@ -45,6 +45,8 @@ def split_args(ns: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if ns.command == "serve" and getattr(ns, "dp_size", 1) > 1 and ns.nnodes > 1:
+        raise SystemExit("sgjax serve: --dp-size with --nnodes > 1 is not supported yet")
     if ns.command == "router" or getattr(ns, "dp_size", 1) > 1:
         from sgjax.router.launch import main as router_main
 

@@ -62,6 +62,12 @@ class ServerArgs:
     # Tensor parallelism over the first tp_size local devices (engine/mesh.py): weights and the KV pool split by
     # heads, one jitted step over the mesh; the host side is unchanged.
     tp_size: int = 1
+    # Multi-host (engine/distributed.py): nnodes processes, one per host, each running `sgjax serve` with its
+    # node_rank; rank 0 serves HTTP and broadcasts every step, the others follow. dist_init_addr is jax.distributed's
+    # coordinator (host:port on rank 0's host); port + 1 carries the followers' liveness connections.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     @classmethod
     def from_kwargs(cls, model_path, kwargs: dict) -> "ServerArgs":
@@ -138,5 +144,11 @@ ENGINE_FLAGS = [
     ("disable_overlap_schedule", dict(action="store_true", help="wait for each step's tokens before scheduling the "
                                                                 "next (no overlap of host work with decode steps)")),
     ("tp_size", dict(type=int, help="tensor parallelism: shard the weights and the KV pool by heads over this many "
-                                    "local devices (one jitted step over the mesh)")),
+                                    "devices (one jitted step over the mesh); with --nnodes, every device of "
+                                    "every host")),
+    ("nnodes", dict(type=int, help="hosts (processes) the mesh spans; rank 0 serves HTTP, the others follow its "
+                                   "steps")),
+    ("node_rank", dict(type=int, help="this process's rank among --nnodes (0: the server)")),
+    ("dist_init_addr", dict(help="host:port of jax.distributed's coordinator on rank 0's host (port + 1 is also "
+                                 "used, for the followers' liveness connections)")),
 ]

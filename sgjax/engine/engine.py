@@ -27,7 +27,7 @@ from sgjax.engine.args import ServerArgs
 from sgjax.engine.embed import embed, next_token_logprobs
 from sgjax.engine.images import ImageEncoder
 from sgjax.engine.loading import VISION, check_args, default_dtype, load_model_cached, pool_pages
-from sgjax.engine import mesh as tp
+from sgjax.engine import distributed, mesh as tp
 from sgjax.engine import scoring, sinks
 from sgjax.engine.outputs import Outputs, abort_reason
 from sgjax.engine.request import Req
@@ -43,6 +43,10 @@ from sgjax.model.tokenizer import Tokenizer, load_tokenizer
 from sgjax.model.weights import Weights
 
 log = logging.getLogger("sgjax.engine")
+
+
+# Multi-host: seconds between failing every request on a lost follower and ending the process (the responses' time)
+FATAL_GRACE_SECONDS = 1.0
 
 
 # The engine thread's inbox: what callers' threads may ask of the loop.
@@ -100,6 +104,20 @@ class Engine:
         platform = jax.devices()[0].platform
         self.mesh = tp.make_mesh(args.tp_size)
         tp.check_model(cfg, args.tp_size)
+        self._fatal_message: str | None = None
+        self._fatal_lock = threading.Lock()
+        leader = follower = None
+        if args.nnodes > 1:  # multi-host (engine/distributed.py): launch.serve has initialised jax.distributed
+            if jax.process_count() != args.nnodes:
+                raise ValueError(f"nnodes={args.nnodes} but jax sees {jax.process_count()} process(es): call "
+                                 f"sgjax.engine.distributed.initialize first (sgjax serve does)")
+            if args.tp_size != jax.device_count():
+                raise ValueError(f"with nnodes={args.nnodes}, tp_size must be every device of every host "
+                                 f"({jax.device_count()}), got {args.tp_size}")
+            if args.node_rank == 0:
+                leader = distributed.Leader(args, on_lost=self._fatal)
+            else:
+                follower = distributed.Follower(args)
         # The sharded model's config (KV heads replicated up to tp_size) and weights placed on the mesh; tp_size 1
         # keeps the single-device program as it was.
         run_cfg = tp.tp_config(cfg, args.tp_size)
@@ -117,6 +135,8 @@ class Engine:
         self.args, self.model_config, self.tokenizer = args, cfg, tokenizer
         self.context_length = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         num_pages = 1 + pool_pages(args, run_cfg, platform)
+        if args.nnodes > 1:  # rank 0's pool size everywhere (free memory may differ between hosts)
+            num_pages = distributed.agree(num_pages, leader is not None)
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=num_pages, page_size=args.page_size, policy=args.schedule_policy,
             cache="none" if args.disable_radix_cache else args.cache,
@@ -130,6 +150,8 @@ class Engine:
                              max_top_logprobs=args.max_top_logprobs_num,
                              coarse=None if args.step_buckets is None else args.step_buckets == "coarse",
                              max_reqs=args.max_running_requests, mesh=run_mesh)
+        self.runner.leader = leader
+        self._follower = follower
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self.images = None if vision is None else ImageEncoder(*vision)  # a vision-language model (LLaVA)
         self.requests = RequestBuilder(cfg, tokenizer, self.images, context_length=self.context_length,
@@ -156,9 +178,44 @@ class Engine:
         self._step_seconds = 0.0
         self._closed = False
         if args.precompile if args.precompile is not None else platform != "cpu":
-            self._precompile()
+            self._precompile()  # a follower compiles the same shapes; rank 0's warm-up runs them on both
+        if follower is not None:  # a follower runs no loop thread: `follow` executes rank 0's steps
+            return
         self._thread = threading.Thread(target=self._loop, name="sgjax-engine", daemon=True)
         self._thread.start()
+
+    # -- multi-host ------------------------------------------------------------------------------------
+    def follow(self) -> int:
+        """A follower rank (node_rank > 0): run rank 0's steps until it stops; returns the steps run."""
+        return self._follower.follow(self.runner)
+
+    def _fatal(self, message: str, status: int = 1) -> None:
+        """A follower is lost (called on its watcher's thread; the engine thread may be stuck in a collective
+        with it): fail every request with `message` (a 500), refuse new ones, and end the process with `status`
+        after a moment for the HTTP responses to go out."""
+        with self._fatal_lock:
+            if self._fatal_message is not None:
+                return
+            self._fatal_message = message
+        self._closed = True
+        try:
+            reqs = list(self.scheduler.waiting) + list(self.scheduler.running)
+            while True:
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(msg, Add):
+                    reqs.append(msg.req)
+                elif isinstance(msg, Call):
+                    msg.box["error"] = EngineError(message, INTERNAL)
+                    msg.done.set()
+            for req in reqs:
+                if not req.finished:
+                    self.outputs.finish(req, abort_reason(message, INTERNAL), release=False)
+        except Exception:  # noqa: BLE001 - the process ends either way
+            log.exception("failing the requests after: %s", message)
+        threading.Timer(FATAL_GRACE_SECONDS, os._exit, args=(status,)).start()
 
     # -- public API -------------------------------------------------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
@@ -193,6 +250,7 @@ class Engine:
     def encode(self, prompt=None, input_ids=None) -> list[list[float]]:
         """Embeddings (SGLang's Engine.encode): one unit vector per prompt, the final hidden state of its last token
         (engine/embed.py). Runs between steps on the engine thread; the serving pool is not used."""
+        self._single_host("encode")
         ids, r = self.requests.whole_prompts(prompt, input_ids), self.runner
         # the runner's config: under tensor parallelism its KV heads may be copied up to tp_size (engine/mesh.py)
         vectors = self._call(lambda: embed(r.cfg, r.weights, r.attention, self.args.page_size, ids))
@@ -202,6 +260,7 @@ class Engine:
               item_first: bool = False, temperature: float = 1.0, detail: bool = False):
         """SGLang's Engine.score: scores[i][j], the probability of label j as the next token after query + item i
         (engine/scoring.py), from the same scratch prefill as encode. detail: a Scores with the log-probabilities."""
+        self._single_host("score")
         scoring.check_temperature(temperature, apply_softmax)
         items, texts = scoring.prompts(query, items)
         query = query if query is not None else ("" if texts else [])
@@ -215,6 +274,12 @@ class Engine:
         out = scoring.Scores([scoring.probabilities(lp, apply_softmax, temperature) for lp in lps], lps,
                              sum(map(len, ids)))
         return out if detail else out.scores
+
+    def _single_host(self, what: str) -> None:
+        # encode and score run their own jitted prefill, which the followers would have to mirror: not yet
+        if self.args.nnodes > 1:
+            raise EngineError(f"{what} is not supported with nnodes > 1 yet (only generation steps reach the "
+                              f"other hosts)", INTERNAL)
 
     @property
     def alive(self) -> bool:
@@ -247,6 +312,8 @@ class Engine:
             self._closed = True
             self._inbox.put(Stop())
             self._thread.join()
+            if self.runner.leader is not None:  # after the loop: no step is in flight on any rank
+                self.runner.leader.stop()
             self.runner.release()
             self._grammar_workers.shutdown(wait=False, cancel_futures=True)
             if self._watcher is not None:
@@ -261,7 +328,8 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------------------
     def _make_requests(self, call: GenerateCall) -> tuple[list[Req], bool]:
         if self._closed:
-            raise EngineError("the engine is shut down")
+            raise EngineError(self._fatal_message or "the engine is shut down",
+                              INTERNAL if self._fatal_message else SHUTDOWN)
         reqs, single = self.requests.build(call)
         with self._live_lock:  # two live requests never share an id: aborts and results find exactly one
             rids = [r.rid for r in reqs]
@@ -337,6 +405,10 @@ class Engine:
                     self._commit(*handle)
             except Exception as e:  # a bug or a device error: fail what ran, keep serving
                 log.exception("engine step failed")
+                if self.runner.leader is not None:  # across hosts a failed collective is not recoverable
+                    time.sleep(FATAL_GRACE_SECONDS)  # the watcher names a lost follower first, if one is
+                    self._fatal(f"a step across hosts failed: {type(e).__name__}: {e}")
+                    return
                 ahead = None
                 for req in list(sched.running):
                     sched.abort(req.rid)
@@ -432,6 +504,9 @@ class Engine:
         threads = 1 if self.runner.platform == "cpu" else max(1, min(len(shapes), (os.cpu_count() or 2) // 2))
         self.runner.precompile(shapes, threads)
         t1 = time.perf_counter()
+        if self._follower is not None:  # the warm-up's steps are broadcast: a follower runs them in `follow`
+            log.info("precompiled %d step shapes in %.1f s (%d threads)", len(shapes), t1 - t0, threads)
+            return
         self.runner.warm(shapes)
         log.info("precompiled %d step shapes in %.1f s (%d threads), ran each once in %.1f s", len(shapes),
                  t1 - t0, threads, time.perf_counter() - t1)

@@ -170,6 +170,11 @@ class Runner:
         self.num_pages = num_pages
         self.max_reqs = max_reqs
         self.state: DeviceState | None = None
+        # Multi-host (engine/distributed.py): rank 0's Leader, which broadcasts every step (and pool reset) to the
+        # followers before running it; None on one host and on the followers.
+        self.leader = None
+        self.multiprocess = mesh is not None and not all(d.process_index == jax.process_index()
+                                                         for d in mesh.devices.flat)
         self.reset_pool()
         self.step = jitted_step(cfg, attention, mesh)
         self.shapes_seen: set[StepShape] = set()
@@ -178,16 +183,34 @@ class Runner:
         """A fresh DeviceState (donated to every step, so a failed step may take it)."""
         cfg = self.cfg
         mesh = self.mesh
+        if self.leader is not None:
+            self.leader.reset()
         pool = allocate_pool(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
                              dtype=jnp.dtype(cfg.dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
-        future = jnp.zeros(self.max_reqs, jnp.int32)
         if mesh is not None:
-            future = jax.device_put(future, tp.replicated(mesh))
+            future = self._to_device(np.zeros(self.max_reqs, np.int32))
+        else:
+            future = jnp.zeros(self.max_reqs, jnp.int32)
         self.state = DeviceState(pool=pool, future=future)
 
     def _to_device(self, host: np.ndarray):
         """A step input: replicated over the mesh (what the compiled step expects), else on the default device."""
-        return jnp.asarray(host) if self.mesh is None else jax.device_put(host, tp.replicated(self.mesh))
+        if self.mesh is None:
+            return jnp.asarray(host)
+        if self.multiprocess:  # each process gives its own devices' copies (device_put needs addressable devices)
+            return jax.make_array_from_callback(host.shape, tp.replicated(self.mesh), lambda idx: host[idx])
+        return jax.device_put(host, tp.replicated(self.mesh))
+
+    def execute(self, buffer: np.ndarray, shape: StepShape, features: np.ndarray | None = None):
+        """Run one step on the device (asynchronously): rank 0 announces it to the followers first, which call this
+        too with the same arguments (engine/distributed.py). Returns the step's SampleOutput."""
+        if self.leader is not None:
+            self.leader.step(shape, buffer, features)
+        # features only when there are some: the call must match the precompiled (lowered) one to hit jit's cache
+        extra = () if features is None else (self._to_device(features),)
+        out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
+        self.shapes_seen.add(shape)
+        return out
 
     def release(self) -> None:
         """Drop the device state (shutdown): the pool's memory goes back to the device."""
@@ -218,15 +241,12 @@ class Runner:
         """Start a step on the device and return at once (jax dispatches asynchronously); `collect` waits for it.
         A work's token may be a placeholder -1 - slot for a token the previous step sampled (Req.slot)."""
         buffer, shape, sample_rows, prompt_rows, features = self.prepare(works)
-        # features only when there are some: the call must match the precompiled (lowered) one to hit jit's cache
-        extra = () if features is None else (self._to_device(features),)
-        out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
-        self.shapes_seen.add(shape)
-        return out, sample_rows, prompt_rows
+        return self.execute(buffer, shape, features), sample_rows, prompt_rows
 
     def collect(self, works: list[Work], handle):
         out, sample_rows, prompt_rows = handle
-        tokens, logprobs, top_ids, top_lps = jax.device_get((out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
+        tokens, logprobs, top_ids, top_lps = jax.device_get(tuple(map(_local, (out.tokens, out.logprobs, out.top_ids,
+                                                                                out.top_logprobs))))
         return self._unpack_results(works, sample_rows, prompt_rows, tokens, logprobs, top_ids, top_lps)
 
     def prepares(self, works: list[Work]) -> bool:
@@ -430,9 +450,12 @@ class Runner:
 
     def run_dummy(self, shape: StepShape):
         """One step of `shape` on the dummy buffer (compiles it the first time); returns the sampled tokens."""
-        out, self.state = self.step(self.weights, self.state, self._to_device(self._dummy_buffer(shape)), shape)
-        self.shapes_seen.add(shape)
-        return out.tokens
+        return self.execute(self._dummy_buffer(shape), shape).tokens
+
+
+def _local(x):
+    """A replicated step output as this process can read it: across hosts, its copy on a local device."""
+    return x if x.is_fully_addressable else x.addressable_data(0)
 
 
 def _vocab_sharded(weights: Weights) -> bool:

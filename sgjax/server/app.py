@@ -170,8 +170,10 @@ def build_app(serving: Serving) -> FastAPI:
         # SGLang's keys beside ours: its server args at the top level, its scheduler state per data-parallel rank in
         # internal_states (bench_serving reads it)
         mesh = serving.engine.mesh
-        return {**engine_args, "tp_size": serving.engine.args.tp_size, "dp_size": 1, "nnodes": 1,
-                "mesh_shape": dict(mesh.shape), **http, **info,
+        args = serving.engine.args
+        return {**engine_args, "tp_size": args.tp_size, "dp_size": 1, "nnodes": args.nnodes,
+                "node_rank": args.node_rank, "mesh_shape": dict(mesh.shape),
+                "mesh_processes": sorted({d.process_index for d in mesh.devices.flat}), **http, **info,
                 "served_model_name": serving.model_name, "version": _version(), "frontend": "sgjax",
                 "internal_states": [info], "server_args": engine_args, "http_args": http}
 

@@ -15,6 +15,7 @@ import time
 
 import uvicorn
 
+from sgjax.engine import distributed
 from sgjax.engine.engine import Engine, ServerArgs
 from sgjax.server.app import build_app
 from sgjax.server.connection import check_port, header_timeout_protocol
@@ -35,12 +36,25 @@ class _Server(uvicorn.Server):
 
 def serve(server_args: ServerArgs, http: HttpArgs) -> None:
     logging.basicConfig(level=http.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    check_port(http.host, http.port)  # fail before the model loads, not after
+    distributed.check_args(server_args)
+    follower = server_args.nnodes > 1 and server_args.node_rank > 0
+    if not follower:
+        check_port(http.host, http.port)  # fail before the model loads, not after
     signal.signal(signal.SIGTERM, _exit_while_loading)
+    if server_args.nnodes > 1:  # before anything starts jax's backend
+        distributed.initialize(server_args)
     log.info("loading the engine: %s", server_args.model_path or "the default SmolLM2")
     t0 = time.perf_counter()
     kwargs = {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args) if f.name != "model_path"}
     engine = Engine(server_args.model_path, **kwargs)
+    if follower:  # no HTTP: execute rank 0's steps until its STOP, then exit 0
+        log.info("rank %d: following rank 0", server_args.node_rank)
+        steps = engine.follow()
+        log.info("rank %d: stopped after %d steps", server_args.node_rank, steps)
+        import jax
+
+        jax.distributed.shutdown()
+        return
     serving = Serving(engine, http)
     if not http.skip_server_warmup:
         _warm_up(engine)

@@ -1,0 +1,233 @@
+"""Multi-host tensor parallelism: `--nnodes`, `--node-rank`, `--dist-init-addr` (SGLang's names).
+
+Every process calls `jax.distributed.initialize`, so `jax.devices()` lists every host's devices and the mesh
+(engine/mesh.py) spans them all. Rank 0 (the leader) runs the scheduler, the tokenizer and the HTTP server; the other
+ranks (followers) load the same weights onto their slice of the mesh and run `follow`: a loop that executes the
+same jitted steps, in the same order, as rank 0.
+
+The step protocol (docs/architecture.md, "Multi-host"). Before every jitted step the leader broadcasts a fixed-size
+int32 header (an opcode and the StepShape's fields), then the packed step buffer (and, for a vision step, its image
+feature rows), with `multihost_utils.broadcast_one_to_all`: itself a collective, so a follower simply blocks in it
+until the next step. Followers never schedule and never sample on their own: the step's outputs are replicated
+arrays that only the leader reads. Why a broadcast and not the same deterministic scheduler on every rank: the
+scheduler's inputs are the HTTP requests, their arrival order relative to the steps, client aborts and timings
+(overlap, grammar compile threads), which would all have to be replicated exactly; one broadcast of a buffer the
+leader already builds (a few KB per step) keeps the followers stateless and the host code unchanged.
+
+Failure. A follower opens a TCP connection to the leader (the --dist-init-addr host, port + 1) that it holds for
+its whole life; the kernel closes it when the follower dies, however it dies, so the leader sees an EOF at once
+(a collective with a dead peer may hang, and jax's own heartbeat only notices after heartbeat_timeout_seconds). On
+that EOF the leader fails every request with a 500 naming the lost rank and exits with status 1 (`Leader.on_lost`).
+A follower that loses its connection to the leader without a STOP exits with status 1 too. A clean shutdown of the
+leader broadcasts STOP after the engine loop has ended: the followers leave `follow` and exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+log = logging.getLogger("sgjax.distributed")
+
+STEP, RESET, STOP = 1, 2, 3
+HEADER = 12  # int32 words: op, 4 BatchShape fields, history, top_logprobs, mask_words, image_rows, feature dim, size
+CONNECT_TIMEOUT = 120.0
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = (addr or "").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"dist_init_addr must be host:port, got {addr!r}")
+    return host, int(port)
+
+
+def check_args(args) -> None:
+    """One-line errors for the multi-host flags (before anything starts)."""
+    if args.nnodes < 1:
+        raise ValueError(f"nnodes must be >= 1, got {args.nnodes}")
+    if args.nnodes == 1:
+        return
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"node_rank must be in [0, {args.nnodes}), got {args.node_rank}")
+    if args.dist_init_addr is None:
+        raise ValueError("nnodes > 1 needs --dist-init-addr host:port (the coordinator, on the rank-0 host)")
+    parse_addr(args.dist_init_addr)
+
+
+def initialize(args) -> None:
+    """jax.distributed over nnodes processes (before jax's backend starts); gloo collectives on CPU."""
+    import jax
+
+    check_args(args)
+    platforms = os.environ.get("JAX_PLATFORMS", "") or (jax.config.jax_platforms or "")
+    if "cpu" in platforms.split(","):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.dist_init_addr, num_processes=args.nnodes,
+                               process_id=args.node_rank)
+    log.info("jax.distributed: rank %d of %d, %d local / %d global devices", args.node_rank, args.nnodes,
+             jax.local_device_count(), jax.device_count())
+
+
+def _keepalive(conn: socket.socket) -> None:
+    """A host that vanishes without closing the connection (power, network) is noticed in about 10 s too."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 4), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timing
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _padded(n: int) -> int:
+    """The broadcast's length for an n-word buffer: a power of two, so the broadcast compiles a handful of programs
+    (one per length) rather than one per step shape."""
+    return 1 << max(n - 1, 1).bit_length()
+
+
+def _broadcast(x: np.ndarray, leader: bool) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(x, is_source=leader))
+
+
+def agree(value: int, leader: bool) -> int:
+    """Rank 0's value of an int on every rank (the pool size: it depends on each host's free memory)."""
+    return int(_broadcast(np.asarray([value], np.int32), leader)[0])
+
+
+def _header(op: int, shape=None, features=None) -> np.ndarray:
+    h = np.zeros(HEADER, np.int32)
+    h[0] = op
+    if shape is not None:
+        b = shape.batch
+        h[1:11] = (b.num_tokens, b.num_reqs, b.pages_per_req, b.num_logits, shape.history, shape.top_logprobs,
+                   shape.mask_words, shape.image_rows, 0 if features is None else features.shape[1], shape.size)
+    return h
+
+
+def _shape(h: np.ndarray):
+    from sgjax.engine.step import StepShape
+    from sgjax.model.batch import BatchShape
+
+    t, r, p, l_, hist, top, mask, img = (int(v) for v in h[1:9])
+    return StepShape(BatchShape(t, r, p, l_), hist, top, mask, img)
+
+
+class Leader:
+    """Rank 0's side: the followers' connections (watched for EOF) and the step broadcasts (engine thread only)."""
+
+    def __init__(self, args, on_lost: Callable[[str], None] | None = None):
+        self.nnodes = args.nnodes
+        self.on_lost = on_lost
+        self._closing = False
+        host, port = parse_addr(args.dist_init_addr)
+        self._listener = socket.create_server((host, port + 1), reuse_port=False)
+        self._listener.settimeout(CONNECT_TIMEOUT)
+        self._conns: dict[int, socket.socket] = {}
+        while len(self._conns) < self.nnodes - 1:
+            conn, _ = self._listener.accept()
+            conn.settimeout(CONNECT_TIMEOUT)
+            rank = int(conn.recv(16).decode().strip() or -1)
+            conn.settimeout(None)
+            _keepalive(conn)
+            self._conns[rank] = conn
+        self._listener.close()
+        for rank, conn in self._conns.items():
+            threading.Thread(target=self._watch, args=(rank, conn), name=f"sgjax-watch-rank{rank}",
+                             daemon=True).start()
+
+    def _watch(self, rank: int, conn: socket.socket) -> None:
+        try:
+            while conn.recv(64):
+                pass
+        except OSError:
+            pass
+        if not self._closing:
+            msg = f"lost follower rank {rank} of {self.nnodes} (its process died or its host went away)"
+            log.error(msg)
+            if self.on_lost is not None:
+                self.on_lost(msg)
+            else:
+                os._exit(1)
+
+    def step(self, shape, buffer: np.ndarray, features: np.ndarray | None) -> None:
+        _broadcast(_header(STEP, shape, features), True)
+        padded = np.zeros(_padded(buffer.size), np.int32)
+        padded[:buffer.size] = buffer
+        _broadcast(padded, True)
+        if shape.image_rows:
+            _broadcast(features.astype(np.float32), True)
+
+    def reset(self) -> None:
+        _broadcast(_header(RESET), True)
+
+    def stop(self) -> None:
+        """After the engine loop ended: the followers leave `follow` and exit 0."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            _broadcast(_header(STOP), True)
+        finally:
+            for conn in self._conns.values():
+                conn.close()
+
+
+class Follower:
+    """A rank > 0: its connection to the leader (an EOF without STOP ends the process with status 1)."""
+
+    def __init__(self, args):
+        host, port = parse_addr(args.dist_init_addr)
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        while True:
+            try:
+                self.conn = socket.create_connection((host, port + 1), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        self.conn.sendall(f"{args.node_rank}\n".encode())
+        self.conn.settimeout(None)
+        _keepalive(self.conn)
+        self.rank = args.node_rank
+        self._stopped = False
+        threading.Thread(target=self._watch, name="sgjax-watch-leader", daemon=True).start()
+
+    def _watch(self) -> None:
+        try:
+            while self.conn.recv(64):
+                pass
+        except OSError:
+            pass
+        if not self._stopped:
+            log.error("rank %d: lost the leader (rank 0) without a STOP: exiting", self.rank)
+            os._exit(1)
+
+    def follow(self, runner) -> int:
+        """Execute the leader's steps until STOP; returns the number of steps run."""
+        steps = 0
+        while True:
+            h = _broadcast(_header(0), False)
+            op = int(h[0])
+            if op == STOP:
+                self._stopped = True
+                log.info("rank %d: STOP after %d steps", self.rank, steps)
+                return steps
+            if op == RESET:
+                runner.reset_pool()
+                continue
+            if op != STEP:
+                raise RuntimeError(f"rank {self.rank}: unknown step opcode {op}")
+            shape = _shape(h)
+            size = int(h[10])
+            buffer = _broadcast(np.zeros(_padded(size), np.int32), False)[:size]
+            features = None
+            if shape.image_rows:
+                features = _broadcast(np.zeros((shape.image_rows, int(h[9])), np.float32), False)
+            runner.execute(buffer, shape, features)
+            steps += 1

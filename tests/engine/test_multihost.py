@@ -1,0 +1,203 @@
+"""Multi-host tensor parallelism (engine/distributed.py) on one machine: two `sgjax serve` processes, 2 CPU devices
+each, joined by jax.distributed on 127.0.0.1 with gloo collectives. Rank 0 serves HTTP; rank 1 follows its steps.
+
+The model is random weights of a tiny llama config (--load-format dummy) with SmolLM2's tokenizer: 4 heads and 2 KV
+heads split over the 4 devices of the two processes (SmolLM2's 9 heads cannot split 4 ways)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+from sgjax.server.process import free_port
+from tests.server.conftest import REPO
+
+CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=64,
+              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True)
+FLAGS = ["--max-total-tokens", "1024", "--chunked-prefill-size", "64", "--max-running-requests", "4",
+         "--load-format", "dummy", "--skip-server-warmup", "--precompile"]
+PROMPT, PARAMS = "The capital of France is", {"max_new_tokens": 8, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mh-model")
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    return str(d)
+
+
+def _env(devices: int) -> dict:
+    import jax
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    return {**env, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "JAX_NUM_CPU_DEVICES": str(devices), "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+class Rank:
+    """One `sgjax serve` process in its own process group (killed as a group at the end), its output in a file."""
+
+    def __init__(self, flags, port):
+        self.port = port
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="sgjax-mh-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "sgjax.cli", "serve", "--port", str(port), *flags],
+                                     cwd=REPO, env=_env(2), stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def text(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()[-5000:]
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+def start_pair(model_dir, smollm2_path):
+    addr = f"127.0.0.1:{free_port()}"
+    common = [*FLAGS, "--model-path", model_dir, "--tokenizer-path", smollm2_path, "--tp-size", "4",
+              "--nnodes", "2", "--dist-init-addr", addr]
+    http = free_port()
+    ranks = [Rank([*common, "--node-rank", "0"], http), Rank([*common, "--node-rank", "1"], free_port())]
+    url = f"http://127.0.0.1:{http}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        for r in ranks:
+            if r.proc.poll() is not None:
+                raise RuntimeError(f"rank exited with {r.proc.returncode}:\n{r.text()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return ranks, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError("\n---\n".join(r.text() for r in ranks))
+
+
+@pytest.fixture
+def pair(model_dir, smollm2_path):
+    ranks, url = start_pair(model_dir, smollm2_path)
+    try:
+        yield ranks, url
+    finally:
+        for r in ranks:
+            r.kill()
+        for r in ranks:  # no process of either group is left
+            assert r.proc.poll() is not None
+            with pytest.raises(ProcessLookupError):
+                os.killpg(r.proc.pid, 0)
+            r.log.close()
+            os.unlink(r.log.name)
+
+
+def test_two_processes_answer_like_one_device(pair, model_dir, smollm2_path):
+    from sgjax.engine.engine import Engine
+
+    ranks, url = pair
+    with httpx.Client(base_url=url, timeout=120) as c:
+        got = c.post("/generate", json={"text": PROMPT, "sampling_params": PARAMS})
+        assert got.status_code == 200, got.text
+        info = c.get("/get_server_info").json()
+    assert info["tp_size"] == 4 and info["nnodes"] == 2 and info["node_rank"] == 0
+    assert info["mesh_shape"] == {"data": 1, "tensor": 4} and info["mesh_processes"] == [0, 1]
+    engine = Engine(model_dir, load_format="dummy", tokenizer_path=smollm2_path, max_total_tokens=1024,
+                    chunked_prefill_size=64, max_running_requests=4)
+    try:
+        want = engine.generate(PROMPT, PARAMS)
+    finally:
+        engine.shutdown()
+    assert got.json()["text"] == want["text"] and got.json()["meta_info"]["completion_tokens"] == 8
+    # a clean shutdown: SIGTERM on rank 0 stops both ranks with status 0
+    ranks[0].proc.send_signal(signal.SIGTERM)
+    for r in ranks:
+        assert r.proc.wait(60) == 0, r.text()
+
+
+def test_killed_follower_fails_requests_naming_the_rank(pair):
+    """SIGKILL on rank 1 while two requests run: rank 0 answers one with a 500 naming rank 1 and ends the other's
+    stream with that error, within a bounded time, and exits non-zero; no process is left."""
+    import threading
+
+    ranks, url = pair
+    box = {}
+
+    def ask():
+        with httpx.Client(base_url=url, timeout=60) as c:
+            box["r"] = c.post("/generate", json={"text": PROMPT, "sampling_params": {
+                "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}})
+
+    def ask_stream():
+        with httpx.Client(base_url=url, timeout=60) as c:
+            with c.stream("POST", "/generate", json={"text": PROMPT, "stream": True, "sampling_params": {
+                    "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}}) as r:
+                box["stream"] = "".join(r.iter_text())
+
+    t = threading.Thread(target=ask)
+    t.start()
+    ts = threading.Thread(target=ask_stream)
+    ts.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the request is running
+        info = httpx.get(url + "/get_server_info", timeout=10).json()
+        if info["running_requests"] == 2:
+            break
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    os.killpg(ranks[1].proc.pid, signal.SIGKILL)
+    t.join(30)
+    ts.join(30)
+    elapsed = time.monotonic() - t0
+    assert not t.is_alive(), "the request hung after its follower died"
+    r = box["r"]
+    assert r.status_code == 500 and "lost follower rank 1 of 2" in r.json()["error"]["message"], (r.status_code,
+                                                                                                r.text)
+    assert elapsed < 15, elapsed
+    assert not ts.is_alive() and "lost follower rank 1 of 2" in box["stream"], box.get("stream", "")[-500:]
+    assert ranks[0].proc.wait(30) != 0, ranks[0].text()
+    assert "lost follower rank 1" in ranks[0].text()
+
+
+def test_killed_leader_ends_the_follower(pair):
+    """SIGKILL on rank 0: the follower sees its connection close without a STOP and exits non-zero at once."""
+    ranks, _ = pair
+    os.killpg(ranks[0].proc.pid, signal.SIGKILL)
+    assert ranks[1].proc.wait(30) != 0, ranks[1].text()
+    assert "lost the leader" in ranks[1].text()
+
+
+def test_header_round_trip_and_flag_errors():
+    import numpy as np
+
+    from sgjax.engine import distributed
+    from sgjax.engine.args import ServerArgs
+    from sgjax.engine.step import StepShape
+    from sgjax.model.batch import BatchShape
+
+    shape = StepShape(BatchShape(32, 4, 16, 8), 64, 2, 3, 16)
+    h = distributed._header(distributed.STEP, shape, np.zeros((16, 5), np.float32))
+    assert h.dtype == np.int32 and len(h) == distributed.HEADER
+    assert distributed._shape(h) == shape and h[9] == 5 and h[10] == shape.size
+    distributed.check_args(ServerArgs())
+    for kwargs, message in ((dict(nnodes=2), "dist-init-addr"), (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"),
+                                                                "node_rank must be in"),
+                            (dict(nnodes=2, dist_init_addr="nohost"), "host:port"), (dict(nnodes=0), "nnodes")):
+        with pytest.raises(ValueError, match=message):
+            distributed.check_args(ServerArgs(**kwargs))
+
+
+def test_dp_size_with_nnodes_is_refused():
+    from sgjax.cli import main
+
+    with pytest.raises(SystemExit, match="--dp-size with --nnodes > 1 is not supported"):
+        main(["serve", "--dp-size", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"])
