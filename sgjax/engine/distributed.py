@@ -117,6 +117,22 @@ def _shape(h: np.ndarray):
     return StepShape(BatchShape(t, r, p, l_), hist, top, mask, img)
 
 
+def roles(args, on_lost: Callable[[str], None]):
+    """(Leader, None) on rank 0, (None, Follower) on the others, (None, None) on one host; checks that jax sees
+    the processes and devices the flags say (sgjax serve initialises jax.distributed before the engine starts)."""
+    if args.nnodes <= 1:
+        return None, None
+    import jax
+
+    if jax.process_count() != args.nnodes:
+        raise ValueError(f"nnodes={args.nnodes} but jax sees {jax.process_count()} process(es): call "
+                         f"sgjax.engine.distributed.initialize first (sgjax serve does)")
+    if args.tp_size != jax.device_count():
+        raise ValueError(f"with nnodes={args.nnodes}, tp_size must be every device of every host "
+                         f"({jax.device_count()}), got {args.tp_size}")
+    return (Leader(args, on_lost=on_lost), None) if args.node_rank == 0 else (None, Follower(args))
+
+
 class Leader:
     """Rank 0's side: the followers' connections (watched for EOF) and the step broadcasts (engine thread only)."""
 

@@ -106,18 +106,7 @@ class Engine:
         tp.check_model(cfg, args.tp_size)
         self._fatal_message: str | None = None
         self._fatal_lock = threading.Lock()
-        leader = follower = None
-        if args.nnodes > 1:  # multi-host (engine/distributed.py): launch.serve has initialised jax.distributed
-            if jax.process_count() != args.nnodes:
-                raise ValueError(f"nnodes={args.nnodes} but jax sees {jax.process_count()} process(es): call "
-                                 f"sgjax.engine.distributed.initialize first (sgjax serve does)")
-            if args.tp_size != jax.device_count():
-                raise ValueError(f"with nnodes={args.nnodes}, tp_size must be every device of every host "
-                                 f"({jax.device_count()}), got {args.tp_size}")
-            if args.node_rank == 0:
-                leader = distributed.Leader(args, on_lost=self._fatal)
-            else:
-                follower = distributed.Follower(args)
+        leader, follower = distributed.roles(args, on_lost=self._fatal)  # (None, None) on one host
         # The sharded model's config (KV heads replicated up to tp_size) and weights placed on the mesh; tp_size 1
         # keeps the single-device program as it was.
         run_cfg = tp.tp_config(cfg, args.tp_size)
