@@ -166,6 +166,7 @@ class Engine:
         self._queue = sinks.Queue(add=lambda req: self._inbox.put(Add(req)), abort=self.abort)
         self._step_seconds = 0.0
         self._closed = False
+        self._preparing = 0  # async_generate calls being tokenized (read by queued_requests, event-loop thread)
         if args.precompile if args.precompile is not None else platform != "cpu":
             self._precompile()  # a follower compiles the same shapes; rank 0's warm-up runs them on both
         if follower is not None:  # a follower runs no loop thread: `follow` executes rank 0's steps
@@ -230,10 +231,15 @@ class Engine:
         # Grammar compiles (up to grammar_compile_timeout each) get workers of their own, so that a burst of slow
         # grammars cannot keep plain requests from being tokenized.
         pool = self._grammar_workers if _asks_for_grammar(sampling_params) else None
-        reqs, single = await asyncio.get_running_loop().run_in_executor(pool, self._make_requests, call)
-        if stream:
-            return sinks.async_stream(self._queue, reqs[0])
-        results = await asyncio.gather(*(sinks.async_one(self._queue, r) for r in reqs))
+        self._preparing += 1  # counted as queued while it is tokenized: a burst cannot all pass the admission check
+        try:
+            reqs, single = await asyncio.get_running_loop().run_in_executor(pool, self._make_requests, call)
+            if stream:
+                return sinks.async_stream(self._queue, reqs[0])
+            waits = [sinks.async_one(self._queue, r) for r in reqs]  # in the inbox before the count drops
+        finally:
+            self._preparing -= 1
+        results = await asyncio.gather(*waits)
         return results[0] if single and len(results) == 1 else list(results)
 
     def encode(self, prompt=None, input_ids=None) -> list[list[float]]:
@@ -279,8 +285,9 @@ class Engine:
         self._inbox.put(Abort(rid))
 
     def queued_requests(self) -> int:
-        """Requests waiting for the running batch, and messages not yet read (from any thread; a snapshot)."""
-        return len(self.scheduler.waiting) + self._inbox.qsize()
+        """Requests waiting for the running batch, messages not yet read, and calls still being tokenized (from any
+        thread; a snapshot). A stream joins the inbox when first iterated: it is not counted in between."""
+        return len(self.scheduler.waiting) + self._inbox.qsize() + self._preparing
 
     def abort_all(self) -> None:
         """Abort every waiting and running request (SGLang's abort_all)."""

@@ -59,8 +59,9 @@ def stream(q: Queue, req: Req):
             q.abort(req.rid)
 
 
-async def async_one(q: Queue, req: Req):
-    """The result, awaited; a cancelled await aborts the request."""
+def async_one(q: Queue, req: Req):
+    """Queues the request now (so that the engine's queued count sees it at once, --max-queued-requests) and returns
+    the awaitable result; a cancelled await aborts the request."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 
@@ -71,6 +72,10 @@ async def async_one(q: Queue, req: Req):
 
     req.sink = sink
     q.add(req)
+    return _awaited(q, req, fut)
+
+
+async def _awaited(q: Queue, req: Req, fut):
     try:
         return await fut
     except asyncio.CancelledError:

@@ -131,3 +131,23 @@ def test_decompression_bombs_are_refused_before_decoding():
     buf = io.BytesIO()
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buf, "PNG")
     assert _open(buf.getvalue(), None, 0).size == (8, 8)
+
+
+def test_calls_being_tokenized_count_as_queued(engine, monkeypatch):
+    """--max-queued-requests reads queued_requests(): a burst whose calls are all still being tokenized must be
+    counted, or every one of them passes the check (seen as 504s instead of 503s on a busy machine)."""
+    import asyncio
+
+    gate, real = threading.Event(), engine._make_requests
+    monkeypatch.setattr(engine, "_make_requests", lambda call: gate.wait(10) and real(call))
+
+    async def burst():
+        tasks = [asyncio.ensure_future(engine.async_generate("hi", {"max_new_tokens": 1})) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        during = engine.queued_requests()
+        gate.set()
+        await asyncio.gather(*tasks)
+        return during
+
+    assert asyncio.run(burst()) == 3
+    assert engine.queued_requests() == 0
