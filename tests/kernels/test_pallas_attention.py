@@ -139,9 +139,9 @@ def check_windowed(case, attend, tol=2e-5, jit=True, **config):
     return args, extra, expected, total
 
 
-@pytest.mark.parametrize("case", sorted(WINDOWED))
-@pytest.mark.parametrize("config", [{}, dict(num_splits=2, block_k=8), dict(block_q=2, block_k=4)],
-                         ids=["default", "split-k", "small-tiles"])
+# every case on the default tiles; split-K and tiles smaller than the window on the two that need them most
+@pytest.mark.parametrize("case, config", [(c, {}) for c in sorted(WINDOWED)] + [
+    ("window-prefix-hit", dict(num_splits=2, block_k=8)), ("window-mixed", dict(block_q=2, block_k=4))])
 def test_sliding_window_and_softcap(case, config):
     args, extra, expected, total = check_windowed(case, pallas_attention, **config)
     q, k, v, pool, layer, meta = args

@@ -166,9 +166,9 @@ def _short(tool: dict) -> dict:
         s = {k: ({p: bound(v) for p, v in s["properties"].items()} if k == "properties" else bound(v))
              for k, v in s.items() if k != "description"}
         if s.get("type") == "string" and "enum" not in s:
-            s.setdefault("maxLength", 24)
+            s.setdefault("maxLength", 12)
         if s.get("type") == "array":
-            s.setdefault("maxItems", 3)
+            s.setdefault("maxItems", 2)
         return s
 
     f = tool["function"]
