@@ -18,8 +18,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable
 
 import jax
 
@@ -29,13 +27,14 @@ from sgjax.engine.images import ImageEncoder
 from sgjax.engine.loading import VISION, check_args, default_dtype, load_model_cached, pool_pages
 from sgjax.engine import distributed, mesh as tp
 from sgjax.engine import scoring, sinks
+from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
 from sgjax.engine.outputs import Outputs, abort_reason
 from sgjax.engine.request import Req
-from sgjax.engine.requests import GenerateCall, RequestBuilder
+from sgjax.engine.requests import GenerateCall, LiveIds, RequestBuilder
 from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.engine.steplog import StepRecord, StepWatcher, record_of
-from sgjax.errors import INTERNAL, SHUTDOWN, EngineError, RequestError
+from sgjax.errors import INTERNAL, SHUTDOWN, EngineError
 from sgjax.kernels import default_backend
 from sgjax.model import chat_templates
 from sgjax.model.config import ModelConfig
@@ -47,31 +46,6 @@ log = logging.getLogger("sgjax.engine")
 
 # Multi-host: seconds between failing every request on a lost follower and ending the process (the responses' time)
 FATAL_GRACE_SECONDS = 1.0
-
-
-# The engine thread's inbox: what callers' threads may ask of the loop.
-@dataclass(frozen=True)
-class Add:
-    req: Req
-
-
-@dataclass(frozen=True)
-class Abort:
-    rid: str | None  # None: every request
-
-
-@dataclass(frozen=True)
-class Call:
-    """Run `fn` between steps; the caller waits on `done` for `box` ("result" or "error")."""
-
-    fn: Callable
-    done: threading.Event
-    box: dict
-
-
-@dataclass(frozen=True)
-class Stop:
-    pass
 
 
 class Engine:
@@ -151,8 +125,7 @@ class Engine:
                                        grammars_on=args.grammar_backend != "none")
         self.outputs = Outputs(self.scheduler, tokenizer, self.eos_ids, jump_forward=not args.disable_jump_forward,
                                on_finish=self._forget)
-        self._live: set[str] = set()  # ids of requests made and not finished
-        self._live_lock = threading.Lock()
+        self._live = LiveIds()  # ids of requests made and not finished
         self._overlapped_steps = 0
         self._grammar_workers = ThreadPoolExecutor(2, thread_name_prefix="sgjax-grammar")
         self.on_step = None  # called on the engine thread with each step's seconds (the server's histogram)
@@ -189,17 +162,7 @@ class Engine:
             self._fatal_message = message
         self._closed = True
         try:
-            reqs = list(self.scheduler.waiting) + list(self.scheduler.running)
-            while True:
-                try:
-                    msg = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(msg, Add):
-                    reqs.append(msg.req)
-                elif isinstance(msg, Call):
-                    msg.box["error"] = EngineError(message, INTERNAL)
-                    msg.done.set()
+            reqs = list(self.scheduler.waiting) + list(self.scheduler.running) + drain_failing(self._inbox, message)
             for req in reqs:
                 if not req.finished:
                     self.outputs.finish(req, abort_reason(message, INTERNAL), release=False)
@@ -256,18 +219,10 @@ class Engine:
         """SGLang's Engine.score: scores[i][j], the probability of label j as the next token after query + item i
         (engine/scoring.py), from the same scratch prefill as encode. detail: a Scores with the log-probabilities."""
         self._single_host("score")
-        scoring.check_temperature(temperature, apply_softmax)
-        items, texts = scoring.prompts(query, items)
-        query = query if query is not None else ("" if texts else [])
-        joined = [scoring.join(query, x if texts else list(x), item_first) for x in items]
-        ids = self.requests.whole_prompts(*((joined, None) if texts else (None, joined))) if items else []
-        labels = scoring.labels_per_item(label_token_ids, len(ids), self.model_config.vocab_size) if ids else []
         r = self.runner
-        rows = self._call(lambda: next_token_logprobs(r.cfg, r.weights, r.attention,
-                                                      self.args.page_size, ids)) if ids else []
-        lps = [[float(row[t]) for t in one] for row, one in zip(rows, labels)]
-        out = scoring.Scores([scoring.probabilities(lp, apply_softmax, temperature) for lp in lps], lps,
-                             sum(map(len, ids)))
+        out = scoring.score(self.requests, lambda ids: self._call(lambda: next_token_logprobs(
+            r.cfg, r.weights, r.attention, self.args.page_size, ids)), query, items, label_token_ids,
+            apply_softmax, item_first, temperature)
         return out if detail else out.scores
 
     def _single_host(self, what: str) -> None:
@@ -327,22 +282,13 @@ class Engine:
             raise EngineError(self._fatal_message or "the engine is shut down",
                               INTERNAL if self._fatal_message else SHUTDOWN)
         reqs, single = self.requests.build(call)
-        with self._live_lock:  # two live requests never share an id: aborts and results find exactly one
-            rids = [r.rid for r in reqs]
-            taken = next((rid for rid in rids if rid in self._live), None)
-            if taken is None and len(set(rids)) < len(rids):
-                taken = next(rid for rid in rids if rids.count(rid) > 1)
-            if taken is not None:
-                raise RequestError(f"rid: a request with id {taken!r} is already running (ids must be unique "
-                                   f"among live requests)", "rid")
-            self._live.update(rids)
+        self._live.claim([r.rid for r in reqs])
         if self.request_log is not None:
             self.request_log.extend(reqs)
         return reqs, single
 
     def _forget(self, req: Req) -> None:
-        with self._live_lock:
-            self._live.discard(req.rid)
+        self._live.release(req.rid)
 
     # -- the loop ---------------------------------------------------------------------------------------
     def _call(self, fn):

@@ -8,6 +8,7 @@ wrong in the engine's terms, so API layers can rename it without reading the mes
 from __future__ import annotations
 
 import dataclasses
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,38 @@ def check_token_ids(ids, vocab: int, field: str) -> None:
         raise RequestError(f"{field} has token ids outside [0, {vocab}): {bad[:5]}", field)
 
 
+def _prompt_list(prompt, input_ids) -> tuple[list, bool]:
+    """Exactly one of a text / texts or ids / lists of ids, as a list, and whether it was a single prompt."""
+    if (prompt is None) == (input_ids is None):
+        raise RequestError("give exactly one of prompt or input_ids", "prompt")
+    single = isinstance(prompt, str) if prompt is not None else not (input_ids and isinstance(input_ids[0], list))
+    given = prompt if prompt is not None else input_ids
+    return ([given] if single else list(given)), single
+
+
+class LiveIds:
+    """The ids of live requests (made and not finished), from any thread: two live requests never share an id, so
+    aborts and results find exactly one."""
+
+    def __init__(self):
+        self._ids: set[str] = set()
+        self._lock = threading.Lock()
+
+    def claim(self, rids: list[str]) -> None:
+        with self._lock:
+            taken = next((rid for rid in rids if rid in self._ids), None)
+            if taken is None and len(set(rids)) < len(rids):
+                taken = next(rid for rid in rids if rids.count(rid) > 1)
+            if taken is not None:
+                raise RequestError(f"rid: a request with id {taken!r} is already running (ids must be unique "
+                                   f"among live requests)", "rid")
+            self._ids.update(rids)
+
+    def release(self, rid: str) -> None:
+        with self._lock:
+            self._ids.discard(rid)
+
+
 class RequestBuilder:
     def __init__(self, cfg: ModelConfig, tokenizer, images, *, context_length: int, max_total_tokens: int,
                  max_top_logprobs: int, eos_ids: frozenset, seed: int, grammar_cache_size: int,
@@ -67,12 +100,9 @@ class RequestBuilder:
     def build(self, call: GenerateCall) -> tuple[list[Req], bool]:
         """The requests of a call (prompts x n copies) and whether it was a single prompt."""
         prompt, input_ids = call.prompt, call.input_ids
-        if (prompt is None) == (input_ids is None):
-            raise RequestError("give exactly one of prompt or input_ids", "prompt")
-        single = isinstance(prompt, str) if prompt is not None else not (input_ids and isinstance(input_ids[0], list))
-        prompts = ([prompt] if single else list(prompt)) if prompt is not None else None
-        ids_list = ([input_ids] if single else list(input_ids)) if input_ids is not None else None
-        count = len(prompts if prompts is not None else ids_list)
+        items, single = _prompt_list(prompt, input_ids)
+        prompts, ids_list = (items, None) if prompt is not None else (None, items)
+        count = len(items)
         sp = call.sampling_params
         params_list = sp if isinstance(sp, list) else [sp] * count
         if len(params_list) != count:
@@ -159,11 +189,7 @@ class RequestBuilder:
     def whole_prompts(self, prompt, input_ids) -> list[list[int]]:
         """The prompts of a readout call (embeddings, scores): one or a batch, as text or ids, each checked and
         short enough to prefill."""
-        if (prompt is None) == (input_ids is None):
-            raise RequestError("give exactly one of prompt or input_ids", "prompt")
-        single = isinstance(prompt, str) if prompt is not None else not (input_ids and isinstance(input_ids[0], list))
-        given = prompt if prompt is not None else input_ids
-        items = [given] if single else list(given)
+        items, _ = _prompt_list(prompt, input_ids)
         ids = [self.prompt_ids(p, None) if prompt is not None else self.prompt_ids(None, p) for p in items]
         for x in ids:
             if len(x) >= self.context_length:

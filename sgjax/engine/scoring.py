@@ -61,3 +61,19 @@ def check_temperature(temperature: float, apply_softmax: bool) -> None:
         raise RequestError("must be finite and greater than zero", "temperature")
     if temperature != 1.0 and not apply_softmax:
         raise RequestError("needs apply_softmax (it scales the softmax over the labels)", "temperature")
+
+
+def score(requests, logprob_rows, query, items, label_token_ids, apply_softmax: bool, item_first: bool,
+          temperature: float) -> Scores:
+    """The whole computation of Engine.score: `requests` (a RequestBuilder) checks and tokenizes the joined
+    prompts, `logprob_rows(ids)` runs the scratch prefill ([len(ids), vocab] log-probabilities)."""
+    check_temperature(temperature, apply_softmax)
+    items, texts = prompts(query, items)
+    if not items:
+        return Scores([], [], 0)
+    query = query if query is not None else ("" if texts else [])
+    joined = [join(query, x if texts else list(x), item_first) for x in items]
+    ids = requests.whole_prompts(*((joined, None) if texts else (None, joined)))
+    labels = labels_per_item(label_token_ids, len(ids), requests.cfg.vocab_size)
+    lps = [[float(row[t]) for t in one] for row, one in zip(logprob_rows(ids), labels)]
+    return Scores([probabilities(lp, apply_softmax, temperature) for lp in lps], lps, sum(map(len, ids)))
