@@ -7,7 +7,7 @@
 #   out/gpu1: smol.part_a (the GGUF's first 50,000,000 bytes; stage 1)
 #   out/gpu2: smol.part_b (the rest), smol.sha256 (stage 2); a call carries at most 64 MiB
 # Stages (one call each, on the same warm machine so /tmp and the compilation cache survive):
-#   1  dummy Llama-3-8B (bf16): bench_engine on ShareGPT (no sharing) and MMLU 5-shot at 32 and 128 running
+#   1  scripts/probes/probe_sampler_sync.py, then dummy Llama-3-8B (bf16): bench_engine on ShareGPT (no sharing) and MMLU 5-shot at 32 and 128 running
 #      requests, overlap on / off / no cache, a profiled pass per configuration
 #   2  the real SmolLM2 (fp32; the GGUF joined from the two parts): bench_engine at 32 and 128 and bench_overlap;
 #      then bench_overlap on the 8B at batch 128
@@ -30,10 +30,14 @@ quiet() { grep -v "^W0\|^I0\|^E0" "$@"; }
 cd /tmp
 if [ "$stage" = 1 ]; then
   cp "$REPO/out/gpu1/smol.part_a" /tmp/smol.part_a
+  # does the sampler's lax.cond hold the dispatch until the forward is done? (8B and SmolLM2 logits shapes)
+  timeout "${PROBE_TIMEOUT:-90}" python3 -P "$REPO/scripts/probes/probe_sampler_sync.py" --rows 128 --vocab 128256 \
+    --layers 32 --repeats 10 --tag rows128 --out "$OUT/probe_sampler_sync.jsonl" > "$OUT/probe_sampler_sync.log" 2>&1
+  echo "exit $?" >> "$OUT/probe_sampler_sync.log"
   for b in ${S1_BATCHES:-32 128}; do
     timeout "${S1_TIMEOUT:-230}" python3 -P "$REPO/scripts/lab/with_logs.py" "$REPO/scripts/perf/bench_engine.py" --dummy llama3-8b \
-      --workload-file /tmp/bench_workload.json --workloads sharegpt,mmlu5 --configs lpm,no_overlap,nocache \
-      --max-running-requests $b --max-total-tokens 131072 --chunked-prefill-size 512 --repeat 3 ${S1_ARGS:-} \
+      --workload-file /tmp/bench_workload.json --workloads ${S1_WORKLOADS:-sharegpt,mmlu5} --configs ${S1_CONFIGS:-lpm,no_overlap,nocache} \
+      --max-running-requests $b --max-total-tokens 131072 --chunked-prefill-size 512 --repeat ${S1_REPEAT:-3} ${S1_ARGS:-} \
       --profile-dir /tmp/prof_8b_$b --tag "8b-b$b" --out "$OUT/engine_8b_b$b.jsonl" > "$OUT/engine_8b_b$b.log" 2>&1
     echo "exit $?" >> "$OUT/engine_8b_b$b.log"; quiet "$OUT/engine_8b_b$b.log" | tail -12
   done
@@ -66,13 +70,15 @@ save_hf_dir(tok, '/tmp/smol_dummy', {'architectures': ['LlamaForCausalLM'], 'mod
     --new 128 --max-total-tokens 131072 --chunked-prefill-size 512 --out "$OUT/overlap.jsonl" > "$OUT/overlap_8b.log" 2>&1
   echo "exit $?" >> "$OUT/overlap_8b.log"; quiet "$OUT/overlap_8b.log" | tail -4
 else
-  timeout 60 python3 -P "$REPO/scripts/probes/probe_dispatch.py" --out "$OUT/probe_dispatch.json" > "$OUT/probe_dispatch.log" 2>&1
-  quiet "$OUT/probe_dispatch.log" | tail -9
+  if [ -z "${SKIP_PROBE:-}" ]; then
+    timeout 60 python3 -P "$REPO/scripts/probes/probe_dispatch.py" --out "$OUT/probe_dispatch.json" > "$OUT/probe_dispatch.log" 2>&1
+    quiet "$OUT/probe_dispatch.log" | tail -9
+  fi
   # the jax client keeps 55% of the GPU, HF's copy of the 8B (16 GB) the rest
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.55 timeout "${S3_TIMEOUT:-540}" python3 -P "$REPO/scripts/bench/run.py" \
     --dummy llama3-8b --tokenizer /tmp/smoltok --workload-file /tmp/workloads.json --num-programs 16 \
     --workloads "${WORKLOADS:-mmlu,multi_turn_short,multi_turn_long,hellaswag,json_decode,react,rag,tree_of_thought}" \
-    --configs full,no_overlap,no_cache --repeats 3 --baseline hf --hf-device cuda --gen-cap 64 --latency-programs 1 ${S3_ARGS:-} \
+    --configs full,no_overlap,no_cache --repeats 3 --baseline ${S3_BASELINE:-hf} --hf-device cuda --gen-cap 64 --latency-programs 1 ${S3_ARGS:-} \
     --max-total-tokens 131072 --out "$OUT/programs_8b.jsonl" --plots /tmp/plots > "$OUT/programs_8b.log" 2>&1
   echo "exit $?" >> "$OUT/programs_8b.log"; quiet "$OUT/programs_8b.log" | tail -40
 fi

@@ -105,14 +105,16 @@ def main() -> None:
         r = b.reqs(t, 1)
         for v in args.variants.split(","):
             logits = t if v == "logits_t" else r
-            record(v, StepShape(BatchShape(t, r, width, logits), 0, b.top(0), words if v == "mask" else 0))
+            record(v, StepShape(BatchShape(t, r, width, logits), 0, 0, words if v == "mask" else 0,
+                                        branches=b.branches(False)))
     for n in [int(x) for x in args.compare_fine.split(",") if x]:
         t = -(-n // 16) * 16
         t = 1 << (t - 1).bit_length()
         fr = fine.buckets.reqs(t, n)
         record("fine", StepShape(BatchShape(t, fr, width, fine.buckets.logits(n, fr, t)), 0, 0, 0), decode_rows=n)
         cr = b.reqs(t, n)
-        record("coarse", StepShape(BatchShape(t, cr, width, b.logits(n, cr, t)), 0, b.top(0), 0), decode_rows=n)
+        record("coarse", StepShape(BatchShape(t, cr, width, b.logits(n, cr, t)), 0, 0, 0, branches=b.branches(False)),
+               decode_rows=n)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ import numpy as np
 log = logging.getLogger("sgjax.distributed")
 
 STEP, RESET, STOP = 1, 2, 3
-HEADER = 12  # int32 words: op, 4 BatchShape fields, history, top_logprobs, mask_words, image_rows, feature dim, size
+# int32 words: op, 4 BatchShape fields, history, top_logprobs, mask_words, image_rows, feature dim, size, the sampler's
+# two branches (-1: decided on the device, 0 / 1: static)
+HEADER = 13
 CONNECT_TIMEOUT = 120.0
 
 
@@ -106,15 +108,18 @@ def _header(op: int, shape=None, features=None) -> np.ndarray:
         b = shape.batch
         h[1:11] = (b.num_tokens, b.num_reqs, b.pages_per_req, b.num_logits, shape.history, shape.top_logprobs,
                    shape.mask_words, shape.image_rows, 0 if features is None else features.shape[1], shape.size)
+        h[11:13] = [-1 if v is None else int(v) for v in (shape.branches.draws, shape.branches.filters)]
     return h
 
 
 def _shape(h: np.ndarray):
+    from sgjax.engine.sampler import Branches
     from sgjax.engine.step import StepShape
     from sgjax.model.batch import BatchShape
 
     t, r, p, l_, hist, top, mask, img = (int(v) for v in h[1:9])
-    return StepShape(BatchShape(t, r, p, l_), hist, top, mask, img)
+    draws, filters = (None if v < 0 else bool(v) for v in h[11:13])
+    return StepShape(BatchShape(t, r, p, l_), hist, top, mask, img, Branches(draws, filters))
 
 
 def roles(args, on_lost: Callable[[str], None]):

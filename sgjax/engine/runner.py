@@ -11,9 +11,9 @@ top-logprobs K and mask words. Everything else is an array, so a steady workload
 
 Two bucket ladders (`Buckets`). `fine` (CPU) sizes R, L, K and P to the batch: a CPU compile is cheap (the
 layers are scanned) and padding costs CPU time. `coarse` (accelerators) makes the shape a function of T alone
-plus two switches: R = min(T, max requests), L = R or T (T only when prompt logprobs outnumber R), K the maximum
-always (a runtime flag skips the top-k when no row wants it), P the whole context, mask words 0 or the whole
-vocabulary. A GPU compile costs about 9 s (the layers are unrolled there, see docs/architecture.md) and programs
+plus switches: R = min(T, max requests), L = R or T (T only when prompt logprobs outnumber R), K 0 or the maximum,
+P the whole context, mask words 0 or the whole vocabulary, the sampler's filters on or off (engine/sampler.py,
+`Branches`: no device predicate in an accelerator's step). A GPU compile costs about 9 s (the layers are unrolled there, see docs/architecture.md) and programs
 submit asynchronously, so the fine ladder met new (T, R, L, K) combinations in the middle of timed runs. The
 coarse ladder has at most 4 shapes per T, all compiled at start, in parallel threads. Its padding is cheap on the
 H200 (`scripts/probes/probe_step_compile.py`): 3 decode rows of SmolLM2's shapes take 2.46 ms as (T, R, L) = (16, 16,
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgjax.engine import mesh as tp
-from sgjax.engine.sampler import default_rows, sample
+from sgjax.engine.sampler import Branches, default_rows, sample
 from sgjax.engine.scheduler import Work
 from sgjax.engine.sentinels import bias_entry, future_history, future_input, future_slot, prompt_entry, resolve_future
 from sgjax.engine.step import DeviceState, StepShape, unpack
@@ -75,9 +75,16 @@ class Buckets:
         return num_reqs if num_rows <= num_reqs else num_tokens
 
     def top(self, wanted: int) -> int:
-        if self.coarse:  # top-k of 20 over the vocabulary costs next to nothing on an accelerator
+        if not wanted:
+            return 0
+        if self.coarse:  # one K > 0 on an accelerator: a top-k of 20 costs about what a top-k of 1 does
             return self.max_top_logprobs
-        return bucket(min(wanted, self.max_top_logprobs), 1) if wanted else 0
+        return bucket(min(wanted, self.max_top_logprobs), 1)
+
+    def branches(self, filters: bool) -> Branches:
+        """Accelerators fix the sampler's optional parts in the shape (a device predicate would make the dispatch
+        wait for the forward); a CPU decides them on the device (engine/sampler.py)."""
+        return Branches.for_step(self.coarse, filters)
 
     def tokens_ladder(self, max_tokens: int) -> list[int]:
         """Every T bucket up to the one holding max_tokens (what precompilation walks)."""
@@ -132,7 +139,7 @@ def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None
             logits = jax.lax.with_sharding_constraint(logits, tp.replicated(mesh))
         mask = None if mask_words is None else unpack_bits(mask_words, cfg.vocab_size)
         with jax.named_scope("sampler"):
-            out = sample(logits, rows, num_top_logprobs=shape.top_logprobs, mask=mask)
+            out = sample(logits, rows, num_top_logprobs=shape.top_logprobs, mask=mask, branches=shape.branches)
         slots = future.shape[0]
         future = future.at[jnp.where(rows.slot >= 0, rows.slot, slots)].set(out.tokens, mode="drop")
         if mesh is not None:  # the donated state comes back as it went in, so the next step neither moves nor compiles
@@ -281,7 +288,8 @@ class Runner:
         masks = self._masks(works, num_logits, sample_rows)
         which, features = self._image_rows(works, num_tokens)
         shape = StepShape(BatchShape.of(batch), history, top_k, 0 if masks is None else masks.shape[1],
-                          0 if features is None else features.shape[0])
+                          0 if features is None else features.shape[0],
+                          self.buckets.branches(bool(rows["needs_filter"])))
         return pack_step(shape, batch, rows, which, masks), shape, sample_rows, prompt_rows, features
 
     def _image_rows(self, works, num_tokens):
@@ -364,7 +372,6 @@ class Runner:
                 rows["history"][srow, :len(ids)] = ids
                 rows["bias"][srow, :len(ids)] = bias
         rows["needs_filter"] = np.asarray(int(needs_filter), np.int32)
-        rows["needs_top"] = np.asarray(int(wanted > 0), np.int32)
         return rows, width, top
 
     def _unpack_results(self, works, sample_rows, prompt_rows, tokens, logprobs, top_ids, top_lps):
@@ -385,9 +392,12 @@ class Runner:
         return out_tokens, out_lps, out_top
 
     def start_shapes(self, max_tokens: int) -> list[StepShape]:
-        """The shapes worth compiling at start, at the widest page table. Coarse: every shape the ladder can take
-        without penalties, for every T up to max_tokens (a step's most tokens): L = R or T, with and without a
-        mask. Fine: the decode buckets (one token per request) up to the most requests."""
+        """The shapes worth compiling at start, at the widest page table. Coarse: for every T up to max_tokens (a
+        step's most tokens) the shapes without penalties, top logprobs or filters (L = R or T, with and without a
+        mask), and L = R with the filters. The rest (K > 0, filters with a mask or L = T) compile at first use: a
+        top-20 costs 1.1 ms and the filters' sort 1.1 ms of every H200 step that carries them (128 rows x 128k,
+        docs/results/h200_probe_sampler_sync.jsonl), too much to carry always. Fine: the decode buckets (one token
+        per request) up to the most requests."""
         width = self._width(self.max_pages)
         b = self.buckets
         if not b.coarse:
@@ -402,7 +412,10 @@ class Runner:
         for t in b.tokens_ladder(max_tokens):
             r = b.reqs(t, 1)
             for logits in sorted({r, t}):
-                out += [StepShape(BatchShape(t, r, width, logits), 0, b.top(0), mask) for mask in (0, words)]
+                out += [StepShape(BatchShape(t, r, width, logits), 0, 0, mask, branches=b.branches(False))
+                        for mask in (0, words)]
+            # top-k / top-p / min-p sampling without a grammar, the common chat request, is ready at start too
+            out.append(StepShape(BatchShape(t, r, width, r), 0, 0, 0, branches=b.branches(True)))
         return out
 
     def precompile(self, shapes: list[StepShape], threads: int = 1) -> None:

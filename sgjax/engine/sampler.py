@@ -21,11 +21,19 @@ Why it is built this way:
   generated per row (vmap). A request's token therefore depends only on its seed, how many tokens
   it has generated and its own logits: the same seed reproduces the same output whatever the batch
   composition, the row position or the padded batch size. Greedy rows (temperature 0 or top_k 1)
-  take the argmax; when no row samples, a `lax.cond` skips generating the noise.
-* The top-k / top-p / min-p filters need a sort over V (up to 128k) per row. The host sets the
-  scalar `needs_filter` when any row uses them, and a `lax.cond` on it skips the sort otherwise (no
-  host sync: the flag travels with the parameters). The filters reduce to one logit threshold per
-  row (ties at the threshold are kept), so the sorted copy is only read, never scattered back.
+  take the argmax.
+* The top-k / top-p / min-p filters need a sort over V (up to 128k) per row. The filters reduce to
+  one logit threshold per row (ties at the threshold are kept), so the sorted copy is only read,
+  never scattered back.
+* Two parts are optional (`Branches`): the noise (only when some row samples) and the filters'
+  sort (only when some row uses a filter). The host knows both when it packs the step. On an
+  accelerator they are static parts of the step's shape: XLA:GPU runs a `lax.cond` by copying its
+  predicate to the host and blocking until the stream reaches it, so a conditional after the
+  forward made every dispatch wait for the whole forward (the overlap loop then hid nothing;
+  scripts/probes/probe_sampler_sync.py, docs/results/h200_probe_sampler_sync.jsonl). There
+  the noise is always drawn (cheap next to the forward) and the filters are a shape flag. On a CPU
+  a conditional blocks nothing and one program per shape keeps compiles few, so there the flags
+  travel in the buffer and `lax.cond`s skip the work (`needs_filter`, and any sampling row).
 * Logprobs are those of the raw model distribution, log_softmax of the unmodified logits (as the
   OpenAI API and SGLang report them): for a sampling row at the chosen token, for a prompt row
   (`target >= 0`) at the target token, which is what prompt-logprob selection needs. The top-K
@@ -82,10 +90,7 @@ class SamplingBatch:
     target: Array  # i32[L]; -1: the row samples; >= 0: a prompt row, report the logprob of this token
     # i32[L, W]; token id (generated), id + V (prompt: repetition penalty only), id + 2V (logit_bias), -1 pad
     history: Array
-    needs_filter: Array  # i32[]; 1 when any row uses top_k / top_p / min_p (else the sort is skipped)
-    # i32[]; 0 when no row wants top logprobs: a step shape with K > 0 then skips the top-k (0.4 ms for 64 rows of
-    # a 49k vocabulary on the H200), so K can stay fixed across batches (the coarse step-shape ladder)
-    needs_top: Array = 1
+    needs_filter: Array  # i32[]; 1 when any row uses top_k / top_p / min_p (Branches.filters None: else no sort)
     slot: Array = None  # i32[L]: where the step stores each row's sampled token for the next step (-1: nowhere)
     bias: Array = None  # f32[L, W]: the logit_bias of each id + 2V window entry (0 elsewhere); None: none
 
@@ -99,6 +104,30 @@ class SampleOutput:
     top_logprobs: Array  # f32[L, K]: top-K of the raw log_softmax
 
 
+@dataclasses.dataclass(frozen=True)
+class Branches:
+    """The sampler's optional parts, fixed at trace time (True: run, False: skip) or None: decided on the device
+    by a lax.cond (`draws`: any row samples; `filters`: the buffer's needs_filter). See the module docstring."""
+
+    draws: bool | None = None
+    filters: bool | None = None
+
+    @staticmethod
+    def for_step(static: bool, filters: bool) -> "Branches":
+        """A step's branches: static (accelerators) always draws and sorts only when a row filters."""
+        return Branches(draws=True, filters=filters) if static else Branches()
+
+
+ON_DEVICE = Branches()
+
+
+def _branch(static: bool | None, pred, yes, no):
+    """yes() or no(): at trace time when `static` is a bool, else a lax.cond on the device predicate."""
+    if static is None:
+        return jax.lax.cond(pred, yes, no)
+    return yes() if static else no()
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side: default parameters and the packed int32 buffer.
 
@@ -109,7 +138,6 @@ def default_rows(num_rows: int, width: int) -> dict[str, np.ndarray]:
     rows["history"] = np.full((num_rows, width), HISTORY_PAD, np.int32)
     rows["bias"] = np.zeros((num_rows, width), np.float32)
     rows["needs_filter"] = np.array(0, np.int32)
-    rows["needs_top"] = np.array(1, np.int32)
     return rows
 
 
@@ -123,10 +151,10 @@ def uses_filter(rows: dict[str, np.ndarray]) -> bool:
 
 def sampling_layout(num_rows: int, width: int) -> tuple[Segment, ...]:
     """The sampling rows' segments of the step buffer (model/packing.py): the per-row fields, the window and its
-    biases, then the two flags."""
+    biases, then the filter flag."""
     rows = tuple(Segment(name, (num_rows,), np.dtype(dtype).name) for name, dtype, _ in ROW_FIELDS)
     return rows + (Segment("history", (num_rows, width)), Segment("bias", (num_rows, width), "float32"),
-                   Segment("needs_filter", ()), Segment("needs_top", ()))
+                   Segment("needs_filter", ()))
 
 
 def sampling_size(num_rows: int, width: int) -> int:
@@ -140,8 +168,7 @@ def sampling_values(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     bias = rows.get("bias")
     return {**{name: rows[name] for name, _, _ in ROW_FIELDS}, "history": rows["history"],
             "bias": np.zeros((num_rows, width), np.float32) if bias is None else bias,
-            "needs_filter": int(bool(np.any(rows.get("needs_filter", 0))) or uses_filter(rows)),
-            "needs_top": int(bool(np.any(rows.get("needs_top", 1))))}
+            "needs_filter": int(bool(np.any(rows.get("needs_filter", 0))) or uses_filter(rows))}
 
 
 def pack_sampling(rows: dict[str, np.ndarray]) -> np.ndarray:
@@ -234,16 +261,16 @@ def _usable(mask):
     return mask | ~jnp.any(mask, axis=-1, keepdims=True)
 
 
-def process_logits(logits, batch: SamplingBatch, mask=None):
+def process_logits(logits, batch: SamplingBatch, mask=None, branches: Branches = ON_DEVICE):
     """Penalised, masked, temperature-scaled, filtered logits (-inf where a token cannot be chosen).
 
-    Greedy rows (temperature 0) are left unscaled; the filters run only when needs_filter is set.
+    Greedy rows (temperature 0) are left unscaled; the filters run when `branches.filters` (None: needs_filter).
     """
     x = apply_penalties(logits.astype(jnp.float32), batch)
     if mask is not None:
         x = jnp.where(_usable(mask), x, -jnp.inf)
     x = x / jnp.where(batch.temperature > 0, batch.temperature, 1.0)[:, None]
-    return jax.lax.cond(batch.needs_filter > 0, lambda v: apply_filters(v, batch), lambda v: v, x)
+    return _branch(branches.filters, batch.needs_filter > 0, lambda: apply_filters(x, batch), lambda: x)
 
 
 def _gumbel_argmax(x, seed, step):
@@ -257,28 +284,24 @@ def _gumbel_argmax(x, seed, step):
     return jnp.argmax(x + jax.vmap(noise)(seed, step), axis=-1).astype(jnp.int32)
 
 
-def _top_logprobs(logits, lse, k: int, needed):
-    rows = logits.shape[0]
+def _top_logprobs(logits, lse, k: int):
+    """The K most likely tokens of the raw distribution; K is 0 when no row of the step asked for them."""
     if k == 0:
+        rows = logits.shape[0]
         return jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32)
-
-    def top():
-        values, ids = jax.lax.top_k(logits, k)
-        return ids.astype(jnp.int32), values - lse[:, None]
-
-    return jax.lax.cond(jnp.asarray(needed) > 0, top,
-                        lambda: (jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32)))
+    values, ids = jax.lax.top_k(logits, k)
+    return ids.astype(jnp.int32), values - lse[:, None]
 
 
-def sample(logits, batch: SamplingBatch, *, num_top_logprobs: int = 0, mask=None) -> SampleOutput:
+def sample(logits, batch: SamplingBatch, *, num_top_logprobs: int = 0, mask=None,
+           branches: Branches = ON_DEVICE) -> SampleOutput:
     """Choose one token per row; see the module docstring. mask: optional bool[L, V], True = allowed."""
     logits = logits.astype(jnp.float32)
-    x = process_logits(logits, batch, mask)
+    x = process_logits(logits, batch, mask, branches)
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
     draws = (batch.temperature > 0) & (batch.top_k != 1) & (batch.target < 0)
-    tokens = jax.lax.cond(jnp.any(draws),
-                          lambda: jnp.where(draws, _gumbel_argmax(x, batch.seed, batch.step), greedy),
-                          lambda: greedy)
+    tokens = _branch(branches.draws, jnp.any(draws),
+                     lambda: jnp.where(draws, _gumbel_argmax(x, batch.seed, batch.step), greedy), lambda: greedy)
     raw_argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mask is not None:
         tokens = jnp.where(jnp.any(mask, axis=-1), tokens, raw_argmax)
@@ -286,5 +309,5 @@ def sample(logits, batch: SamplingBatch, *, num_top_logprobs: int = 0, mask=None
     lse = jax.nn.logsumexp(logits, axis=-1)
     chosen = jnp.clip(jnp.where(batch.target >= 0, batch.target, tokens), 0, logits.shape[-1] - 1)
     logprobs = _at(logits, chosen)[:, 0] - lse
-    top_ids, top_logprobs = _top_logprobs(logits, lse, num_top_logprobs, batch.needs_top)
+    top_ids, top_logprobs = _top_logprobs(logits, lse, num_top_logprobs)
     return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)

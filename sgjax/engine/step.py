@@ -31,6 +31,7 @@ class StepShape:
     top_logprobs: int  # K
     mask_words: int = 0  # ceil(V / 32) when a row is constrained (packed allowed-token bits per row), else 0
     image_rows: int = 0  # M: feature rows of the images in the step's chunks (vision models), else 0
+    branches: sampler.Branches = sampler.ON_DEVICE  # the sampler's optional parts: static, or lax.conds (CPU)
 
     def layout(self) -> tuple[Segment, ...]:
         b = self.batch

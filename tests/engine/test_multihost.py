@@ -184,10 +184,13 @@ def test_header_round_trip_and_flag_errors():
     from sgjax.engine.step import StepShape
     from sgjax.model.batch import BatchShape
 
-    shape = StepShape(BatchShape(32, 4, 16, 8), 64, 2, 3, 16)
-    h = distributed._header(distributed.STEP, shape, np.zeros((16, 5), np.float32))
-    assert h.dtype == np.int32 and len(h) == distributed.HEADER
-    assert distributed._shape(h) == shape and h[9] == 5 and h[10] == shape.size
+    from sgjax.engine.sampler import Branches
+
+    for branches in (Branches(), Branches(draws=True, filters=False), Branches(draws=False, filters=True)):
+        shape = StepShape(BatchShape(32, 4, 16, 8), 64, 2, 3, 16, branches)
+        h = distributed._header(distributed.STEP, shape, np.zeros((16, 5), np.float32))
+        assert h.dtype == np.int32 and len(h) == distributed.HEADER
+        assert distributed._shape(h) == shape and h[9] == 5 and h[10] == shape.size
     distributed.check_args(ServerArgs())
     for kwargs, message in ((dict(nnodes=2), "dist-init-addr"), (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"),
                                                                 "node_rank must be in"),

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgjax.engine.sampler import (ROW_FIELDS, SamplingBatch, default_rows, pack_sampling, process_logits, sample,
-                                  sampling_size, unpack_sampling)
+from sgjax.engine.sampler import (ROW_FIELDS, Branches, SamplingBatch, default_rows, pack_sampling, process_logits,
+                                  sample, sampling_size, unpack_sampling)
 
 L, V, W, K = 8, 128, 6, 4  # the main jit shape
 
@@ -105,10 +105,10 @@ def random_logits(rng, num_rows=L, vocab=V, scale=3.0):
 TRACES = {"packed": 0}
 
 
-@functools.partial(jax.jit, static_argnames=("num_rows", "width", "k"))
-def packed_sample(buffer, logits, num_rows=L, width=W, k=K):
+@functools.partial(jax.jit, static_argnames=("num_rows", "width", "k", "branches"))
+def packed_sample(buffer, logits, num_rows=L, width=W, k=K, branches=Branches()):
     TRACES["packed"] += 1
-    return sample(logits, unpack_sampling(buffer, num_rows, width), num_top_logprobs=k)
+    return sample(logits, unpack_sampling(buffer, num_rows, width), num_top_logprobs=k, branches=branches)
 
 
 @jax.jit
@@ -180,7 +180,7 @@ def test_pack_unpack_round_trip():
     assert int(batch.needs_filter) == 1  # rows use top-k/top-p/min-p: set even though rows said 0
     assert int(unpack_sampling(pack_sampling(default_rows(L, W)), L, W).needs_filter) == 0
     empty = unpack_sampling(pack_sampling(default_rows(3, 0)), 3, 0)
-    assert empty.history.shape == (3, 0) and sampling_size(3, 0) == 35  # 11 fields x 3 rows + 2 flags
+    assert empty.history.shape == (3, 0) and sampling_size(3, 0) == 34  # 11 fields x 3 rows + the filter flag
 
 
 def test_logprobs_and_top_logprobs_are_raw_log_softmax():
@@ -197,12 +197,33 @@ def test_logprobs_and_top_logprobs_are_raw_log_softmax():
     assert out.top_ids.dtype == np.int32 and out.tokens.dtype == np.int32
     none = run(rows, logits, k=0)
     assert none.top_ids.shape == (L, 0) and none.top_logprobs.shape == (L, 0)
-    # K stays in the shape, but a batch that wants no top logprobs skips the top-k (and gets zeros)
-    rows["needs_top"] = np.array(0, np.int32)
-    skipped = run(rows, logits)
-    assert skipped.top_ids.shape == (L, K) and not skipped.top_ids.any() and not skipped.top_logprobs.any()
-    np.testing.assert_array_equal(skipped.tokens, out.tokens)
-    np.testing.assert_array_equal(skipped.logprobs, out.logprobs)
+    np.testing.assert_array_equal(none.tokens, out.tokens)
+    np.testing.assert_array_equal(none.logprobs, out.logprobs)
+
+
+def test_static_branches_choose_what_the_device_would():
+    """An accelerator's step fixes the sampler's optional parts in its shape (no device predicate): drawing always
+    and filtering exactly when the host saw a filter gives the tokens the lax.conds give; turning the filters off
+    statically for rows that use none changes nothing, and for rows that use them it does (the flag is live)."""
+    rng = np.random.default_rng(11)
+    for case in range(3):
+        rows, logits = random_rows(rng), random_logits(rng)
+        rows["temperature"][::3] = 0.0
+        if case == 1:  # every row greedy: the static draw must still leave them greedy
+            rows["temperature"][:] = 0.0
+        filters = bool(np.asarray(unpack_sampling(pack_sampling(rows), L, W).needs_filter))
+        device = run(rows, logits)
+        static = run(rows, logits, branches=Branches.for_step(True, filters))
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+            np.testing.assert_array_equal(getattr(static, name), getattr(device, name), err_msg=f"{case} {name}")
+    rows, logits = random_rows(rng), random_logits(rng, scale=0.5)
+    rows["temperature"][:] = 1.0
+    rows["top_k"][:] = 2
+    unfiltered = run(rows, logits, branches=Branches(draws=True, filters=False)).tokens
+    filtered = run(rows, logits, branches=Branches(draws=True, filters=True)).tokens
+    top2 = np.argsort(-ref_process(logits, rows, filters=False), -1)[:, :2]
+    assert all(t in top2[r] for r, t in enumerate(filtered))
+    assert not all(t in top2[r] for r, t in enumerate(unfiltered))
 
 
 def test_sampling_frequencies_match_the_distribution():
@@ -245,7 +266,7 @@ def test_same_seed_same_token_whatever_the_batch():
     big_rows["target"][::5] = 3
     pos = rng.permutation(16)[:L]
     for name in rows:
-        if name not in ("needs_filter", "needs_top"):
+        if name != "needs_filter":
             big_rows[name][pos] = rows[name]
     big_logits[pos] = logits
     crowd = run(big_rows, big_logits)
