@@ -9,8 +9,8 @@ backend reads every page-table entry, so under the fine ladder P follows the lon
 kernels read only `kv_lens` pages, so P is fixed there), penalty history W (0 unless a request uses penalties),
 top-logprobs K and mask words. Everything else is an array, so a steady workload compiles nothing new.
 
-Two bucket ladders (`Buckets`). `fine` (CPU) sizes R, L, K and P to the batch: a CPU compile is cheap (the
-layers are scanned) and padding costs CPU time. `coarse` (accelerators) makes the shape a function of T alone
+Two bucket ladders (`Buckets`). `fine` (CPU) sizes T (from 4 rows), R, L, K and P to the batch: a CPU compile
+is cheap (the layers are scanned) and padding costs CPU time. `coarse` (accelerators) makes the shape a function of T alone
 plus switches: R = min(T, max requests), L = R or T (T only when prompt logprobs outnumber R), K 0 or the maximum,
 P the whole context, mask words 0 or the whole vocabulary, the sampler's filters on or off (engine/sampler.py,
 `Branches`: no device predicate in an accelerator's step). A GPU compile costs about 9 s (the layers are unrolled there, see docs/architecture.md) and programs
@@ -63,6 +63,11 @@ class Buckets:
     coarse: bool
     max_reqs: int  # the most requests a step can hold (coarse: R's ceiling)
     max_top_logprobs: int
+
+    def tokens(self, num_tokens: int) -> int:
+        """T. Fine (CPU) from 4 rows: a step costs its padded rows' matmuls there, and one stream decoding in a
+        16-row step ran at 12 tok/s against 27 at 4 rows (SmolLM2, scripts/perf/bench_cpu_peers.py)."""
+        return bucket(num_tokens, 16 if self.coarse else 4)
 
     def reqs(self, num_tokens: int, num_reqs: int) -> int:
         if not self.coarse:
@@ -278,7 +283,7 @@ class Runner:
             if w.sample:
                 logits_rows.append(t + len(w.tokens) - 1)
             t += len(w.tokens)
-        num_tokens = bucket(t, 16)
+        num_tokens = self.buckets.tokens(t)
         num_reqs = self.buckets.reqs(num_tokens, len(works))
         num_logits = self.buckets.logits(len(logits_rows), num_reqs, num_tokens)
         width = self._width(max(len(p) for p in tables))
@@ -403,7 +408,7 @@ class Runner:
         if not b.coarse:
             out, r = [], 4
             while True:
-                out.append(StepShape(BatchShape(bucket(r, 16), r, width, r), 0, 0))
+                out.append(StepShape(BatchShape(b.tokens(r), r, width, r), 0, 0))
                 if r >= b.max_reqs:
                     return out
                 r *= 2

@@ -92,11 +92,12 @@ def test_greedy_outputs_and_logprobs_equal_one_device(engines, expected, name, t
     engine = engines(name, tp_size)
     got = workload(engine)
     assert_same(got, expected(name))
-    # the same workload again from an empty cache: the same outputs, nothing compiled, the state's sharding kept
-    traces = engine.runner.traces
+    # the same workload again from an empty cache: the same outputs, and a compile only for a step shape the first
+    # run did not meet (arrival timing may batch a step differently), never a shape again: the state's sharding kept
+    traces, seen = engine.runner.traces, set(engine.runner.shapes_seen)
     assert engine.flush_cache()
     assert_same(workload(engine), expected(name))
-    assert engine.runner.traces == traces
+    assert engine.runner.traces - traces == len(engine.runner.shapes_seen - seen)
     state = engine.runner.state
     assert state.pool.sharding.is_equivalent_to(tp.pool_sharding(engine.mesh), state.pool.ndim)
     assert state.future.sharding.is_equivalent_to(tp.replicated(engine.mesh), 1)

@@ -70,12 +70,14 @@ CASES = {
     "mixed": dict(q_lens=[1, 12, 1, 5], prefix_lens=[20, 0, 7, 3], page_size=4),
     "prefix-hit-long": dict(q_lens=[4, 2], prefix_lens=[61, 96], page_size=16),
     "padded": dict(q_lens=[3, 1], prefix_lens=[2, 9], page_size=4, num_tokens=16, num_reqs=4, pages_per_req=6),
+    # four blocks of 16 rows for "blocked": one request's rows, several requests then padding, padding only (x2)
+    "blocks": dict(q_lens=[20, 1, 1, 3], prefix_lens=[5, 30, 0, 11], page_size=4, num_tokens=64, num_reqs=8),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "gqa8"])
-@pytest.mark.parametrize("strategy", ["gather", "segment"])
+@pytest.mark.parametrize("strategy", ["gather", "segment", "blocked"])
 def test_ref_matches_per_request_attention(case, heads, strategy):
     rng = np.random.default_rng(sorted(CASES).index(case))
     args, expected, total = make_case(rng, num_heads=heads[0], num_kv_heads=heads[1], **CASES[case])
@@ -111,6 +113,7 @@ WINDOWED = {
     "window-one-key": dict(CASES["all-decode"], window=1),
     "window-softcap": dict(CASES["mixed"], window=9, softcap=1.5),
     "softcap-only": dict(CASES["all-prefill"], softcap=0.8),
+    "window-blocks": dict(CASES["blocks"], window=7),
 }
 
 
@@ -122,7 +125,7 @@ def windowed_args(spec):
 
 
 @pytest.mark.parametrize("case", sorted(WINDOWED))
-@pytest.mark.parametrize("strategy", ["gather", "segment"])
+@pytest.mark.parametrize("strategy", ["gather", "segment", "blocked"])
 @pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
 def test_ref_sliding_window_and_softcap(case, strategy, traced):
     rng = np.random.default_rng(sorted(WINDOWED).index(case))
@@ -139,3 +142,18 @@ def test_ref_sliding_window_and_softcap(case, strategy, traced):
     else:
         out, _ = jax.jit(functools.partial(attend, window=extra["window"]))(q, k, v, pool, meta)
     np.testing.assert_allclose(np.asarray(out)[:total], expected[:total], atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_strategy_follows_rows_per_request(monkeypatch):
+    """On a CPU: one row per request (decode) gathers per row; otherwise the blocked path, whose work does not grow
+    with padded rows and requests (a row count that is not a multiple of a block keeps the cost rule)."""
+    from sgjax.kernels import ref
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert ref.choose_strategy(16, 9, 3, 64, num_rows=16) == "gather"
+    assert ref.choose_strategy(4, 9, 3, 64, num_rows=16) == "blocked"
+    assert ref.choose_strategy(4, 9, 3, 64, num_rows=512) == "blocked"
+    assert ref.choose_strategy(4, 9, 3, 64, num_rows=19) == "segment"
+    assert ref.choose_strategy(16, 9, 3, 64, num_rows=64) == "blocked"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert ref.choose_strategy(4, 9, 3, 64, num_rows=512) == "segment"

@@ -1,0 +1,235 @@
+"""sgjax against its CPU peers on the same model and prompts, in one interleaved run.
+
+Peers: sgjax's Engine, HF transformers (torch, batched generate with left padding), and, when importable,
+llama.cpp (`llama_cpp`: llama-cpp-python built with GGML_NATIVE=OFF, the same GGUF file, one sequence at a time
+through its high-level API). vLLM's CPU backend is not a peer here yet (its wheel brings its own torch). Workloads,
+all greedy:
+  single   one prompt of ~--prompt-tokens tokens, --new-tokens new: time to first token and decode tok/s
+  batch    --batch prompts at once: output tok/s and CPU-ms per output token (process CPU time, every thread)
+Each (workload, peer) pair runs --repeats times, peers interleaved per repeat so that machine load hits all alike;
+the table gives medians and each row's ratio to HF measured in the same run. The load average goes with the rows.
+
+Usage: python scripts/perf/bench_cpu_peers.py [--peers sgjax,hf,llamacpp] [--batch 16] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench_engine (perf/) and bench.hf_backend (scripts/)
+
+
+def prompts(tok, n: int, length: int) -> list[list[int]]:
+    """n first human turns of ShareGPT of at least `length` tokens once chat-templated, each cut to `length` (the
+    end of turn and the assistant header kept), so every peer prefills the same n x length tokens."""
+    from sgjax.data import sharegpt
+
+    tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    out = []
+    for conv in sharegpt(4000):
+        turns = conv.get("conversations", [])
+        if not turns or turns[0].get("from") != "human":
+            continue
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": turns[0]["value"]}]))
+        if len(ids) >= length:
+            out.append(ids[:length - len(tail)] + tail)
+            if len(out) == n:
+                return out
+    raise ValueError(f"ShareGPT has fewer than {n} prompts of {length} tokens")
+
+
+class SgjaxPeer:
+    name = "sgjax"
+
+    def __init__(self, args):
+        from sgjax.engine.engine import Engine
+
+        self.engine = Engine(args.model_path, max_running_requests=max(args.batch, 1),
+                             max_total_tokens=max(4096, 2 * args.batch * (args.prompt_tokens + args.new_tokens)),
+                             **json.loads(args.sgjax_args))
+
+    def generate(self, batch: list[list[int]], new: int) -> list[list[int]]:
+        params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+        outs = self.engine.generate(input_ids=batch, sampling_params=params)
+        return [o["output_ids"] for o in outs]
+
+    def first_token_s(self, ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        for _ in self.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0,
+                                                                       "ignore_eos": True}, stream=True):
+            return time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    def flush(self):
+        self.engine.flush_cache()  # every repeat starts cold: no peer keeps a prefix from the last one
+
+    def close(self):
+        self.engine.shutdown()
+
+
+class HFPeer:
+    name = "hf"
+
+    def __init__(self, args):
+        import torch
+        from bench.hf_backend import load_hf_model
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        self.torch = torch
+        self.model = load_hf_model(args.model_path)
+        self.pad = 0
+
+    def generate(self, batch, new):
+        torch = self.torch
+        width = max(map(len, batch))
+        ids = torch.tensor([[self.pad] * (width - len(b)) + b for b in batch])
+        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                      do_sample=False, pad_token_id=self.pad)
+        return [row[width:].tolist() for row in out]
+
+    def first_token_s(self, ids):
+        t0 = time.perf_counter()
+        self.generate([ids], 1)
+        return time.perf_counter() - t0
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class LlamaCppPeer:
+    name = "llamacpp"
+
+    def __init__(self, args):
+        from llama_cpp import Llama  # noqa: F401 - optional: a missing peer is reported, not faked
+
+        self.llm = Llama(model_path=args.model_path, n_ctx=args.prompt_tokens + args.new_tokens + 16,
+                         n_threads=os.cpu_count(), n_batch=512, verbose=False)
+
+    def generate(self, batch, new):
+        out = []
+        for ids in batch:  # llama-cpp-python's high-level API serves one sequence at a time
+            self.llm.reset()
+            toks = []
+            for t in self.llm.generate(ids, temp=0.0, top_k=1, reset=True):
+                toks.append(t)
+                if len(toks) == new:
+                    break
+            out.append(toks)
+        return out
+
+    def first_token_s(self, ids):
+        t0 = time.perf_counter()
+        self.generate([ids], 1)
+        return time.perf_counter() - t0
+
+    def flush(self):
+        self.llm.reset()
+
+    def close(self):
+        pass
+
+
+PEERS = {"sgjax": SgjaxPeer, "hf": HFPeer, "llamacpp": LlamaCppPeer}
+
+
+def measure(peer, workload: str, batch, args) -> dict:
+    peer.flush()
+    if workload == "single":
+        ttft = peer.first_token_s(batch[0])
+        peer.flush()
+        t0 = time.perf_counter()
+        out = peer.generate(batch[:1], args.new_tokens)
+        wall = time.perf_counter() - t0
+        decode_s = max(wall - ttft, 1e-9)
+        return {"ttft_s": ttft, "wall_s": wall, "output_tokens": len(out[0]),
+                "decode_tok_per_s": (len(out[0]) - 1) / decode_s}
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    out = peer.generate(batch, args.new_tokens)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    n = sum(map(len, out))
+    return {"wall_s": wall, "output_tokens": n, "output_tok_per_s": n / wall, "cpu_ms_per_token": 1e3 * cpu / n}
+
+
+def main():
+    from sgjax.model.paths import default_model_path
+    from sgjax.model.tokenizer import load_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", default="sgjax,hf,llamacpp")
+    ap.add_argument("--workloads", default="single,batch")
+    ap.add_argument("--model-path", default=None, help="a GGUF file (every peer reads the same one); SmolLM2 by default")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=200)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sgjax-args", default="{}", help="JSON of extra Engine keyword arguments")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default="/tmp/bench_cpu_peers.jsonl")
+    args = ap.parse_args()
+    args.model_path = args.model_path or default_model_path()
+    tok = load_tokenizer(args.model_path)
+    batch = prompts(tok, args.batch, args.prompt_tokens)
+    peers, missing = [], {}
+    for name in args.peers.split(","):
+        try:
+            t0 = time.perf_counter()
+            peers.append(PEERS[name](args))
+            print(f"{name}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+        except ImportError as e:
+            missing[name] = f"{type(e).__name__}: {e}"
+            print(f"{name}: not installed ({e}); skipped", flush=True)
+    for peer in peers:  # warm-up, untimed: each workload once (sgjax compiles the step shapes it meets)
+        for workload in args.workloads.split(","):
+            measure(peer, workload, batch, args)
+    results: dict[tuple, list] = {}
+    for _ in range(args.repeats):
+        for workload in args.workloads.split(","):
+            for peer in peers:
+                results.setdefault((workload, peer.name), []).append(measure(peer, workload, batch, args))
+    load = os.getloadavg()
+    rows = []
+    for (workload, name), runs in results.items():
+        row = {"workload": workload, "peer": name, "tag": args.tag, "batch": args.batch if workload == "batch" else 1,
+               "prompt_tokens": sum(map(len, batch)) / len(batch), "new_tokens": args.new_tokens,
+               "repeats": len(runs), "loadavg": load, "model": os.path.basename(args.model_path),
+               "cpus": os.cpu_count(), "runs": runs}
+        for key in runs[0]:
+            row[key] = statistics.median(r[key] for r in runs)
+        rows.append(row)
+    by = {(r["workload"], r["peer"]): r for r in rows}
+    for r in rows:
+        base = by.get((r["workload"], "hf"))
+        key = "decode_tok_per_s" if r["workload"] == "single" else "output_tok_per_s"
+        r["vs_hf"] = r[key] / base[key] if base else None
+    print(f"\nload average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs; prompts "
+          f"{rows[0]['prompt_tokens']:.0f} tokens, {args.new_tokens} new, median of {args.repeats}")
+    print(f"{'workload':8} {'peer':9} {'rows':>4} {'ttft s':>7} {'tok/s':>8} {'cpu-ms/tok':>10} {'vs hf':>6}")
+    for r in rows:
+        tps = r.get("decode_tok_per_s", r.get("output_tok_per_s"))
+        ttft = f"{r['ttft_s']:7.2f}" if "ttft_s" in r else f"{'-':>7}"
+        cpu = f"{r['cpu_ms_per_token']:10.0f}" if "cpu_ms_per_token" in r else f"{'-':>10}"
+        vs = f"{r['vs_hf']:6.2f}" if r["vs_hf"] else f"{'-':>6}"
+        print(f"{r['workload']:8} {r['peer']:9} {r['batch']:4d} {ttft} {tps:8.1f} {cpu} {vs}")
+    for name, why in missing.items():
+        print(f"{name}: not run ({why})")
+    with open(args.out, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print(f"wrote {len(rows)} rows to {args.out}")
+    for peer in peers:
+        peer.close()
+
+
+if __name__ == "__main__":
+    main()
