@@ -28,7 +28,7 @@ from sgjax.server.protocol import (AbortRequest, ApiError, ChatCompletionRequest
                                    EmbeddingRequest, GenerateRequest, ScoreRequest, TokenizeRequest, parse_body,
                                    read_body)
 from sgjax.server.connection import ClientDisconnected
-from sgjax.server.serving import Serving, Work
+from sgjax.server.serving import Serving, HttpWork
 
 log = logging.getLogger("sgjax.server")
 
@@ -146,7 +146,7 @@ def build_app(serving: Serving) -> FastAPI:
     @app.get("/health_generate")
     async def health_generate(request: Request):
         """Health through the whole engine: one token generated."""
-        work = Work(params=(SamplingParams(max_new_tokens=1, temperature=0.0),), ids=([0],), prompt_field="input_ids")
+        work = HttpWork(params=(SamplingParams(max_new_tokens=1, temperature=0.0),), ids=([0],), prompt_field="input_ids")
         await serving.run(work, request.receive)
         return Response(status_code=200)
 

@@ -14,14 +14,14 @@ from typing import AsyncIterator
 
 from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.server.protocol import ApiError, GenerateRequest
-from sgjax.server.serving import Serving, Work, params_error
+from sgjax.server.serving import Serving, HttpWork, params_error
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
 _TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
 
 
-def generate_work(req: GenerateRequest) -> tuple[Work, bool]:
-    """The Work of a /generate body, and whether the answer is one dict (one prompt, n == 1) or a list."""
+def generate_work(req: GenerateRequest) -> tuple[HttpWork, bool]:
+    """The HttpWork of a /generate body, and whether the answer is one dict (one prompt, n == 1) or a list."""
     if (req.text is None) == (req.input_ids is None):
         raise ApiError("text: give exactly one of text or input_ids", param="text")
     field = "text" if req.text is not None else "input_ids"
@@ -51,7 +51,7 @@ def generate_work(req: GenerateRequest) -> tuple[Work, bool]:
             raise ApiError(f"rid: give one rid per prompt ({len(prompts)}), a string for a single prompt",
                            param="rid")
     images, image_fields = (None, None) if req.image_data is None else _images(req.image_data, single, len(prompts))
-    work = Work(params=tuple(params), texts=tuple(prompts) if field == "text" else None,
+    work = HttpWork(params=tuple(params), texts=tuple(prompts) if field == "text" else None,
                 ids=tuple(prompts) if field == "input_ids" else None, rids=tuple(rids) if rids else None,
                 return_logprob=bool(req.return_logprob), logprob_start_len=req.logprob_start_len,
                 top_logprobs_num=req.top_logprobs_num, prompt_field=field, params_field="sampling_params",

@@ -28,7 +28,7 @@ from sgjax.errors import RequestError
 from sgjax.server import tools
 from sgjax.server.chat_output import ChatOutput
 from sgjax.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from sgjax.server.serving import Serving, Work, params_error
+from sgjax.server.serving import Serving, HttpWork, params_error
 
 OPENAI_RENAMES = {ours: theirs for ours, (theirs, _) in OPENAI_NAMES.items() if ours != theirs}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses SamplingParams' (128, as SGLang)
@@ -36,9 +36,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat use
 
 @dataclass(frozen=True)
 class Prepared:
-    """A validated OpenAI request: the engine's Work plus what shaping the answer needs."""
+    """A validated OpenAI request: the engine's HttpWork plus what shaping the answer needs."""
 
-    work: Work
+    work: HttpWork
     n: int
     chat: bool
     echo_texts: tuple[str, ...] | None = None  # completions with echo: each prompt's text
@@ -59,7 +59,7 @@ async def prepare_completion(serving: Serving, req: CompletionRequest) -> Prepar
     echo = bool(req.echo)
     params = _sampling(serving, req, ids, "prompt", req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, req.json_schema,
                        OPENAI_RENAMES)
-    work = Work(params=(params,) * len(ids), ids=tuple(ids), return_logprob=req.logprobs is not None,
+    work = HttpWork(params=(params,) * len(ids), ids=tuple(ids), return_logprob=req.logprobs is not None,
                 logprob_start_len=0 if echo and req.logprobs is not None else None, top_logprobs_num=top,
                 prompt_field="prompt", renames=OPENAI_RENAMES)
     return Prepared(work=work, n=params.n, chat=False, echo_texts=tuple(texts) if echo else None,
@@ -93,7 +93,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
     expanded = len(images) * (serving.engine.images.cfg.num_image_tokens - 1) if images else 0
     params = _sampling(serving, req, [ids], "messages", asked, None, schema, renames, max_field, expanded,
                        regex=plan.regex, structural_tag=tag)
-    work = Work(params=(params,), ids=(ids,), return_logprob=bool(req.logprobs), top_logprobs_num=top,
+    work = HttpWork(params=(params,), ids=(ids,), return_logprob=bool(req.logprobs), top_logprobs_num=top,
                 prompt_field="messages", renames=renames, images=(tuple(images),) if images else None,
                 image_fields=(("messages", tuple(fields)),) if images else None)
     reasoning = serving.reasoning

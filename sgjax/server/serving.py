@@ -1,4 +1,4 @@
-"""The HTTP layer's side of the engine: one `Work` per HTTP request, run whole or streamed, aborted when the client
+"""The HTTP layer's side of the engine: one `HttpWork` per HTTP request, run whole or streamed, aborted when the client
 leaves, engine errors turned into `ApiError`s that name the API's field.
 
 Runs on the event loop. The engine validates, tokenizes and compiles grammars in a worker thread
@@ -36,7 +36,7 @@ MAX_SUBREQUESTS = 1024  # prompts x n in one HTTP request
 
 
 @dataclass(frozen=True)
-class Work:
+class HttpWork:
     """What one HTTP request asks of the engine: prompts (text or ids), one validated SamplingParams per prompt, and
     each prompt's images (base64, one image token each in the prompt) with the API fields they came from."""
 
@@ -120,7 +120,7 @@ class Serving:
         return min(self.engine.context_length, self.engine.max_total_tokens)
 
     # -- running work ----------------------------------------------------------------------------------------
-    async def run(self, work: Work, receive) -> list[dict]:
+    async def run(self, work: HttpWork, receive) -> list[dict]:
         """All prompts x n copies in one engine call (every prompt is validated before any is queued); the flat
         list of results, prompt-major. Aborted when the client disconnects."""
         self._check(work)
@@ -141,7 +141,7 @@ class Serving:
         self._log_end(results)
         return results
 
-    async def open_streams(self, work: Work) -> list[AsyncIterator[dict]]:
+    async def open_streams(self, work: HttpWork) -> list[AsyncIterator[dict]]:
         """One engine stream per prompt x copy (the engine streams one request at a time), all validated before
         any is queued: an engine stream starts when first iterated. Copy j of a seeded prompt gets seed + j, as
         the engine's own n does."""
@@ -152,7 +152,7 @@ class Serving:
         self._log_start(work)
         return streams
 
-    async def _open(self, work: Work, kind: str) -> list[AsyncIterator[dict]]:
+    async def _open(self, work: HttpWork, kind: str) -> list[AsyncIterator[dict]]:
         streams = []
         for i, (prompt, params) in enumerate(zip(work.prompts, work.params)):
             base = work.rids[i] if work.rids else None
@@ -214,7 +214,7 @@ class Serving:
         return ApiError(f"request: longer than {self.http.request_timeout:g} s (request_timeout); aborted",
                         status=504, kind="timeout", code="request_timeout")
 
-    def _admit(self, work: Work) -> None:
+    def _admit(self, work: HttpWork) -> None:
         """--max-queued-requests: a 503 with Retry-After when that many generations already wait for the running
         batch (the scheduler's waiting list and the engine's inbox, read without stopping the engine)."""
         cap = self.http.max_queued_requests
@@ -225,7 +225,7 @@ class Serving:
             raise ApiError(f"server: {waiting} generations are waiting (max_queued_requests {cap}); retry later",
                            status=503, kind="unavailable", code="server_busy", headers={"Retry-After": "1"})
 
-    def _check(self, work: Work) -> None:
+    def _check(self, work: HttpWork) -> None:
         total = sum(p.n for p in work.params)
         if total > MAX_SUBREQUESTS:
             raise ApiError(f"{work.prompt_field}: {total} generations (prompts x n) in one request; at most "
@@ -235,7 +235,7 @@ class Serving:
             raise ApiError(f"{where}: this server's model is text-only; images need a vision-language model (sgjax "
                            f"serve --model-path <a LLaVA checkpoint directory>)", param=where)
 
-    async def _engine_errors(self, call, work: Work, prompt: int | None = None):
+    async def _engine_errors(self, call, work: HttpWork, prompt: int | None = None):
         try:
             return await call
         except ImageDataError as e:  # the engine counts prompts in its own call; a stream's call has one
@@ -272,7 +272,7 @@ class Serving:
             self._pieces[token_id] = piece
         return piece
 
-    def _log_start(self, work: Work) -> None:
+    def _log_start(self, work: HttpWork) -> None:
         if self.http.log_requests:
             prompts = [_clip(p) if isinstance(p, str) else f"<{len(p)} ids>" for p in work.prompts]
             params = [{f.name: getattr(p, f.name) for f in dataclasses.fields(p)

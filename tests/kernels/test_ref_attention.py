@@ -154,6 +154,7 @@ def test_cpu_strategy_follows_rows_per_request(monkeypatch):
     assert ref.choose_strategy(4, 9, 3, 64, num_rows=16) == "blocked"
     assert ref.choose_strategy(4, 9, 3, 64, num_rows=512) == "blocked"
     assert ref.choose_strategy(4, 9, 3, 64, num_rows=19) == "segment"
+    assert ref.choose_strategy(1, 9, 3, 64, num_rows=256) == "segment"  # one request: no padding to skip
     assert ref.choose_strategy(16, 9, 3, 64, num_rows=64) == "blocked"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert ref.choose_strategy(4, 9, 3, 64, num_rows=512) == "segment"
