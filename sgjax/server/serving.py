@@ -85,6 +85,9 @@ class Serving:
         self.model_path = path
         self.model_name = http.served_model_name or os.path.basename(path.rstrip("/")).removesuffix(".gguf")
         self._stopper: threading.Thread | None = None
+        # generations admitted whose engine call has not started yet (it starts in wait_for's task, a loop turn
+        # later): counted as queued, or a burst of handlers would all pass --max-queued-requests before any starts
+        self._admitted = 0
         self._vocab = from_tokenizer(self.tokenizer) if self.tokenizer is not None else None
         self._pieces: dict[int, tuple[str, bytes]] = {}
         # What a chat message's image part becomes in the templated text: the model's own image token (LLaVA's
@@ -126,16 +129,23 @@ class Serving:
         self._check(work)
         kind = "prompt" if work.texts is not None else "input_ids"
         images = list(work.images) if work.has_images else None
-        self._admit(work)
-        call = self.engine.async_generate(**{kind: list(work.prompts)}, sampling_params=list(work.params),
-                                          rid=list(work.rids) if work.rids else None, image_data=images,
-                                          **work.engine_kwargs())
-        self._log_start(work)
+        release = self._admit(work)
         try:
-            results = await asyncio.wait_for(until_disconnected(receive, self._engine_errors(call, work)),
+            call = self.engine.async_generate(**{kind: list(work.prompts)}, sampling_params=list(work.params),
+                                              rid=list(work.rids) if work.rids else None, image_data=images,
+                                              **work.engine_kwargs())
+            self._log_start(work)
+
+            async def started():
+                release()  # the engine's own count (calls being tokenized) takes over in this same loop turn
+                return await call
+
+            results = await asyncio.wait_for(until_disconnected(receive, self._engine_errors(started(), work)),
                                              self.http.request_timeout)
         except TimeoutError:  # wait_for cancelled the call, and a cancelled engine call aborts its requests
             raise self._timeout() from None
+        finally:
+            release()
         results = results if isinstance(results, list) else [results]
         _raise_if_failed(results)
         self._log_end(results)
@@ -147,7 +157,7 @@ class Serving:
         the engine's own n does."""
         self._check(work)
         kind = "prompt" if work.texts is not None else "input_ids"
-        self._admit(work)
+        self._admit(work)()  # the first stream's call starts within this loop turn: its own count takes over
         streams = await self._open(work, kind)
         self._log_start(work)
         return streams
@@ -214,16 +224,24 @@ class Serving:
         return ApiError(f"request: longer than {self.http.request_timeout:g} s (request_timeout); aborted",
                         status=504, kind="timeout", code="request_timeout")
 
-    def _admit(self, work: HttpWork) -> None:
+    def _admit(self, work: HttpWork):
         """--max-queued-requests: a 503 with Retry-After when that many generations already wait for the running
-        batch (the scheduler's waiting list and the engine's inbox, read without stopping the engine)."""
+        batch (the scheduler's waiting list, the engine's inbox and calls being tokenized, read without stopping the
+        engine, plus the calls admitted here that have not started). Returns the admission's release (idempotent),
+        to call once the engine call has started or will not."""
         cap = self.http.max_queued_requests
-        if cap is None:
-            return
-        waiting = self.engine.queued_requests()
-        if waiting >= cap:  # SGLang's rule: refused once that many wait
+        waiting = self.engine.queued_requests() + self._admitted
+        if cap is not None and waiting >= cap:  # SGLang's rule: refused once that many wait
             raise ApiError(f"server: {waiting} generations are waiting (max_queued_requests {cap}); retry later",
                            status=503, kind="unavailable", code="server_busy", headers={"Retry-After": "1"})
+        self._admitted += 1
+        held = [True]
+
+        def release():
+            if held.pop() if held else False:
+                self._admitted -= 1
+
+        return release
 
     def _check(self, work: HttpWork) -> None:
         total = sum(p.n for p in work.params)
