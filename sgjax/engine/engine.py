@@ -30,7 +30,7 @@ from sgjax.engine import scoring, sinks
 from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
 from sgjax.engine.outputs import Outputs, abort_reason
 from sgjax.engine.request import Req
-from sgjax.engine.requests import GenerateCall, LiveIds, RequestBuilder
+from sgjax.engine.requests import GenerateCall, LiveIds, RequestBuilder, asks_for_grammar
 from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.engine.steplog import StepRecord, StepWatcher, record_of
@@ -193,7 +193,7 @@ class Engine:
                             stream, rid, image_data)
         # Grammar compiles (up to grammar_compile_timeout each) get workers of their own, so that a burst of slow
         # grammars cannot keep plain requests from being tokenized.
-        pool = self._grammar_workers if _asks_for_grammar(sampling_params) else None
+        pool = self._grammar_workers if asks_for_grammar(sampling_params) else None
         self._preparing += 1  # counted as queued while it is tokenized: a burst cannot all pass the admission check
         try:
             reqs, single = await asyncio.get_running_loop().run_in_executor(pool, self._make_requests, call)
@@ -473,12 +473,3 @@ class Engine:
             "generated_tokens": self.outputs.sampled_tokens + self.outputs.jumped_tokens,
             "grammar_cache": dataclasses.asdict(self.requests.grammars.stats),
         }
-
-
-def _asks_for_grammar(sampling_params) -> bool:
-    items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
-    for p in items:
-        get = p.get if isinstance(p, dict) else (lambda k, p=p: getattr(p, k, None))
-        if any(get(k) is not None for k in ("regex", "json_schema", "ebnf", "structural_tag")):
-            return True
-    return False

@@ -225,3 +225,14 @@ class RequestBuilder:
         if not p.min_new_tokens:
             return ()
         return tuple(sorted((set() if p.ignore_eos else set(self.eos_ids)) | set(p.stop_token_ids)))
+
+
+def asks_for_grammar(sampling_params) -> bool:
+    """Whether a call's parameters (a dict / SamplingParams, or a list of them) constrain decoding: its requests are
+    then built on the grammar workers (a compile can take seconds)."""
+    items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    for p in items:
+        get = p.get if isinstance(p, dict) else (lambda k, p=p: getattr(p, k, None))
+        if any(get(k) is not None for k in ("regex", "json_schema", "ebnf", "structural_tag")):
+            return True
+    return False
