@@ -235,10 +235,12 @@ class Serving:
             raise ApiError(f"server: {waiting} generations are waiting (max_queued_requests {cap}); retry later",
                            status=503, kind="unavailable", code="server_busy", headers={"Retry-After": "1"})
         self._admitted += 1
-        held = [True]
+        held = True
 
         def release():
-            if held.pop() if held else False:
+            nonlocal held
+            if held:
+                held = False
                 self._admitted -= 1
 
         return release
