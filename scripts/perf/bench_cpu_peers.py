@@ -28,17 +28,18 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench_engine (perf/) and bench.h
 def prompts(tok, n: int, length: int) -> list[list[int]]:
     """n first human turns of ShareGPT of at least `length` tokens once chat-templated, each cut to `length` (the
     end of turn and the assistant header kept), so every peer prefills the same n x length tokens."""
+    from bench_engine import chat_prompt
+
     from sgjax.data import sharegpt
 
-    tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     out = []
     for conv in sharegpt(4000):
         turns = conv.get("conversations", [])
         if not turns or turns[0].get("from") != "human":
             continue
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": turns[0]["value"]}]))
-        if len(ids) >= length:
-            out.append(ids[:length - len(tail)] + tail)
+        ids = chat_prompt(tok, turns[0]["value"], length)
+        if len(ids) == length:  # long enough: cut to exactly `length`
+            out.append(ids)
             if len(out) == n:
                 return out
     raise ValueError(f"ShareGPT has fewer than {n} prompts of {length} tokens")

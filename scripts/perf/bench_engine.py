@@ -78,10 +78,20 @@ MMLU_WARMUP_SUBJECT = "conceptual_physics"
 
 
 # -- workloads (built here with the model's tokenizer; SmolLM2's for dummy weights) ------------------------------------------------------
+def chat_prompt(tok, text: str, max_len: int) -> list[int]:
+    """A user message chat-templated, cut to max_len tokens if longer (the end of turn and the assistant header
+    kept)."""
+    tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+    if len(ids) > max_len:
+        assert ids[-len(tail):] == tail
+        ids = ids[:max_len - len(tail)] + tail
+    return ids
+
+
 def sharegpt_workload(tok, n: int, max_prompt_len: int, max_output_len: int) -> dict:
     from sgjax.data import sharegpt
 
-    tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     reqs = []
     for conv in sharegpt(max(4 * (n + WARMUP_REQUESTS), 200)):
         turns = conv.get("conversations", [])
@@ -89,10 +99,7 @@ def sharegpt_workload(tok, n: int, max_prompt_len: int, max_output_len: int) -> 
             continue
         if not turns[0]["value"].strip() or not turns[1]["value"].strip():
             continue
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": turns[0]["value"]}]))
-        if len(ids) > max_prompt_len:  # cut the user message, keep the end of turn and the assistant header
-            assert ids[-len(tail):] == tail
-            ids = ids[:max_prompt_len - len(tail)] + tail
+        ids = chat_prompt(tok, turns[0]["value"], max_prompt_len)
         out_len = min(len(tok.encode(turns[1]["value"], add_special_tokens=False)), max_output_len)
         reqs.append({"input_ids": ids, "max_new_tokens": max(out_len, 1)})
         if len(reqs) == n + WARMUP_REQUESTS:
