@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgjax.engine import mesh as tp
-from sgjax.engine.sampler import Branches, default_rows, sample
+from sgjax.engine.sampler import Branches, default_rows, sample, uses_filter
 from sgjax.engine.scheduler import Work
 from sgjax.engine.sentinels import bias_entry, future_history, future_input, future_slot, prompt_entry, resolve_future
 from sgjax.engine.step import DeviceState, StepShape, unpack
@@ -65,8 +65,8 @@ class Buckets:
     max_top_logprobs: int
 
     def tokens(self, num_tokens: int) -> int:
-        """T. Fine (CPU) from 4 rows: a step costs its padded rows' matmuls there, and one stream decoding in a
-        16-row step ran at 12 tok/s against 27 at 4 rows (SmolLM2, scripts/perf/bench_cpu_peers.py)."""
+        """T. Fine (CPU) from 4 rows: a CPU step pays for its padded rows' matmuls (one stream's decode,
+        docs/engine.md "CPU attention and step sizes")."""
         return bucket(num_tokens, 16 if self.coarse else 4)
 
     def reqs(self, num_tokens: int, num_reqs: int) -> int:
@@ -352,7 +352,6 @@ class Runner:
         wanted = max((w.req.top_logprobs_num for w in works if w.req.return_logprob), default=0)
         top = self.buckets.top(wanted)
         rows = default_rows(num_logits, width)
-        needs_filter = False
         for w, srow, prows in zip(works, sample_rows, prompt_rows):
             for row, (_, target) in zip(prows, w.prompt_rows):
                 rows["target"][row] = target
@@ -367,7 +366,6 @@ class Runner:
                 rows["top_k"][srow] = 0 if p.top_k >= vocab else max(p.top_k, 0)  # top_k >= V: no top-k
                 rows["top_p"][srow] = p.top_p
                 rows["min_p"][srow] = p.min_p
-                needs_filter |= 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
             h = histories.get(id(w))
             if h is not None:  # a penalised or biased row (the rest keep default_rows' neutral values)
                 rows["frequency_penalty"][srow] = p.frequency_penalty
@@ -376,7 +374,7 @@ class Runner:
                 ids, bias = h
                 rows["history"][srow, :len(ids)] = ids
                 rows["bias"][srow, :len(ids)] = bias
-        rows["needs_filter"] = np.asarray(int(needs_filter), np.int32)
+        rows["needs_filter"] = np.asarray(int(uses_filter(rows)), np.int32)  # the shape's filter flag reads it too
         return rows, width, top
 
     def _unpack_results(self, works, sample_rows, prompt_rows, tokens, logprobs, top_ids, top_lps):
@@ -399,10 +397,9 @@ class Runner:
     def start_shapes(self, max_tokens: int) -> list[StepShape]:
         """The shapes worth compiling at start, at the widest page table. Coarse: for every T up to max_tokens (a
         step's most tokens) the shapes without penalties, top logprobs or filters (L = R or T, with and without a
-        mask), and L = R with the filters. The rest (K > 0, filters with a mask or L = T) compile at first use: a
-        top-20 costs 1.1 ms and the filters' sort 1.1 ms of every H200 step that carries them (128 rows x 128k,
-        docs/results/h200_probe_sampler_sync.jsonl), too much to carry always. Fine: the decode buckets (one token
-        per request) up to the most requests."""
+        mask), and L = R with the filters. The rest (K > 0, filters with a mask or L = T) compile at first use:
+        the top-K and the filters' sort cost too much to carry in every step (docs/bench.md, "H200 (2026-12-02)").
+        Fine: the decode buckets (one token per request) up to the most requests."""
         width = self._width(self.max_pages)
         b = self.buckets
         if not b.coarse:
