@@ -105,3 +105,21 @@ def llava(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("llava"))
     hf = write_checkpoint(path)
     return path, hf, V.load_llava_dir(path)
+
+
+# A checkpoint directory of only a config: `sgjax serve --load-format dummy` children build its random weights (the
+# same values on every mesh), with SmolLM2's tokenizer. 4 heads on 2 KV heads split 2 or 4 ways (SmolLM2's 9 do not).
+TINY_CHECKPOINT = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True)
+# Its servers' settings, and the in-process engine that gives them their reference answers.
+TINY_SERVE = dict(max_total_tokens=1024, chunked_prefill_size=64, max_running_requests=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    import json
+
+    d = tmp_path_factory.mktemp("tiny-checkpoint")
+    (d / "config.json").write_text(json.dumps(TINY_CHECKPOINT))
+    return str(d)

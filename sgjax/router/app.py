@@ -92,7 +92,7 @@ def build_router_app(router: Router) -> FastAPI:
                 entry["error"] = r if isinstance(r, str) else _describe(r) if r is not None else w.last_error
             workers.append(entry)
         hit = totals["cached_tokens"] / totals["prompt_tokens"] if totals["prompt_tokens"] else 0.0
-        return {**totals, "cache_hit_rate": hit, "healthy_workers": sum(w.healthy for w in router.workers.values()),
+        return {**totals, **_layout([e["info"] for e in workers if "info" in e], len(workers)), "cache_hit_rate": hit, "healthy_workers": sum(w.healthy for w in router.workers.values()),
                 "num_workers": len(router.workers), "router": router.router_info(), "workers": workers}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -125,6 +125,17 @@ def build_router_app(router: Router) -> FastAPI:
         return {"success": True}
 
     return app
+
+
+def _layout(infos: list[dict], num_workers: int) -> dict:
+    """The fleet's parallelism as one server's keys: dp_size is the workers, and tp_size / nnodes / mesh_shape are
+    theirs when every answering worker agrees (None when they differ or none answered: a router in front of
+    unlike servers has no one layout)."""
+    out = {"dp_size": num_workers}
+    for key in ("tp_size", "nnodes", "mesh_shape"):
+        values = [i.get(key) for i in infos]
+        out[key] = values[0] if values and all(v == values[0] for v in values) else None
+    return out
 
 
 def _describe(r: httpx.Response) -> str:

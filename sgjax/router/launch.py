@@ -2,8 +2,8 @@
 then front them): the flags, the worker processes, and the router's uvicorn.
 
 Workers are `sgjax serve` children (`python -m sgjax.router.worker serve`) on free loopback ports with the
-launcher's engine flags. With several GPUs each gets its own (CUDA_VISIBLE_DEVICES=i); on CPU they are just N
-processes sharing the cores. The router listens on --host/--port once every worker answers /health. SIGTERM or
+launcher's engine flags. With --tp-size M each worker is a TP=M engine on its own M GPUs (worker i: GPUs
+[i*M, (i+1)*M) in CUDA_VISIBLE_DEVICES); on CPU they are N processes sharing the cores, each with M host devices. The router listens on --host/--port once every worker answers /health. SIGTERM or
 SIGINT: the workers get SIGTERM first (each ends its open streams with an abort, so the router's relays end too),
 uvicorn shuts down, the launcher waits for the workers and exits with status 0. A worker also kills itself within a
 second if the launcher is killed outright (worker.py), so no worker outlives it.
@@ -22,6 +22,7 @@ import time
 import httpx
 import uvicorn
 
+from sgjax.errors import RequestError
 from sgjax.router.policy import POLICIES, make_policy
 from sgjax.router.worker import LAUNCHER_PID_ENV
 from sgjax.server.connection import check_port
@@ -128,7 +129,11 @@ def serve_dp(ns: argparse.Namespace) -> None:
     check_port(ns.host, ns.port)
     flags = worker_flags(ns)
     gpus = visible_gpus()
-    if 0 < len(gpus) < ns.dp_size:
+    try:
+        envs = worker_devices(ns.dp_size, ns.tp_size, gpus)
+    except RequestError as e:
+        raise SystemExit(f"sgjax serve: {e}") from None
+    if ns.tp_size == 1 and 0 < len(gpus) < ns.dp_size:
         log.warning("%d workers share %d GPU(s): lower --mem-fraction-static or --max-total-tokens so their pools "
                     "fit together", ns.dp_size, len(gpus))
 
@@ -141,11 +146,11 @@ def serve_dp(ns: argparse.Namespace) -> None:
         signal.signal(sig, stop_now)
     workers: list[WorkerProcess] = []
     try:
-        for i in range(ns.dp_size):
-            env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if len(gpus) > 1 else {}
+        for i, env in enumerate(envs):
             workers.append(WorkerProcess(flags, env))
+            gpu = env.get("CUDA_VISIBLE_DEVICES")
             log.info("worker %d: %s (pid %d%s)", i, workers[-1].url, workers[-1].proc.pid,
-                     f", GPU {env['CUDA_VISIBLE_DEVICES']}" if env else "")
+                     f", GPU {gpu}" if gpu else "")
         wait_ready(workers)
         policy = make_policy(ns.router_policy)
         run_router([w.url for w in workers], policy, ns.host, ns.port, ns.log_level, ns.log_requests,
@@ -176,6 +181,21 @@ def worker_flags(ns: argparse.Namespace) -> list[str]:
         else:
             out += [flag, str(value)]
     return out
+
+
+def worker_devices(dp: int, tp: int, gpus: list[str]) -> list[dict[str, str]]:
+    """Each worker's device environment. On GPUs worker i gets gpus[i*tp:(i+1)*tp]; a worker of one GPU may share
+    it when there are fewer GPUs than workers (small models), but a tensor-parallel worker needs tp GPUs of its own:
+    overlapping device lists would put two workers' preallocated pools and their collectives on the same GPUs. On CPU (no GPU ids) a worker
+    gets tp host devices (jax reads JAX_NUM_CPU_DEVICES; it wins over XLA_FLAGS' device count)."""
+    if not gpus:
+        return [{"JAX_NUM_CPU_DEVICES": str(tp)} if tp > 1 else {} for _ in range(dp)]
+    if tp == 1:
+        return [{"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if len(gpus) > 1 else {} for i in range(dp)]
+    if len(gpus) < dp * tp:
+        raise RequestError(f"--dp-size {dp} x --tp-size {tp} needs {dp * tp} GPUs, but {len(gpus)} are visible "
+                           f"({','.join(gpus)})", "tp_size")
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * tp:(i + 1) * tp])} for i in range(dp)]
 
 
 def visible_gpus() -> list[str]:

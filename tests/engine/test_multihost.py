@@ -1,10 +1,9 @@
 """Multi-host tensor parallelism (engine/distributed.py) on one machine: two `sgjax serve` processes, 2 CPU devices
 each, joined by jax.distributed on 127.0.0.1 with gloo collectives. Rank 0 serves HTTP; rank 1 follows its steps.
 
-The model is random weights of a tiny llama config (--load-format dummy) with SmolLM2's tokenizer: 4 heads and 2 KV
-heads split over the 4 devices of the two processes (SmolLM2's 9 heads cannot split 4 ways)."""
+The model is random weights of a tiny llama config (tests/conftest.py TINY_CHECKPOINT, --load-format dummy) with
+SmolLM2's tokenizer: 4 heads and 2 KV heads split over the 4 devices of the two processes."""
 
-import json
 import os
 import signal
 import subprocess
@@ -16,21 +15,17 @@ import httpx
 import pytest
 
 from sgjax.server.process import free_port
+from tests.conftest import TINY_SERVE
 from tests.server.conftest import REPO
 
-CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=64,
-              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True)
-FLAGS = ["--max-total-tokens", "1024", "--chunked-prefill-size", "64", "--max-running-requests", "4",
+FLAGS = [*(x for name, value in TINY_SERVE.items() for x in ("--" + name.replace("_", "-"), str(value))),
          "--load-format", "dummy", "--skip-server-warmup", "--precompile"]
 PROMPT, PARAMS = "The capital of France is", {"max_new_tokens": 8, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mh-model")
-    (d / "config.json").write_text(json.dumps(CONFIG))
-    return str(d)
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 def _env(devices: int) -> dict:
@@ -111,8 +106,7 @@ def test_two_processes_answer_like_one_device(pair, model_dir, smollm2_path):
         info = c.get("/get_server_info").json()
     assert info["tp_size"] == 4 and info["nnodes"] == 2 and info["node_rank"] == 0
     assert info["mesh_shape"] == {"data": 1, "tensor": 4} and info["mesh_processes"] == [0, 1]
-    engine = Engine(model_dir, load_format="dummy", tokenizer_path=smollm2_path, max_total_tokens=1024,
-                    chunked_prefill_size=64, max_running_requests=4)
+    engine = Engine(model_dir, load_format="dummy", tokenizer_path=smollm2_path, **TINY_SERVE)
     try:
         want = engine.generate(PROMPT, PARAMS)
     finally:

@@ -24,6 +24,7 @@ class FakeWorker:
         self.prompt_tokens = self.cached_tokens = 0
         self.flushes = 0
         self.requests = []
+        self.tp_size = 2
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if self.mode == "down":
@@ -34,7 +35,8 @@ class FakeWorker:
         if path == "/get_server_info":
             return httpx.Response(200, json={"max_total_tokens": 1000, "prompt_tokens": self.prompt_tokens,
                                              "cached_tokens": self.cached_tokens, "running_requests": 0,
-                                             "waiting_requests": 0, "name": self.name})
+                                             "waiting_requests": 0, "name": self.name, "tp_size": self.tp_size,
+                                             "nnodes": 1, "mesh_shape": {"data": 1, "tensor": self.tp_size}})
         if path == "/get_model_info":
             return httpx.Response(200, json={"model_path": "m"})
         if path == "/v1/models":
@@ -225,6 +227,11 @@ def test_server_info_adds_up_the_workers(fleet):
         info = client.get("/get_server_info").json()
         assert info["prompt_tokens"] == 400 and info["cached_tokens"] == 100 and info["cache_hit_rate"] == 0.25
         assert info["max_total_tokens"] == 2000 and info["num_workers"] == 2
+        assert (info["dp_size"], info["tp_size"], info["nnodes"], info["mesh_shape"]) == (2, 2, 1, {"data": 1,
+                                                                                                   "tensor": 2})
+        workers[B].tp_size = 4  # unlike workers: no one layout to report
+        info = client.get("/get_server_info").json()
+        assert (info["dp_size"], info["tp_size"], info["nnodes"], info["mesh_shape"]) == (2, None, 1, None)
         client.post("/generate", json={"text": "x"})
         info = client.get("/get_server_info").json()
         assert info["router"]["dispatch_counts"] == {A: 1, B: 0} and info["router"]["policy"] == "round_robin"

@@ -101,3 +101,70 @@ def _dead(pid: int) -> bool:
             return any(line.split()[1] == "Z" for line in f if line.startswith("State:"))  # a zombie is dead
     except FileNotFoundError:
         return True
+
+
+def test_worker_devices():
+    """Worker i's GPUs are [i*tp, (i+1)*tp) of the visible ones; too few for dp x tp is refused naming both."""
+    from sgjax.errors import RequestError
+    from sgjax.router.launch import worker_devices
+
+    gpus = ["3", "4", "5", "6", "7"]
+    assert worker_devices(2, 2, gpus) == [{"CUDA_VISIBLE_DEVICES": "3,4"}, {"CUDA_VISIBLE_DEVICES": "5,6"}]
+    assert worker_devices(2, 1, gpus) == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "4"}]
+    assert worker_devices(3, 1, ["0", "1"])[2] == {"CUDA_VISIBLE_DEVICES": "0"}  # one-GPU workers may share
+    assert worker_devices(2, 1, ["0"]) == [{}, {}]
+    with pytest.raises(RequestError, match=r"--dp-size 3 x --tp-size 2 needs 6 GPUs, but 5 are visible") as e:
+        worker_devices(3, 2, gpus)
+    assert e.value.field == "tp_size"
+    assert worker_devices(2, 2, []) == [{"JAX_NUM_CPU_DEVICES": "2"}] * 2  # CPU: host devices per process
+    assert worker_devices(2, 1, []) == [{}, {}]
+
+
+def test_too_few_gpus_for_dp_times_tp_is_refused(monkeypatch):
+    from sgjax.cli import main
+
+    monkeypatch.setenv("JAX_PLATFORMS", "")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(SystemExit, match="--dp-size 2 x --tp-size 2 needs 4 GPUs, but 3 are visible"):
+        main(["serve", "--dp-size", "2", "--tp-size", "2", "--port", "0"])
+
+
+def test_dp_workers_are_tensor_parallel_engines(tiny_checkpoint, smollm2_path):
+    """`sgjax serve --dp-size 2 --tp-size 2` on CPU: each worker is a TP=2 engine on 2 host devices of its own
+    process (the launcher gives them), both answer with one device's greedy text, and the router reports the
+    layout."""
+    import httpx
+
+    from sgjax.engine.engine import Engine
+    from sgjax.router.process import RouterProcess
+    from sgjax.router.proxy import WORKER_HEADER
+    from tests.conftest import TINY_SERVE
+    from tests.router.conftest import _env
+    from tests.server.conftest import REPO
+
+    prompt, params = "The capital of France is", {"max_new_tokens": 8, "temperature": 0.0}
+    flags = [x for name, value in TINY_SERVE.items() for x in ("--" + name.replace("_", "-"), str(value))]
+    proc = RouterProcess("serve", *flags, "--model-path", tiny_checkpoint, "--tokenizer-path", smollm2_path,
+                         "--load-format", "dummy", "--skip-server-warmup", "--tp-size", "2", "--dp-size", "2",
+                         "--router-policy", "round_robin", env=_env(), cwd=REPO)
+    try:
+        proc.wait_ready(timeout=600)
+        with httpx.Client(base_url=proc.url, timeout=300) as c:
+            got = [c.post("/generate", json={"text": prompt, "sampling_params": params}) for _ in range(2)]
+            info = c.get("/get_server_info").json()
+        assert all(r.status_code == 200 for r in got), [r.text for r in got]
+        assert {r.headers[WORKER_HEADER] for r in got} == {w["url"] for w in info["workers"]}  # one each
+        for w in info["workers"]:
+            assert w["info"]["tp_size"] == 2 and w["info"]["mesh_shape"] == {"data": 1, "tensor": 2}, w
+        assert (info["dp_size"], info["tp_size"], info["nnodes"]) == (2, 2, 1)
+        assert info["mesh_shape"] == {"data": 1, "tensor": 2}
+        engine = Engine(tiny_checkpoint, load_format="dummy", tokenizer_path=smollm2_path, **TINY_SERVE)
+        try:
+            want = engine.generate(prompt, params)["text"]
+        finally:
+            engine.shutdown()
+        assert [r.json()["text"] for r in got] == [want, want] and want
+    finally:
+        rc = proc.stop()
+    assert rc == 0, proc.log_text()
+    proc.remove_log()
