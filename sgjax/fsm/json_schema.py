@@ -60,6 +60,10 @@ def _lit(text: str) -> str:
 
 
 class _Converter:
+    # The literal syntax of scalars: JSON's; fsm/python_literal.py swaps in Python's and keeps the structure.
+    BOOLEAN = "(?:true|false)"
+    NULL = "null"
+
     def __init__(self, root, options: JsonOptions):
         self.root = root
         self.opt = options
@@ -126,9 +130,9 @@ class _Converter:
         if kind == "number":
             return self.number(schema, path)
         if kind == "boolean":
-            return "(?:true|false)"
+            return self.BOOLEAN
         if kind == "null":
-            return "null"
+            return self.NULL
         if kind == "array":
             return self.array(schema, path, refs)
         if kind == "object":
@@ -152,6 +156,10 @@ class _Converter:
         if hi is not None and int(hi) < lo:
             raise GrammarError(f"{path}: maxLength < minLength")
         reps = "*" if lo == 0 and hi is None else f"{{{lo},{'' if hi is None else int(hi)}}}"
+        return self.quoted(reps)
+
+    def quoted(self, reps: str) -> str:
+        """A string literal whose content is `reps` (a repetition suffix) characters."""
         return f'"{STRING_CHAR}{reps}"'
 
     def integer(self, schema: dict, path: str) -> str:
@@ -170,7 +178,7 @@ class _Converter:
 
     def free_value(self, depth: int) -> str:
         """Any JSON value whose containers nest at most `depth` deep."""
-        scalar = f'(?:"{STRING_CHAR}*"|{NUMBER}|true|false|null)'
+        scalar = f"(?:{self.quoted('*')}|{NUMBER}|{self.BOOLEAN}|{self.NULL})"
         if depth == 0:
             return scalar
         inner = self.free_value(depth - 1)
@@ -182,7 +190,7 @@ class _Converter:
 
     def free_object(self, value: str) -> str:
         """An object with any keys, each value matching `value`."""
-        ws, pair = self.open_ws, f'"{STRING_CHAR}*"{self.key_sep}{value}'
+        ws, pair = self.open_ws, f"{self.quoted('*')}{self.key_sep}{value}"
         return rf"\{{{ws}(?:{pair}(?:{self.item_sep}{pair})*)?{ws}\}}"
 
     def array(self, schema: dict, path: str, refs: tuple) -> str:
@@ -212,7 +220,7 @@ class _Converter:
         if missing:
             raise GrammarError(f"{path}: required properties {sorted(missing)} have no schema in 'properties'")
         ws = self.open_ws
-        parts = [(f'{_lit(json.dumps(name, ensure_ascii=False))}{self.key_sep}'
+        parts = [(f'{_lit(self.dump(name))}{self.key_sep}'
                   f'(?:{self.convert(sub, f"{path}/properties/{name}", refs)})', name in required)
                  for name, sub in props.items()]
         if not parts:
@@ -223,8 +231,11 @@ class _Converter:
             if extra is True or extra == {}:
                 return self.free_object(self.free_value(FREE_DEPTH - 1))
             return self.free_object(f"(?:{self.convert(extra, f'{path}/additionalProperties', refs)})")
-        # Any subset of the properties, in order, containing the required ones: choose the first
-        # emitted property i (all before it optional), then each later one is `sep prop`, optional or not.
+        return rf"\{{{ws}{self.members(parts)}{ws}\}}"
+
+    def members(self, parts: list[tuple[str, bool]]) -> str:
+        """(member regex, required) pairs -> any subset of them in order that holds the required ones."""
+        # Choose the first emitted member i (all before it optional), then each later one is `sep member`.
         alternatives = []
         for i, (first, _) in enumerate(parts):
             tail = "".join(f"{self.item_sep}{p}" if req else f"(?:{self.item_sep}{p})?" for p, req in parts[i + 1:])
@@ -232,9 +243,7 @@ class _Converter:
             if parts[i][1]:
                 break
         body = "(?:" + "|".join(alternatives) + ")"
-        if not any(req for _, req in parts):
-            body += "?"
-        return rf"\{{{ws}{body}{ws}\}}"
+        return body if any(req for _, req in parts) else body + "?"
 
 
 def _bounds(schema: dict, path: str, integer: bool):

@@ -29,6 +29,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from sgjax.fsm.python_literal import literal
+
 # A call object's start, as every JSON format writes it: the name first, then its arguments.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
@@ -146,6 +148,10 @@ class JsonFormat:
         """The text every output with calls starts with (auto's grammar tells text from a call by it)."""
         return self.prefix + self.head("")[:1]
 
+    def example(self) -> str:
+        """A call's shape for the prompt's instructions."""
+        return self.render([("<function-name>", "<args-json-object>")])
+
 
 class Hermes(JsonFormat):
     name = "hermes"
@@ -256,14 +262,26 @@ class Mistral(JsonFormat):
 
 
 class Pythonic:
-    """`[f(a=1), g(b="x")]`: keyword arguments of Python literals, turned into JSON arguments."""
+    """`[f(a=1), g(b="x")]`: keyword arguments of Python literals, turned into JSON arguments. The grammar spells a
+    call as `head(name)` + keyword arguments (fsm/python_literal.py) + `tail`, as the JSON formats do."""
 
     name = "pythonic"
+    prefix, sep, suffix, tail = "[", ", ", "]", ")"
+    trigger = None  # the calls are the whole answer
+
+    def head(self, name: str) -> str:
+        return name + "("
+
+    def opener(self) -> str:
+        return self.prefix
+
+    def example(self) -> str:
+        return '[<function-name>(<argument>=<python-literal>, ...), ...]'
 
     def render(self, calls) -> str:
         def call(name, args):
             values = json.loads(args) if isinstance(args, str) else args
-            return f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in (values or {}).items()) + ")"
+            return f"{name}(" + ", ".join(f"{k}={literal(v)}" for k, v in (values or {}).items()) + ")"
 
         return "[" + ", ".join(call(n, a) for n, a in calls) + "]"
 

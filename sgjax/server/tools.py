@@ -6,13 +6,14 @@ model's text -> OpenAI's `tool_calls`.
 - `none`: the tools are left out of the prompt and the output is text (OpenAI's meaning: the model will not call).
 - `auto` (the default with tools): the model answers in text or calls. Formats whose calls may follow text
   (hermes's `<tool_call>`, mistral's `[TOOL_CALLS]`): free text that never writes the trigger, then optionally
-  the calls, held to the functions' grammar from the trigger on (fsm/structural_tag.py). llama3's calls only open
-  an answer: one that opens with `{` must be calls; any other first character starts free text.
+  the calls, held to the functions' grammar from the trigger on (fsm/structural_tag.py). llama3's and pythonic's
+  calls only open an answer: one that opens with `{` / `[` must be calls; any other first character starts free text.
 - `required`: one or more calls, nothing else; `parallel_tool_calls: false` makes it exactly one.
 - a named function: exactly one call of that function.
 
 The grammar is one regex (our cFSM's input): the format's wrapper text, literal, around each function's name and
-its parameters' JSON-schema regex (fsm/json_schema.py). Its fixed text (the wrapper, the name, the first keys) is
+its parameters' JSON-schema regex (fsm/json_schema.py; for `pythonic`, keyword arguments of Python literals,
+fsm/python_literal.py). Its fixed text (the wrapper, the name, the first keys) is
 what jump-forward appends without decoding.
 
 Templates that know tools (they read `tools`, e.g. Qwen2.5's) get the tools and the history's `tool_calls` and
@@ -30,9 +31,10 @@ from dataclasses import dataclass
 
 from sgjax.fsm.automaton import GrammarError
 from sgjax.fsm.json_schema import schema_to_regex
+from sgjax.fsm.python_literal import call_name_regex, keyword_arguments_regex
 from sgjax.fsm.structural_tag import without
 from sgjax.server.protocol import ApiError
-from sgjax.server.tool_parsers import JsonFormat, ToolCall
+from sgjax.server.tool_parsers import Pythonic, ToolCall
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's function names (plus the dots BFCL's names use)
 _NO_PARAMS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -71,12 +73,6 @@ def plan(req, fmt, constrain: bool = True) -> ToolPlan:
         return ToolPlan((), "none", parallel, None)
     if not constrain:
         return ToolPlan(functions, choice, parallel, None)
-    if not isinstance(fmt, JsonFormat):
-        if choice == "auto":
-            return ToolPlan(functions, choice, parallel, None)
-        raise ApiError(f"tool_choice: {choice!r} needs a JSON tool-call format (--tool-call-parser hermes, llama3 or "
-                       f"mistral); the {fmt.name} format's calls are Python, which the JSON-schema grammar does not "
-                       f"describe", param="tool_choice")
     targets = [(i, f) for i, f in enumerate(functions) if named is None or f.name == named]
     one = "(?:" + "|".join(_call_regex(fmt, f, i) for i, f in targets) + ")"
     many = one if (named is not None or not parallel) else f"{one}(?:{_lit(fmt.sep)}{one})*"
@@ -85,7 +81,7 @@ def plan(req, fmt, constrain: bool = True) -> ToolPlan:
         # Text that never writes the trigger, then optionally the calls: once the model opens a call, it is held to
         # the functions' grammar, and text after the calls is not allowed (SGLang's structural-tag idea).
         calls = f"{without(fmt.trigger)}(?:{calls})?"
-    elif choice == "auto":  # the format's calls only open an answer (llama3): its first character decides
+    elif choice == "auto":  # the format's calls only open an answer (llama3, pythonic): its first character decides
         opener = fmt.opener()[0]
         calls = f"(?:{calls}|(?:[^{_class_char(opener)}][\\s\\S]*)?)"
     return ToolPlan(functions, choice, parallel, calls)
@@ -118,9 +114,15 @@ def _choice(value, functions) -> tuple[str, str | None]:
     return "named", name
 
 
-def _call_regex(fmt: JsonFormat, f: Function, i: int) -> str:
+def _call_regex(fmt, f: Function, i: int) -> str:
+    pythonic = isinstance(fmt, Pythonic)
+    if pythonic:
+        try:
+            call_name_regex(f.name)
+        except GrammarError as e:
+            raise ApiError(f"tools.{i}.function.name: {e}", param=f"tools.{i}.function.name") from None
     try:
-        args = schema_to_regex(f.parameters)
+        args = keyword_arguments_regex(f.parameters) if pythonic else schema_to_regex(f.parameters)
     except GrammarError as e:
         raise ApiError(f"tools.{i}.function.parameters: {e}", param=f"tools.{i}.function.parameters") from None
     except (RecursionError, TypeError, ValueError) as e:
@@ -182,7 +184,7 @@ def _loads(text: str):
 
 
 def _instructions(specs: list[dict], fmt) -> str:
-    example = fmt.render([("<function-name>", "<args-json-object>")])
+    example = fmt.example()
     listing = "\n".join(json.dumps(s, ensure_ascii=False) for s in specs)
     # The fixed text first: requests with different tools share its KV pages in the radix cache.
     return ("# Tools\n\nYou may call one or more functions to assist with the user query. To call functions, reply "

@@ -74,7 +74,7 @@ def test_llama3_template_with_the_llama3_format():
     assert '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>' in text
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "pythonic"])
 def test_each_choice_grammar(fmt, smollm2_tokenizer):
     parser = get_parser(fmt)
     vocab = from_tokenizer(smollm2_tokenizer)
@@ -101,9 +101,90 @@ def test_each_choice_grammar(fmt, smollm2_tokenizer):
     assert re.fullmatch(single.regex, one) and not re.fullmatch(single.regex, two)
 
 
-def test_pythonic_cannot_be_forced_and_auto_is_free():
-    with pytest.raises(ApiError) as e:
-        tools.plan(_req(tools=[WEATHER], tool_choice="required"), get_parser("pythonic"))
-    assert e.value.param == "tool_choice"
-    assert tools.plan(_req(tools=[WEATHER]), get_parser("pythonic")).regex is None
+# -- pythonic: keyword arguments of Python literals (fsm/python_literal.py) ----------------------------------------
+RICH = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8}, "nights": {"type": "integer", "minimum": 1, "maximum": 14},
+    "unit": {"enum": ["eur", "usd"]}, "late": {"type": "boolean"}, "note": {"type": ["string", "null"]},
+    "ages": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+    "room": {"type": "object", "properties": {"beds": {"type": "integer"}, "view": {"type": "boolean"}},
+             "required": ["beds"]}}, "required": ["city", "nights"]}}}
+DOTTED = {"type": "function", "function": {"name": "math.now"}}
+PY_GOOD = ['[book(city="Paris", nights=2)]',
+           '[book(city="Pa\\"ris", nights=14, unit="usd", late=True, note=None, ages=[1.5, -2, 3e2], '
+           'room={"beds": 2, "view": False})]',
+           '[math.now()]', '[book(city="", nights=1), math.now()]', '[book(city="Nice", nights=3, note="x\\n")]']
+PY_BAD = ["[book(nights=2)]", '[book(city="Paris")]', '[book(city="Paris", nights=0)]',  # required, bounds
+          '[book(city="Marseille", nights=2)]', "[book(city='Paris', nights=2)]",  # maxLength, the one quote
+          '[book(city="Paris", nights=2, unit="gbp")]', '[book(city="Paris", nights=2, late=true)]',
+          '[book(nights=2, city="Paris")]', '[book(city="a\\/b", nights=1)]', '[book(city="P", nights=1, room={})]',
+          '[book("Paris", 2)]', "book(city='x', nights=1)", "[]", '[book(city="P", nights=1)] ok']
+
+
+def _py_plan(choice="required", **kw):
+    return tools.plan(_req(tools=[RICH, DOTTED], tool_choice=choice, **kw), get_parser("pythonic"))
+
+
+def _valid_calls(parser, text) -> list:
+    import jsonschema
+
+    specs = {t["function"]["name"]: t["function"].get("parameters", tools._NO_PARAMS) for t in (RICH, DOTTED)}
+    scan = parser.scan(text)
+    for c in scan.calls:
+        jsonschema.validate(json.loads(c.arguments), specs[c.name])
+    return list(scan.calls)
+
+
+def test_pythonic_grammar_accepts_and_refuses(smollm2_tokenizer):
+    parser, plan = get_parser("pythonic"), _py_plan()
+    grammar = compile_grammar(plan.regex, from_tokenizer(smollm2_tokenizer))
+    for text in PY_GOOD:
+        assert re.fullmatch(plan.regex, text), text
+        assert grammar.is_accepting(grammar.walk(smollm2_tokenizer.encode(text))), text
+        assert _valid_calls(parser, text), text  # the existing parser reads it, and it validates
+    for text in PY_BAD:
+        assert not re.fullmatch(plan.regex, text), text
+    named = _py_plan({"type": "function", "function": {"name": "math.now"}})
+    assert re.fullmatch(named.regex, "[math.now()]") and not re.fullmatch(named.regex, PY_GOOD[0])
+    single = _py_plan(parallel_tool_calls=False)
+    assert re.fullmatch(single.regex, PY_GOOD[0]) and not re.fullmatch(single.regex, PY_GOOD[3])
+    auto = _py_plan("auto")  # an answer opening with `[` is calls; any other first character starts free text
+    for text in PY_GOOD + ["Sure, Paris.", "", "(1, 2)"]:
+        assert re.fullmatch(auto.regex, text), text
+    assert not re.fullmatch(auto.regex, "[1, 2, 3] is a list") and not re.fullmatch(auto.regex, PY_BAD[0])
+    # The prompt's history writes calls as the grammar spells them (double quotes, True / None).
+    assert re.fullmatch(plan.regex, parser.render([("book", '{"city": "Nice", "nights": 1, "late": false}')]))
+
+
+def test_pythonic_random_walks_parse_and_validate():
+    import numpy as np
+
+    from sgjax.fsm.automaton import compile_regex
+
+    parser, plan = get_parser("pythonic"), _py_plan()
+    dfa, rng, done = compile_regex(plan.regex), np.random.default_rng(0), 0
+    for _ in range(200):
+        state, out = 0, bytearray()
+        for _ in range(600):
+            nxt = dfa.out_bytes(state)
+            if dfa.accepting[state] and (not nxt or rng.random() < 0.1):
+                text = bytes(out).decode()
+                assert _valid_calls(parser, text), text
+                done += 1
+                break
+            out.append(int(rng.choice(nxt)))
+            state = dfa.step(state, bytes(out[-1:]))
+    assert done >= 150
+
+
+def test_pythonic_refusals_name_the_field():
+    def refused(tool, field):
+        with pytest.raises(ApiError) as e:
+            tools.plan(_req(tools=[tool], tool_choice="required"), get_parser("pythonic"))
+        assert e.value.param == field, e.value
+
+    params = {"type": "object", "properties": {"from": {"type": "string"}}}  # a keyword is not an argument name
+    refused({"type": "function", "function": {"name": "f", "parameters": params}}, "tools.0.function.parameters")
+    refused({"type": "function", "function": {"name": "get-time"}}, "tools.0.function.name")  # not a Python name
+    anyof = {"anyOf": [{"type": "object"}, {"type": "null"}]}
+    refused({"type": "function", "function": {"name": "f", "parameters": anyof}}, "tools.0.function.parameters")
     assert tools.plan(_req(tools=[WEATHER], tool_choice="required"), get_parser("hermes"), constrain=False).regex is None
