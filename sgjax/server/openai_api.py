@@ -72,7 +72,12 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
         raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
     schema = _response_schema(req)
     tag = _structural_tag(req)
-    plan = tools.plan(req, serving.tool_format, constrain=not serving.http.disable_tool_call_constraint)
+    reasoning = serving.reasoning
+    if req.separate_reasoning is False or (req.chat_template_kwargs or {}).get("enable_thinking") is False:
+        reasoning = None  # the reasoning stays in the content / the template told the model not to think
+    # The calls' grammar admits a <think> block exactly when the answer's reasoning is split off from the content.
+    plan = tools.plan(req, serving.tool_format, constrain=not serving.http.disable_tool_call_constraint,
+                      reasoning=reasoning)
     if plan.regex is not None and (schema is not None or tag is not None or req.regex is not None
                                    or req.ebnf is not None):
         given = "regex" if req.regex is not None else "ebnf" if req.ebnf is not None else "response_format"
@@ -96,9 +101,6 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
     work = HttpWork(params=(params,), ids=(ids,), return_logprob=bool(req.logprobs), top_logprobs_num=top,
                 prompt_field="messages", renames=renames, images=(tuple(images),) if images else None,
                 image_fields=(("messages", tuple(fields)),) if images else None)
-    reasoning = serving.reasoning
-    if req.separate_reasoning is False or (req.chat_template_kwargs or {}).get("enable_thinking") is False:
-        reasoning = None  # the reasoning stays in the content / the template told the model not to think
     output = ChatOutput(tools=serving.tool_format if plan.parse else None, reasoning=reasoning)
     return Prepared(work=work, n=params.n, chat=True, logprobs=top if req.logprobs else None,
                     include_usage=_include_usage(req), output=output)

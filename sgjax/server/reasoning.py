@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sgjax.fsm.structural_tag import _lit, without
 from sgjax.lang.reasoning import FORCED, OPTIONAL, THINK_END, THINK_START, is_forced
 from sgjax.server.tool_parsers import _held_prefix
 
@@ -25,6 +26,14 @@ class ReasoningParser:
     @classmethod
     def named(cls, model_type: str) -> "ReasoningParser":
         return cls(is_forced(model_type))
+
+    def grammar_prefix(self) -> str:
+        """Regex of the reasoning block a constrained answer (tool calls) may open with: free text without
+        `</think>`, then `</think>` and a little layout. Forced types must write it (their opening tag optional);
+        optional types may, opening it with `<think>`. The grammar starts after it, as SGLang leaves reasoning
+        sections unconstrained."""
+        block = f"{without(THINK_END)}{_lit(THINK_END)}\\s{{0,4}}"
+        return f"(?:{_lit(THINK_START)})?{block}" if self.forced else f"(?:{_lit(THINK_START)}{block})?"
 
     def split(self, text: str, final: bool = True) -> tuple[str, str]:
         """(reasoning, content) of an answer, or of a stream's text so far (final=False)."""

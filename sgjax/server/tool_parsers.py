@@ -258,7 +258,10 @@ class Mistral(JsonFormat):
         calls, end, maybe = _call_sequence(rest, pos + 1 if bracket else pos, final, ",", "]" if bracket else None)
         if not calls and not maybe:
             return Scan(text, ())
-        return Scan(text[:k] + ("" if maybe else rest[end:]), tuple(calls))
+        if maybe:
+            return Scan(text[:k], tuple(calls))
+        after = self.scan(rest[end:], final)  # text after the calls, in which another [TOOL_CALLS] may open more
+        return Scan(text[:k] + after.content, tuple(calls) + after.calls)
 
 
 class Pythonic:

@@ -5,8 +5,9 @@ model's text -> OpenAI's `tool_calls`.
 
 - `none`: the tools are left out of the prompt and the output is text (OpenAI's meaning: the model will not call).
 - `auto` (the default with tools): the model answers in text or calls. Formats whose calls may follow text
-  (hermes's `<tool_call>`, mistral's `[TOOL_CALLS]`): free text that never writes the trigger, then optionally
-  the calls, held to the functions' grammar from the trigger on (fsm/structural_tag.py). llama3's and pythonic's
+  (hermes's `<tool_call>`, mistral's `[TOOL_CALLS]`): free text that never writes the trigger, calls held to the
+  functions' grammar from the trigger on, free text again after them (fsm/structural_tag.py, SGLang's structural
+  tags; more calls only with parallel_tool_calls). llama3's and pythonic's
   calls only open an answer: one that opens with `{` / `[` must be calls; any other first character starts free text.
 - `required`: one or more calls, nothing else; `parallel_tool_calls: false` makes it exactly one.
 - a named function: exactly one call of that function.
@@ -64,8 +65,9 @@ class ToolPlan:
 NO_TOOLS = ToolPlan((), "none", True, None)
 
 
-def plan(req, fmt, constrain: bool = True) -> ToolPlan:
-    """`constrain` False (--disable-tool-call-constraint, the ablation): the same prompt, no grammar."""
+def plan(req, fmt, constrain: bool = True, reasoning=None) -> ToolPlan:
+    """`constrain` False (--disable-tool-call-constraint, the ablation): the same prompt, no grammar. `reasoning`:
+    the answer's ReasoningParser, whose `<think>` block the grammar lets the model write before the calls."""
     functions = _functions(req.tools or [])
     choice, named = _choice(req.tool_choice, functions)
     parallel = req.parallel_tool_calls is not False
@@ -78,12 +80,16 @@ def plan(req, fmt, constrain: bool = True) -> ToolPlan:
     many = one if (named is not None or not parallel) else f"{one}(?:{_lit(fmt.sep)}{one})*"
     calls = _lit(fmt.prefix) + many + _lit(fmt.suffix)
     if choice == "auto" and fmt.trigger is not None:
-        # Text that never writes the trigger, then optionally the calls: once the model opens a call, it is held to
-        # the functions' grammar, and text after the calls is not allowed (SGLang's structural-tag idea).
-        calls = f"{without(fmt.trigger)}(?:{calls})?"
+        # SGLang's structural tags: free text that never writes the trigger; where the trigger is written, calls held
+        # to the functions' grammar; then free text again, in which the trigger may open more calls (one group
+        # only with parallel_tool_calls false, after which the text can no longer write the trigger).
+        text = without(fmt.trigger)
+        calls = f"{text}(?:{calls}{text})" + ("*" if parallel else "?")
     elif choice == "auto":  # the format's calls only open an answer (llama3, pythonic): its first character decides
         opener = fmt.opener()[0]
         calls = f"(?:{calls}|(?:[^{_class_char(opener)}][\\s\\S]*)?)"
+    if reasoning is not None:
+        calls = reasoning.grammar_prefix() + calls
     return ToolPlan(functions, choice, parallel, calls)
 
 

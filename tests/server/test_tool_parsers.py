@@ -17,6 +17,9 @@ CASES = {
         ('<tool_call>\n{"arguments": {"a": "}"}, "name": "f"}\n</tool_call>', "", [("f", '{"a": "}"}')]),
         ("plain answer, no calls", "plain answer, no calls", []),
         ("x < y and <tool_ but no call", "x < y and <tool_ but no call", []),
+        # text after the calls (auto's grammar allows it, as SGLang's structural tags do) is content
+        (HERMES_TWO + "\nDone, both.", "Let me check.\n\n\nDone, both.",
+         [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", '{"tz": "CET"}')]),
     ],
     "qwen25": [(HERMES_TWO, "Let me check.", [("get_weather", '{"city": "Paris", "days": [1, 2]}'),
                                                ("get_time", '{"tz": "CET"}')])],
@@ -30,6 +33,8 @@ CASES = {
         ('Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', "Sure.",
          [("a", '{"x": 1}'), ("b", "{}")]),
         ("no calls [TOOL here", "no calls [TOOL here", []),
+        ('Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}] Then. [TOOL_CALLS] [{"name": "b", "arguments": {}}]'
+         " Done.", "Sure.  Then.  Done.", [("a", '{"x": 1}'), ("b", "{}")]),
     ],
     "pythonic": [
         ('[get_weather(city="Paris"), set_alarm(at=[7, 30], loud=True)]', "",
@@ -138,7 +143,8 @@ def test_chat_output_message_equals_its_stream():
 
     for out in (ChatOutput(tools=get_parser("hermes")), ChatOutput(reasoning=ReasoningParser.named("qwen3")),
                 ChatOutput(tools=get_parser("hermes"), reasoning=ReasoningParser.named("qwen3"))):
-        for text in ("  plain answer \n", "<think>hm</think>\n\n" + HERMES_TWO, HERMES_TWO, "<think>only"):
+        for text in ("  plain answer \n", "<think>hm</think>\n\n" + HERMES_TWO, HERMES_TWO, "<think>only",
+                     "<think>hm</think>" + HERMES_TWO + "\nIt is 18 C."):
             msg, called = out.message(text)
             stream, got, calls = out.stream(), {"content": "", "reasoning_content": ""}, {}
             for i in range(1, len(text) + 1):

@@ -85,8 +85,9 @@ def test_each_choice_grammar(fmt, smollm2_tokenizer):
         ("required", [one, two], ["hello", bad]),
         ({"type": "function", "function": {"name": "get_time"}}, [parser.render([("get_time", "{}")])], [one]),
         ("auto", [one, two, "Hello there.", ""], [bad]),
-    ] + ([("auto", ["Let me check.\n" + one, "x < y, [TOOL] <tool"], ["Sure. " + bad, "Sure. " + one + " Done."])]
-         if parser.trigger else []):
+    ] + ([("auto", ["Let me check.\n" + one, "x < y, [TOOL] <tool", "Sure. " + one + " Done.", one + "\nok " + two],
+           ["Sure. " + bad, one + " Done. " + bad, one + " then " + parser.trigger + " no call"])]
+         if parser.trigger else [("auto", [], [one + " Done."])]):  # calls that open the answer are all of it
         plan = tools.plan(_req(tools=[WEATHER, CLOCK], tool_choice=choice), parser)
         grammar = compile_grammar(plan.regex, vocab)
         for text in accepts:
@@ -99,6 +100,23 @@ def test_each_choice_grammar(fmt, smollm2_tokenizer):
             assert all(json.loads(c.arguments) is not None for c in scan.calls)
     single = tools.plan(_req(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False), parser)
     assert re.fullmatch(single.regex, one) and not re.fullmatch(single.regex, two)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral"])
+def test_auto_text_after_calls(fmt):
+    """SGLang's structural tags: after a call, free text again; the trigger opens another call only with parallel
+    calls, and the text around calls is the content."""
+    parser = get_parser(fmt)
+    one, two = parser.render([("get_weather", '{"city": "Paris"}')]), parser.render([("get_time", "{}")])
+    parallel = tools.plan(_req(tools=[WEATHER, CLOCK]), parser).regex
+    single = tools.plan(_req(tools=[WEATHER, CLOCK], parallel_tool_calls=False), parser).regex
+    text = f"Checking. {one} It is 18 C. {two} Done."
+    assert re.fullmatch(parallel, text) and not re.fullmatch(single, text)
+    assert re.fullmatch(single, f"Checking. {one} It is 18 C.")
+    assert not re.fullmatch(single, f"{one} then {parser.trigger}")  # the text after the one call: no trigger
+    scan = parser.scan(text)
+    assert [c.name for c in scan.calls] == ["get_weather", "get_time"]
+    assert scan.content.split() == "Checking. It is 18 C. Done.".split()
 
 
 # -- pythonic: keyword arguments of Python literals (fsm/python_literal.py) ----------------------------------------
@@ -188,3 +206,38 @@ def test_pythonic_refusals_name_the_field():
     anyof = {"anyOf": [{"type": "object"}, {"type": "null"}]}
     refused({"type": "function", "function": {"name": "f", "parameters": anyof}}, "tools.0.function.parameters")
     assert tools.plan(_req(tools=[WEATHER], tool_choice="required"), get_parser("hermes"), constrain=False).regex is None
+
+
+# -- reasoning before constrained calls ---------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["hermes", "pythonic"])
+def test_reasoning_block_before_constrained_calls(fmt, smollm2_tokenizer):
+    """With a reasoning parser the grammar lets the model think first (free text without `</think>`, then
+    `</think>`), then holds it to the calls; the answer's split then finds valid calls in the content."""
+    from sgjax.server.chat_output import ChatOutput
+    from sgjax.server.reasoning import ReasoningParser
+
+    parser, vocab = get_parser(fmt), from_tokenizer(smollm2_tokenizer)
+    one = parser.render([("get_weather", '{"city": "Paris"}')])
+    bad = parser.render([("get_weather", '{"city": 5}')])
+    forced, optional = ReasoningParser.named("deepseek-r1"), ReasoningParser.named("qwen3")
+    cases = [
+        (forced, "required", ["<think>Paris, so get_weather.</think>\n\n" + one, "No opening tag.</think>" + one,
+                              "</think>" + one, "<think>mentions <tool_call> and [f(x=1)] freely</think>\n" + one],
+         [one, "<think>never closed " + one, "<think>a</think>b</think>" + one, "<think>x</think> Sure. " + one,
+          "<think>x</think>" + bad]),
+        (optional, "required", [one, "<think>hm</think>\n" + one], ["I think.</think>" + one, "<think>x</think>hi"]),
+        (forced, {"type": "function", "function": {"name": "get_weather"}}, ["<think>ok</think>" + one],
+         ["<think>ok</think>" + parser.render([("get_time", "{}")])]),
+    ] + ([(forced, "auto", ["<think>a <tool_call> in thought</think>Sure. " + one + " Done."], ["Sure. " + one])]
+         if parser.trigger else [])
+    for reasoning, choice, accepts, refuses in cases:
+        plan = tools.plan(_req(tools=[WEATHER, CLOCK], tool_choice=choice), parser, reasoning=reasoning)
+        grammar = compile_grammar(plan.regex, vocab)
+        for text in accepts:
+            assert re.fullmatch(plan.regex, text), (choice, text)
+            assert grammar.is_accepting(grammar.walk(smollm2_tokenizer.encode(text))), (choice, text)
+            msg, called = ChatOutput(tools=parser, reasoning=reasoning).message(text)
+            assert called and msg["tool_calls"][0]["function"]["name"] == "get_weather", (text, msg)
+            assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+        for text in refuses:
+            assert not re.fullmatch(plan.regex, text), (choice, text)
