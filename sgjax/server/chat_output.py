@@ -14,6 +14,7 @@ from sgjax.server.tools import call_id
 class ChatOutput:
     tools: object | None = None  # a tool_parsers format; None: no tool calls are parsed
     reasoning: ReasoningParser | None = None
+    stream_reasoning: bool = True  # False: a stream sends the reasoning whole when it ends (SGLang's field)
 
     @property
     def plain(self) -> bool:
@@ -45,7 +46,8 @@ class ChatStream:
     arguments."""
 
     def __init__(self, out: ChatOutput):
-        self.reasoning = ReasoningStream(out.reasoning) if out.reasoning is not None else None
+        self.reasoning = (ReasoningStream(out.reasoning, whole=not out.stream_reasoning)
+                          if out.reasoning is not None else None)
         self.tools = Stream(out.tools) if out.tools is not None else None
         self.seen = 0
         self.called = False

@@ -89,7 +89,6 @@ CHAT = {
     "functions": Unsupported("the deprecated functions are not supported by sgjax; use tools"),
     "function_call": Unsupported("the deprecated function_call is not supported by sgjax; use tool_choice", ("none",)),
     "continue_final_message": _FALSE,
-    "stream_reasoning": Unsupported("reasoning is always streamed as it is generated", (True,)),
     "return_prompt_token_ids": _FALSE, "return_meta_info": _FALSE, "return_input_ids_in_sglext": _FALSE,
     "return_output_ids_in_sglext": _FALSE, "return_sampling_mask": _FALSE, "sampling_logprobs_mode": _NO,
     "return_flat_raw_output_top_logprobs": _FALSE, "max_dynamic_patch": _MM, "min_dynamic_patch": _MM,

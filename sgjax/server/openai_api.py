@@ -101,7 +101,8 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
     work = HttpWork(params=(params,), ids=(ids,), return_logprob=bool(req.logprobs), top_logprobs_num=top,
                 prompt_field="messages", renames=renames, images=(tuple(images),) if images else None,
                 image_fields=(("messages", tuple(fields)),) if images else None)
-    output = ChatOutput(tools=serving.tool_format if plan.parse else None, reasoning=reasoning)
+    output = ChatOutput(tools=serving.tool_format if plan.parse else None, reasoning=reasoning,
+                        stream_reasoning=req.stream_reasoning is not False)
     return Prepared(work=work, n=params.n, chat=True, logprobs=top if req.logprobs else None,
                     include_usage=_include_usage(req), output=output)
 

@@ -291,8 +291,10 @@ class ChatCompletionRequest(OpenAIBase):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # SGLang's reasoning switches (with --reasoning-parser): separate_reasoning false leaves the reasoning in the
-    # content; chat_template_kwargs are the template's variables (Qwen3's enable_thinking)
+    # content; stream_reasoning false sends it whole when it ends; chat_template_kwargs are the template's variables
+    # (Qwen3's enable_thinking)
     separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -53,14 +53,18 @@ class ReasoningParser:
 
 
 class ReasoningStream:
-    """`feed(delta)` per new piece of output -> (new reasoning text, new content text)."""
+    """`feed(delta)` per new piece of output -> (new reasoning text, new content text). `whole` (SGLang's
+    `stream_reasoning: false`): the reasoning is held back and sent in one piece when it ends (`</think>`, or the
+    output's end), so a client that shows only finished thoughts gets them as one delta."""
 
-    def __init__(self, parser: ReasoningParser):
-        self.parser, self.text, self.sent = parser, "", ("", "")
+    def __init__(self, parser: ReasoningParser, whole: bool = False):
+        self.parser, self.whole, self.text, self.sent = parser, whole, "", ("", "")
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         self.text += delta
         reasoning, content = self.parser.split(self.text, final)
         old_r, old_c = self.sent
+        if self.whole and not final and THINK_END not in self.text:
+            reasoning = old_r  # still reasoning: nothing of it yet
         self.sent = (reasoning, content)
         return reasoning[len(old_r):], content[len(old_c):]

@@ -122,15 +122,20 @@ REASONING = [
 def test_reasoning_split_and_stream(model_type, text, reasoning, content):
     parser = ReasoningParser.named(model_type)
     assert parser.split(text) == (reasoning, content)
-    for step in (1, 2, 5):
-        stream, got = ReasoningStream(parser), ["", ""]
+    for step, whole in [(1, False), (2, False), (5, False), (1, True), (3, True)]:
+        stream, got, pieces_r = ReasoningStream(parser, whole=whole), ["", ""], []
         pieces = [text[i:i + step] for i in range(0, len(text), step)] + [""]
         for i, piece in enumerate(pieces):
             r, c = stream.feed(piece, final=i == len(pieces) - 1)
+            if r:
+                pieces_r.append(r)
+                assert not whole or not got[1], "stream_reasoning false: the reasoning comes whole, before content"
             got[0] += r
             got[1] += c
             assert "</think" not in got[0] and not got[1].startswith("<think")
         assert tuple(got) == (reasoning, content)
+        if whole:  # one delta, the whole reasoning (at </think>, or at the end of an output cut off while thinking)
+            assert pieces_r == ([reasoning] if reasoning else [])
 
 
 def test_reasoning_unknown_type():

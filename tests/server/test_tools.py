@@ -241,6 +241,17 @@ def test_reasoning_split_on_a_real_run(oai, tool_server):
                     if key in streamed and value:
                         streamed[key] += value
     assert streamed == {"reasoning_content": msg.reasoning_content, "content": msg.content}
+    # stream_reasoning false (SGLang's field): the reasoning arrives once, whole, before the content
+    order = []
+    with httpx.stream("POST", tool_server.url + "/v1/chat/completions",
+                      json={**kw, "regex": THINK, "stream": True, "stream_reasoning": False}, timeout=120) as r:
+        assert r.status_code == 200
+        for e in sse_events(r.iter_lines()):
+            if e != "[DONE]":
+                order += [(k, v) for k, v in e["choices"][0]["delta"].items() if k in streamed and v]
+    assert order[0] == ("reasoning_content", msg.reasoning_content)
+    assert [k for k, _ in order].count("reasoning_content") == 1
+    assert "".join(v for k, v in order if k == "content") == msg.content
     # separate_reasoning false (SGLang's switch): the block stays in the content
     kept = oai.chat.completions.create(model="m", messages=ASK, max_tokens=40, temperature=0,
                                        extra_body={"regex": THINK, "separate_reasoning": False}).choices[0].message
