@@ -68,6 +68,10 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    # Seconds rank 0 waits for a follower to acknowledge a broadcast step before declaring it lost (a stopped or
+    # hung follower keeps its connection open, so only its silence tells); 0: wait for ever. Above a new shape's
+    # compile time on a follower, which rank 0's next broadcast waits out too.
+    dist_step_timeout: float = 60.0
 
     @classmethod
     def from_kwargs(cls, model_path, kwargs: dict) -> "ServerArgs":
@@ -151,4 +155,7 @@ ENGINE_FLAGS = [
     ("node_rank", dict(type=int, help="this process's rank among --nnodes (0: the server)")),
     ("dist_init_addr", dict(help="host:port of jax.distributed's coordinator on rank 0's host (port + 1 is also "
                                  "used, for the followers' liveness connections)")),
+    ("dist_step_timeout", dict(type=float, help="with --nnodes: seconds rank 0 waits for a follower to acknowledge "
+                                                "a step before failing every request and exiting, as for a dead "
+                                                "follower; 0: no limit")),
 ]

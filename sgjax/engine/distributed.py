@@ -14,12 +14,19 @@ scheduler's inputs are the HTTP requests, their arrival order relative to the st
 (overlap, grammar compile threads), which would all have to be replicated exactly; one broadcast of a buffer the
 leader already builds (a few KB per step) keeps the followers stateless and the host code unchanged.
 
+Encode and score (engine/embed.py) run a jitted prefill of their own over the mesh: the leader broadcasts it as a
+READOUT (the readout's kind, then the prompts' token ids), on the engine thread between steps, so every rank meets
+the same programs in the same order.
+
 Failure. A follower opens a TCP connection to the leader (the --dist-init-addr host, port + 1) that it holds for
 its whole life; the kernel closes it when the follower dies, however it dies, so the leader sees an EOF at once
-(a collective with a dead peer may hang, and jax's own heartbeat only notices after heartbeat_timeout_seconds). On
-that EOF the leader fails every request with a 500 naming the lost rank and exits with status 1 (`Leader.on_lost`).
-A follower that loses its connection to the leader without a STOP exits with status 1 too. A clean shutdown of the
-leader broadcasts STOP after the engine loop has ended: the followers leave `follow` and exit 0.
+(a collective with a dead peer may hang, and jax's own heartbeat only notices after heartbeat_timeout_seconds). A
+follower that is alive but never joins the collective (SIGSTOP, a hang) keeps the connection open, so each
+follower also acknowledges every op it received over it (one byte), and the leader's watcher declares it lost when
+an op waits longer than --dist-step-timeout for its acknowledgement (`Acks`). Either way the leader fails every
+request with a 500 naming the lost rank and exits with status 1 (`Leader.on_lost`). A follower that loses its
+connection to the leader without a STOP exits with status 1 too. A clean shutdown of the leader broadcasts STOP
+after the engine loop has ended: the followers leave `follow` and exit 0.
 """
 
 from __future__ import annotations
@@ -35,11 +42,14 @@ import numpy as np
 
 log = logging.getLogger("sgjax.distributed")
 
-STEP, RESET, STOP = 1, 2, 3
+STEP, RESET, STOP, READOUT = 1, 2, 3, 4
 # int32 words: op, 4 BatchShape fields, history, top_logprobs, mask_words, image_rows, feature dim, size, the sampler's
-# two branches (-1: decided on the device, 0 / 1: static)
+# two branches (-1: decided on the device, 0 / 1: static). A READOUT: op, its kind (embed.READOUTS), 8 unused, size.
 HEADER = 13
 CONNECT_TIMEOUT = 120.0
+# A follower's bytes to the leader: it entered its loop (the clock of its acknowledgements starts: loading and
+# compiling before that take as long as they take), and one per op received.
+READY, ACK = b"r", b"a"
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -60,6 +70,8 @@ def check_args(args) -> None:
     if args.dist_init_addr is None:
         raise ValueError("nnodes > 1 needs --dist-init-addr host:port (the coordinator, on the rank-0 host)")
     parse_addr(args.dist_init_addr)
+    if not args.dist_step_timeout >= 0:
+        raise ValueError(f"dist_step_timeout must be >= 0 seconds (0: no limit), got {args.dist_step_timeout}")
 
 
 def initialize(args) -> None:
@@ -112,6 +124,23 @@ def _header(op: int, shape=None, features=None) -> np.ndarray:
     return h
 
 
+def _readout_header(kind: int, size: int) -> np.ndarray:
+    h = np.zeros(HEADER, np.int32)
+    h[0], h[1], h[10] = READOUT, kind, size
+    return h
+
+
+def pack_prompts(prompts: list[list[int]]) -> np.ndarray:
+    """A readout's prompts as one int32 buffer: their count, their lengths, then every token id."""
+    return np.asarray([len(prompts), *map(len, prompts), *(t for p in prompts for t in p)], np.int32)
+
+
+def unpack_prompts(buffer: np.ndarray) -> list[list[int]]:
+    n = int(buffer[0])
+    ends = np.cumsum(buffer[1:1 + n]) + 1 + n
+    return [buffer[end - length:end].tolist() for end, length in zip(ends, buffer[1:1 + n])]
+
+
 def _shape(h: np.ndarray):
     from sgjax.engine.sampler import Branches
     from sgjax.engine.step import StepShape
@@ -138,12 +167,51 @@ def roles(args, on_lost: Callable[[str], None]):
     return (Leader(args, on_lost=on_lost), None) if args.node_rank == 0 else (None, Follower(args))
 
 
+class Acks:
+    """What each follower acknowledged of the leader's ops, and how long the leader has waited on it. Ops start on
+    the engine thread, acknowledgements arrive on each rank's watcher thread: hence the lock."""
+
+    def __init__(self, ranks):
+        self._lock = threading.Lock()
+        self._sent = 0
+        self._started: dict[int, float] = {}  # op number -> when the leader began it, until every rank acked it
+        self._acked = dict.fromkeys(ranks, 0)
+        self._ready: dict[int, float | None] = dict.fromkeys(ranks)
+
+    def begin(self, now: float) -> None:
+        with self._lock:
+            self._sent += 1
+            self._started[self._sent] = now
+
+    def ready(self, rank: int, now: float) -> None:
+        with self._lock:
+            self._ready[rank] = now
+
+    def ack(self, rank: int, count: int = 1) -> None:
+        with self._lock:
+            self._acked[rank] += count
+            done = min(self._acked.values())
+            for op in [op for op in self._started if op <= done]:
+                del self._started[op]
+
+    def waiting(self, rank: int, now: float) -> float:
+        """Seconds the leader has waited for `rank`'s oldest unacknowledged op (counted from when the follower
+        became ready, if later); 0 when nothing is owed or the follower is still starting."""
+        with self._lock:
+            oldest, ready = self._acked[rank] + 1, self._ready[rank]
+            if ready is None or oldest > self._sent:
+                return 0.0
+            return now - max(self._started[oldest], ready)
+
+
 class Leader:
-    """Rank 0's side: the followers' connections (watched for EOF) and the step broadcasts (engine thread only)."""
+    """Rank 0's side: the followers' connections (watched for EOF and for late acknowledgements) and the op
+    broadcasts (engine thread only)."""
 
     def __init__(self, args, on_lost: Callable[[str], None] | None = None):
         self.nnodes = args.nnodes
         self.on_lost = on_lost
+        self.step_timeout = args.dist_step_timeout
         self._closing = False
         host, port = parse_addr(args.dist_init_addr)
         self._listener = socket.create_server((host, port + 1), reuse_port=False)
@@ -157,34 +225,62 @@ class Leader:
             _keepalive(conn)
             self._conns[rank] = conn
         self._listener.close()
+        self.acks = Acks(self._conns)
         for rank, conn in self._conns.items():
             threading.Thread(target=self._watch, args=(rank, conn), name=f"sgjax-watch-rank{rank}",
                              daemon=True).start()
 
     def _watch(self, rank: int, conn: socket.socket) -> None:
-        try:
-            while conn.recv(64):
-                pass
-        except OSError:
-            pass
-        if not self._closing:
-            msg = f"lost follower rank {rank} of {self.nnodes} (its process died or its host went away)"
+        reason = "its process died or its host went away"
+        late = False
+        # recv wakes up this often to check the acknowledgements' deadline (blocks for ever without one)
+        conn.settimeout(min(1.0, self.step_timeout / 4) if self.step_timeout > 0 else None)
+        while True:
+            try:
+                data = conn.recv(64)
+            except TimeoutError:
+                data = None
+            except OSError:
+                break
+            if data == b"":
+                break
+            if data:
+                if READY in data:
+                    self.acks.ready(rank, time.monotonic())
+                self.acks.ack(rank, data.count(ACK))
+            if self.step_timeout > 0 and self.acks.waiting(rank, time.monotonic()) > self.step_timeout:
+                reason = (f"alive but not joining the collective: no acknowledgement of a step for "
+                          f"{self.step_timeout:g} s (--dist-step-timeout); stopped or hung")
+                late = True
+                break
+        # A clean stop closes the connections itself; a follower stuck in the STOP broadcast still counts
+        if late or not self._closing:
+            msg = f"lost follower rank {rank} of {self.nnodes} ({reason})"
             log.error(msg)
             if self.on_lost is not None:
                 self.on_lost(msg)
             else:
                 os._exit(1)
 
+    def _send(self, header: np.ndarray, buffer: np.ndarray | None = None) -> None:
+        self.acks.begin(time.monotonic())
+        _broadcast(header, True)
+        if buffer is not None:
+            padded = np.zeros(_padded(buffer.size), np.int32)
+            padded[:buffer.size] = buffer
+            _broadcast(padded, True)
+
     def step(self, shape, buffer: np.ndarray, features: np.ndarray | None) -> None:
-        _broadcast(_header(STEP, shape, features), True)
-        padded = np.zeros(_padded(buffer.size), np.int32)
-        padded[:buffer.size] = buffer
-        _broadcast(padded, True)
+        self._send(_header(STEP, shape, features), buffer)
         if shape.image_rows:
             _broadcast(features.astype(np.float32), True)
 
     def reset(self) -> None:
-        _broadcast(_header(RESET), True)
+        self._send(_header(RESET))
+
+    def readout(self, kind: int, prompts: list[list[int]]) -> None:
+        buffer = pack_prompts(prompts)
+        self._send(_readout_header(kind, buffer.size), buffer)
 
     def stop(self) -> None:
         """After the engine loop ended: the followers leave `follow` and exit 0."""
@@ -192,7 +288,7 @@ class Leader:
             return
         self._closing = True
         try:
-            _broadcast(_header(STOP), True)
+            self._send(_header(STOP))
         finally:
             for conn in self._conns.values():
                 conn.close()
@@ -229,26 +325,44 @@ class Follower:
             log.error("rank %d: lost the leader (rank 0) without a STOP: exiting", self.rank)
             os._exit(1)
 
+    def _tell(self, what: bytes) -> None:
+        try:
+            self.conn.sendall(what)
+        except OSError:  # the leader is gone: the watcher thread ends the process
+            pass
+
     def follow(self, runner) -> int:
-        """Execute the leader's steps until STOP; returns the number of steps run."""
+        """Execute the leader's steps (and readouts) until STOP; returns the number of steps run. Each op is
+        acknowledged once all of it arrived, before it runs: the leader times how long a follower takes to join."""
+        from sgjax.engine.embed import READOUTS
+
         steps = 0
+        self._tell(READY)
         while True:
             h = _broadcast(_header(0), False)
             op = int(h[0])
+            size = int(h[10])
             if op == STOP:
                 self._stopped = True
+                self._tell(ACK)
                 log.info("rank %d: STOP after %d steps", self.rank, steps)
                 return steps
             if op == RESET:
+                self._tell(ACK)
                 runner.reset_pool()
+                continue
+            if op == READOUT:
+                buffer = _broadcast(np.zeros(_padded(size), np.int32), False)[:size]
+                self._tell(ACK)
+                runner.readout(READOUTS[int(h[1])], unpack_prompts(buffer))
                 continue
             if op != STEP:
                 raise RuntimeError(f"rank {self.rank}: unknown step opcode {op}")
             shape = _shape(h)
-            size = int(h[10])
             buffer = _broadcast(np.zeros(_padded(size), np.int32), False)[:size]
             features = None
             if shape.image_rows:
                 features = _broadcast(np.zeros((shape.image_rows, int(h[9])), np.float32), False)
+            self._tell(ACK)
             runner.execute(buffer, shape, features)
             steps += 1

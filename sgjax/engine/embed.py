@@ -12,40 +12,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sgjax.engine import mesh as tp
 from sgjax.engine.runner import bucket
 from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import build_batch
 from sgjax.model.config import ModelConfig
 from sgjax.model.llama import forward
 
+# What a readout returns; the index is its code in a multi-host READOUT broadcast (engine/distributed.py).
+READOUTS = ("embedding", "logprobs")
+
 
 @functools.lru_cache(maxsize=None)
-def jitted_readout(cfg: ModelConfig, attention: str, readout: str):
+def jitted_readout(cfg: ModelConfig, attention: str, readout: str, mesh=None):
+    """With a mesh: attention under shard_map over the heads as in the step (a Pallas kernel cannot be split by
+    GSPMD), and a replicated output, so each process reads its own copy."""
     attend = get_backend(attention)
+    if mesh is not None:
+        attend = tp.sharded_attention(attend, mesh)
 
     def run(weights, pool, batch):
         if readout == "logprobs":
             logits, _ = forward(weights, pool, batch, cfg=cfg, attention=attend)
-            return jax.nn.log_softmax(logits, axis=-1)
-        hidden, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, output="hidden")
-        return hidden / jnp.maximum(jnp.linalg.norm(hidden, axis=-1, keepdims=True), 1e-12)
+            out = jax.nn.log_softmax(logits, axis=-1)
+        else:
+            hidden, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, output="hidden")
+            out = hidden / jnp.maximum(jnp.linalg.norm(hidden, axis=-1, keepdims=True), 1e-12)
+        if mesh is not None:
+            out = jax.lax.with_sharding_constraint(out, tp.replicated(mesh))
+        return out
 
     return jax.jit(run)
 
 
-def embed(cfg: ModelConfig, weights, attention: str, page_size: int, prompts: list[list[int]]) -> np.ndarray:
-    """[len(prompts), hidden] float32 unit vectors."""
-    return _readout(cfg, weights, attention, page_size, prompts, "embedding")
-
-
-def next_token_logprobs(cfg: ModelConfig, weights, attention: str, page_size: int,
-                        prompts: list[list[int]]) -> np.ndarray:
-    """[len(prompts), vocab] float32: log p(next token | prompt)."""
-    return _readout(cfg, weights, attention, page_size, prompts, "logprobs")
-
-
-def _readout(cfg, weights, attention, page_size, prompts, readout) -> np.ndarray:
-    """Shapes are bucketed (tokens, requests, pages) as steps are."""
+def readout(cfg: ModelConfig, weights, attention: str, page_size: int, prompts: list[list[int]], kind: str,
+            mesh=None, to_device=jnp.asarray) -> np.ndarray:
+    """[len(prompts), hidden] float32 unit vectors (kind "embedding") or [len(prompts), vocab] float32
+    log p(next token | prompt) ("logprobs"). `to_device` places a host input (across hosts: each process its own
+    devices' copies, Runner._to_device). Shapes are bucketed (tokens, requests, pages) as steps are."""
     pages = [-(-len(p) // page_size) for p in prompts]
     width = bucket(max(pages), 4)
     num_reqs = bucket(len(prompts), 4)
@@ -57,6 +61,7 @@ def _readout(cfg, weights, attention, page_size, prompts, readout) -> np.ndarray
     batch = build_batch([list(p) for p in prompts], [len(p) for p in prompts], tables, page_size,
                         bucket(sum(map(len, prompts)), 16), num_reqs, width)
     pool = allocate_pool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                         dtype=jnp.dtype(cfg.dtype))
-    out = jitted_readout(cfg, attention, readout)(weights, pool, jax.tree.map(jnp.asarray, batch))
-    return np.asarray(out)[:len(prompts)]
+                         dtype=jnp.dtype(cfg.dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
+    out = jitted_readout(cfg, attention, kind, mesh)(weights, pool, jax.tree.map(to_device, batch))
+    local = out if out.is_fully_addressable else out.addressable_data(0)
+    return np.asarray(local)[:len(prompts)]

@@ -22,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from sgjax.engine.args import ServerArgs
-from sgjax.engine.embed import embed, next_token_logprobs
 from sgjax.engine.images import ImageEncoder
 from sgjax.engine.loading import VISION, check_args, default_dtype, load_model_cached, pool_pages
 from sgjax.engine import distributed, mesh as tp
@@ -80,6 +79,7 @@ class Engine:
         tp.check_model(cfg, args.tp_size)
         self._fatal_message: str | None = None
         self._fatal_lock = threading.Lock()
+        self._in_call: Call | None = None  # the Call the engine thread runs (a readout may hang with a lost host)
         leader, follower = distributed.roles(args, on_lost=self._fatal)  # (None, None) on one host
         # The sharded model's config (KV heads replicated up to tp_size) and weights placed on the mesh; tp_size 1
         # keeps the single-device program as it was.
@@ -166,6 +166,10 @@ class Engine:
             for req in reqs:
                 if not req.finished:
                     self.outputs.finish(req, abort_reason(message, INTERNAL), release=False)
+            call = self._in_call
+            if call is not None:
+                call.box["error"] = EngineError(message, INTERNAL)
+                call.done.set()
         except Exception:  # noqa: BLE001 - the process ends either way
             log.exception("failing the requests after: %s", message)
         threading.Timer(FATAL_GRACE_SECONDS, os._exit, args=(status,)).start()
@@ -208,28 +212,27 @@ class Engine:
     def encode(self, prompt=None, input_ids=None) -> list[list[float]]:
         """Embeddings (SGLang's Engine.encode): one unit vector per prompt, the final hidden state of its last token
         (engine/embed.py). Runs between steps on the engine thread; the serving pool is not used."""
-        self._single_host("encode")
-        ids, r = self.requests.whole_prompts(prompt, input_ids), self.runner
-        # the runner's config: under tensor parallelism its KV heads may be copied up to tp_size (engine/mesh.py)
-        vectors = self._call(lambda: embed(r.cfg, r.weights, r.attention, self.args.page_size, ids))
-        return [v.tolist() for v in vectors]
+        ids = self.requests.whole_prompts(prompt, input_ids)
+        return [v.tolist() for v in self._call(lambda: self._readout("embedding", ids))]
 
     def score(self, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
               item_first: bool = False, temperature: float = 1.0, detail: bool = False):
         """SGLang's Engine.score: scores[i][j], the probability of label j as the next token after query + item i
         (engine/scoring.py), from the same scratch prefill as encode. detail: a Scores with the log-probabilities."""
-        self._single_host("score")
-        r = self.runner
-        out = scoring.score(self.requests, lambda ids: self._call(lambda: next_token_logprobs(
-            r.cfg, r.weights, r.attention, self.args.page_size, ids)), query, items, label_token_ids,
-            apply_softmax, item_first, temperature)
+        out = scoring.score(self.requests, lambda ids: self._call(lambda: self._readout("logprobs", ids)), query,
+                            items, label_token_ids, apply_softmax, item_first, temperature)
         return out if detail else out.scores
 
-    def _single_host(self, what: str) -> None:
-        # encode and score run their own jitted prefill, which the followers would have to mirror: not yet
-        if self.args.nnodes > 1:
-            raise EngineError(f"{what} is not supported with nnodes > 1 yet (only generation steps reach the "
-                              f"other hosts)", INTERNAL)
+    def _readout(self, kind: str, ids: list[list[int]]):
+        """On the engine thread, between steps: across hosts the followers meet it in the same order as the steps
+        (the runner broadcasts it)."""
+        try:
+            return self.runner.readout(kind, ids)
+        except Exception as e:
+            if self.runner.leader is not None:  # as after a failed step: the ranks may be out of step now
+                time.sleep(FATAL_GRACE_SECONDS)  # the watcher names a lost follower first, if one is
+                self._fatal(f"a readout across hosts failed: {type(e).__name__}: {e}")
+            raise
 
     @property
     def alive(self) -> bool:
@@ -294,7 +297,8 @@ class Engine:
     def _call(self, fn):
         """Run `fn` on the engine thread between steps and return its result."""
         if self._closed:
-            raise EngineError("the engine is shut down")
+            raise EngineError(self._fatal_message or "the engine is shut down",
+                              INTERNAL if self._fatal_message else SHUTDOWN)
         done, box = threading.Event(), {}
         self._inbox.put(Call(fn, done, box))
         done.wait()
@@ -432,10 +436,13 @@ class Engine:
                     if req is not None:
                         self.outputs.finish(req, abort_reason(), release=False)
             elif isinstance(msg, Call):
+                self._in_call = msg
                 try:
                     msg.box["result"] = msg.fn()
                 except Exception as e:  # returned to the caller's thread
                     msg.box["error"] = e
+                finally:
+                    self._in_call = None
                 msg.done.set()
 
     def _precompile(self) -> None:

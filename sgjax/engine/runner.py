@@ -224,6 +224,16 @@ class Runner:
         self.shapes_seen.add(shape)
         return out
 
+    def readout(self, kind: str, prompts: list[list[int]]) -> np.ndarray:
+        """A whole-prompt readout (engine/embed.py) on the serving weights over a scratch pool; rank 0 announces
+        it to the followers first, as it does a step."""
+        from sgjax.engine.embed import READOUTS, readout  # embed imports this module (bucket)
+
+        if self.leader is not None:
+            self.leader.readout(READOUTS.index(kind), prompts)
+        return readout(self.cfg, self.weights, self.attention, self.page_size, prompts, kind, self.mesh,
+                       self._to_device)
+
     def release(self) -> None:
         """Drop the device state (shutdown): the pool's memory goes back to the device."""
         self.state = None

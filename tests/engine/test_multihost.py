@@ -12,6 +12,7 @@ import tempfile
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from sgjax.server.process import free_port
@@ -59,10 +60,10 @@ class Rank:
         self.proc.wait(10)
 
 
-def start_pair(model_dir, smollm2_path):
+def start_pair(model_dir, smollm2_path, *extra):
     addr = f"127.0.0.1:{free_port()}"
     common = [*FLAGS, "--model-path", model_dir, "--tokenizer-path", smollm2_path, "--tp-size", "4",
-              "--nnodes", "2", "--dist-init-addr", addr]
+              "--nnodes", "2", "--dist-init-addr", addr, *extra]
     http = free_port()
     ranks = [Rank([*common, "--node-rank", "0"], http), Rank([*common, "--node-rank", "1"], free_port())]
     url = f"http://127.0.0.1:{http}"
@@ -82,7 +83,11 @@ def start_pair(model_dir, smollm2_path):
 
 @pytest.fixture
 def pair(model_dir, smollm2_path):
-    ranks, url = start_pair(model_dir, smollm2_path)
+    yield from running_pair(model_dir, smollm2_path)
+
+
+def running_pair(model_dir, smollm2_path, *extra):
+    ranks, url = start_pair(model_dir, smollm2_path, *extra)
     try:
         yield ranks, url
     finally:
@@ -106,12 +111,23 @@ def test_two_processes_answer_like_one_device(pair, model_dir, smollm2_path):
         info = c.get("/get_server_info").json()
     assert info["tp_size"] == 4 and info["nnodes"] == 2 and info["node_rank"] == 0
     assert info["mesh_shape"] == {"data": 1, "tensor": 4} and info["mesh_processes"] == [0, 1]
+    # the readouts' own jitted prefill reaches the follower too (a READOUT broadcast; without it rank 0 would
+    # wait in the prefill's all-reduces for ever)
+    texts = [PROMPT, "Hello"]
+    score = dict(query="Is the sky blue? Answer:", items=[" yes", " no"], label_token_ids=[5, 17, 300])
+    with httpx.Client(base_url=url, timeout=120) as c:
+        emb = c.post("/v1/embeddings", json={"model": "m", "input": texts})
+        scored = c.post("/v1/score", json={"model": "m", **score})
+    assert emb.status_code == 200 and scored.status_code == 200, (emb.text, scored.text)
     engine = Engine(model_dir, load_format="dummy", tokenizer_path=smollm2_path, **TINY_SERVE)
     try:
         want = engine.generate(PROMPT, PARAMS)
+        want_emb, want_scores = engine.encode(texts), engine.score(**score)
     finally:
         engine.shutdown()
     assert got.json()["text"] == want["text"] and got.json()["meta_info"]["completion_tokens"] == 8
+    np.testing.assert_allclose([d["embedding"] for d in emb.json()["data"]], want_emb, atol=1e-5)
+    np.testing.assert_allclose(scored.json()["scores"], want_scores, rtol=1e-4, atol=1e-7)
     # a clean shutdown: SIGTERM on rank 0 stops both ranks with status 0
     ranks[0].proc.send_signal(signal.SIGTERM)
     for r in ranks:
@@ -162,6 +178,47 @@ def test_killed_follower_fails_requests_naming_the_rank(pair):
     assert "lost follower rank 1" in ranks[0].text()
 
 
+def test_stopped_follower_fails_requests_naming_the_rank(model_dir, smollm2_path):
+    """SIGSTOP on rank 1 during a long generation: it is alive and its connection stays open, but it never joins
+    the next broadcast. With --dist-step-timeout 4 rank 0 declares it lost for want of its acknowledgement: a 500
+    naming rank 1 within a bounded time, rank 0 exits non-zero, and (the stopped follower SIGKILLed at the end) no
+    process is left."""
+    import threading
+
+    pair = running_pair(model_dir, smollm2_path, "--dist-step-timeout", "4")
+    ranks, url = next(pair)
+    try:
+        box = {}
+
+        def ask():
+            with httpx.Client(base_url=url, timeout=120) as c:
+                box["r"] = c.post("/generate", json={"text": PROMPT, "sampling_params": {
+                    "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}})
+
+        t = threading.Thread(target=ask)
+        t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # decoding, past its first steps
+            info = httpx.get(url + "/get_server_info", timeout=10).json()
+            if info["running_requests"] == 1 and info["generated_tokens"] >= 8:
+                break
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        os.killpg(ranks[1].proc.pid, signal.SIGSTOP)
+        t.join(60)
+        elapsed = time.monotonic() - t0
+        assert not t.is_alive(), "the request hung behind a stopped follower"
+        r = box["r"]
+        message = r.json()["error"]["message"]
+        assert r.status_code == 500 and "lost follower rank 1 of 2" in message, (r.status_code, r.text)
+        assert "--dist-step-timeout" in message, message
+        assert 3 < elapsed < 20, elapsed
+        assert ranks[0].proc.wait(30) != 0, ranks[0].text()
+        assert ranks[1].proc.poll() is None  # only stopped: the cleanup's SIGKILL ends it
+    finally:
+        next(pair, None)  # SIGKILL to both groups; asserts that no process is left
+
+
 def test_killed_leader_ends_the_follower(pair):
     """SIGKILL on rank 0: the follower sees its connection close without a STOP and exits non-zero at once."""
     ranks, _ = pair
@@ -185,12 +242,36 @@ def test_header_round_trip_and_flag_errors():
         h = distributed._header(distributed.STEP, shape, np.zeros((16, 5), np.float32))
         assert h.dtype == np.int32 and len(h) == distributed.HEADER
         assert distributed._shape(h) == shape and h[9] == 5 and h[10] == shape.size
+    h = distributed._readout_header(1, 9)
+    assert len(h) == distributed.HEADER and (h[0], h[1], h[10]) == (distributed.READOUT, 1, 9)
+    prompts = [[1, 2, 3], [7], [4, 5]]
+    assert distributed.unpack_prompts(distributed.pack_prompts(prompts)) == prompts
     distributed.check_args(ServerArgs())
+    with pytest.raises(ValueError, match="dist_step_timeout must be >= 0"):
+        distributed.check_args(ServerArgs(nnodes=2, dist_init_addr="h:1", dist_step_timeout=-1))
     for kwargs, message in ((dict(nnodes=2), "dist-init-addr"), (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"),
                                                                 "node_rank must be in"),
                             (dict(nnodes=2, dist_init_addr="nohost"), "host:port"), (dict(nnodes=0), "nnodes")):
         with pytest.raises(ValueError, match=message):
             distributed.check_args(ServerArgs(**kwargs))
+
+
+def test_acks_time_the_oldest_unacknowledged_op():
+    from sgjax.engine.distributed import Acks
+
+    acks = Acks([1, 2])
+    assert acks.waiting(1, 10.0) == 0  # nothing owed
+    acks.begin(1.0)
+    assert acks.waiting(1, 5.0) == 0  # rank 1 is still starting (loading, compiling): not timed yet
+    acks.ready(1, 3.0)
+    acks.ready(2, 0.5)
+    assert acks.waiting(1, 5.0) == 2.0 and acks.waiting(2, 5.0) == 4.0
+    acks.ack(1)
+    acks.begin(7.0)
+    assert acks.waiting(1, 8.0) == 1.0 and acks.waiting(2, 8.0) == 7.0  # rank 2 still owes the first op
+    acks.ack(2, 2)
+    acks.ack(1)
+    assert acks.waiting(1, 9.0) == acks.waiting(2, 9.0) == 0 and not acks._started  # acknowledged by all: dropped
 
 
 def test_dp_size_with_nnodes_is_refused():
