@@ -12,7 +12,7 @@ from sgjax.fsm.grammar import compile_grammar
 from sgjax.model.chat_templates import LLAMA3
 from sgjax.server import tools
 from sgjax.server.protocol import ApiError, ChatCompletionRequest
-from sgjax.server.tool_parsers import get_parser
+from sgjax.server.tool_parsers import default_parser_name, get_parser
 from sgjax.server.tools import template_input
 from sgjax.model.tokenizer import _compile_template
 
@@ -241,3 +241,51 @@ def test_reasoning_block_before_constrained_calls(fmt, smollm2_tokenizer):
             assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
         for text in refuses:
             assert not re.fullmatch(plan.regex, text), (choice, text)
+
+
+# -- a real Qwen template with tools -------------------------------------------------------------------------------
+def _installed_qwen_template():
+    """The Qwen chat template with tools that the installed bfcl_eval carries (the docstring of its Qwen FC handler's
+    `_format_prompt`: Qwen3's template, whose tool section is Qwen2.5's), and that method itself, BFCL's hand-written
+    rendering of the same template. Read from the installed file, not copied here."""
+    import ast
+    import importlib.util
+    import inspect
+    import os
+
+    spec = importlib.util.find_spec("bfcl_eval")
+    if spec is None:
+        pytest.skip("bfcl_eval is not installed")
+    path = os.path.join(spec.submodule_search_locations[0], "model_handler", "local_inference", "qwen_fc.py")
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    fn = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "_format_prompt")
+    # The docstring's source text: its `\\n` and `\\"` are the template's own escapes, which Python's reading of the
+    # string would turn into characters.
+    raw = ast.get_source_segment(source, fn.body[0].value).strip('"')
+    template = inspect.cleandoc(raw).split('"chat_template":', 1)[1].strip()
+    fn.decorator_list = []
+    namespace = {"json": json}
+    exec(compile(ast.Module([fn], []), path, "exec"), namespace)  # noqa: S102 - the installed package's own code
+    return template, namespace["_format_prompt"]
+
+
+def test_real_qwen_template_renders_tools_calls_and_results():
+    template, bfcl_render = _installed_qwen_template()
+    assert "<tool_call>" in template and "tools" in template
+    fmt = get_parser("qwen25")
+    assert default_parser_name(template) == "hermes"
+    plan = tools.plan(_req(tools=[WEATHER, CLOCK]), fmt)
+    messages, extra = template_input(HISTORY, plan, fmt, template)
+    text = _compile_template(template).render(messages=messages, add_generation_prompt=True, **extra)
+    assert text == bfcl_render(None, messages, extra["tools"])  # the template and BFCL's rendering of it agree
+    listing = "\n".join(json.dumps(t) for t in extra["tools"])
+    assert text.startswith("<|im_start|>system\n# Tools\n\n") and f"<tools>\n{listing}\n</tools>" in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call><|im_end|>\n") in text  # the arguments as an object, tojson'ed by the template
+    assert text.endswith("<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    # What the template shows the model is what the parser reads and the grammar forces.
+    (call,) = fmt.scan(text).calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    assert re.fullmatch(plan.regex, fmt.render([("get_weather", '{"city": "Paris"}')]))
