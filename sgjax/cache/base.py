@@ -93,7 +93,14 @@ class PrefixCache(Protocol):
 
     def match_prefix(self, tokens, extra_key: Hashable = None) -> MatchResult: ...
 
-    def insert(self, tokens, pages, extra_key: Hashable = None) -> int: ...
+    def rematch(self, prev: MatchResult | None, tokens, extra_key: Hashable = None) -> MatchResult:
+        """The same as match_prefix(tokens, extra_key); `prev` (an earlier match of the same tokens) may make it
+        cheaper."""
+        ...
+
+    def insert(self, tokens, pages, extra_key: Hashable = None, below: MatchResult | None = None) -> int:
+        """`below` (a match of a prefix of `tokens` holding their first pages) may make it cheaper."""
+        ...
 
     def lock(self, node) -> None: ...
 
@@ -179,6 +186,9 @@ class NodeStore:
             root.namespace = extra_key
             self._roots[extra_key] = root
         return root
+
+    def rematch(self, prev: MatchResult | None, tokens, extra_key: Hashable = None) -> MatchResult:
+        return self.match_prefix(tokens, extra_key)  # a tree that cannot resume a match matches again
 
     # -- locks ------------------------------------------------------------------------------------------
     def lock(self, node: Node | None) -> None:

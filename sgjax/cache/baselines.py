@@ -38,7 +38,10 @@ class NoCache:
     def match_prefix(self, tokens, extra_key: Hashable = None) -> MatchResult:
         return MatchResult(EMPTY_PAGES, None, 0)
 
-    def insert(self, tokens, pages, extra_key: Hashable = None) -> int:
+    def rematch(self, prev: MatchResult | None, tokens, extra_key: Hashable = None) -> MatchResult:
+        return MatchResult(EMPTY_PAGES, None, 0)
+
+    def insert(self, tokens, pages, extra_key: Hashable = None, below: MatchResult | None = None) -> int:
         _, p = check_insert_args(tokens, pages, self.page_size)
         self.allocator.free(p)
         return 0
@@ -109,7 +112,7 @@ class TableCache(NodeStore):
         self._push_if_evictable(entry)
         return MatchResult(np.concatenate(vals), entry, len(entry.key) // TOKEN_BYTES)
 
-    def insert(self, tokens, pages, extra_key: Hashable = None) -> int:
+    def insert(self, tokens, pages, extra_key: Hashable = None, below: MatchResult | None = None) -> int:
         t, p = check_insert_args(tokens, pages, self.page_size)
         n = len(t)
         if n == 0:

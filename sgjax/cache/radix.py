@@ -100,27 +100,72 @@ class RadixCache(NodeStore):
             return MatchResult(EMPTY_PAGES, node, 0)
         return MatchResult(pages[0] if len(pages) == 1 else np.concatenate(pages), node, pos)
 
-    def insert(self, tokens, pages, extra_key: Hashable = None) -> int:
+    def rematch(self, prev: MatchResult | None, tokens, extra_key: Hashable = None) -> MatchResult:
+        """match_prefix(tokens, extra_key), resumed from `prev`, an earlier match of the same tokens.
+
+        A waiting request is matched again every admission round; walking from the root each time made the
+        matches most of the tree's time on a long queue. The path to `prev.last_node` still holds the same
+        tokens and pages while that node is in the tree: inserts only add leaves or split edges (the lower part
+        keeps the node object and its end), and eviction removes leaves first, so a live node's ancestors are
+        live. A root is live while it is still its namespace's root (reset and empty namespaces replace it)."""
+        t = as_tokens(tokens)
+        n = len(t) // self.page_size * self.page_size
+        if not self._resumable(prev, n, extra_key):
+            return self.match_prefix(t, extra_key)
+        node = prev.last_node
+        now = self._tick()
+        self._touch_path(node, now)
+        pos = prev.num_tokens
+        pages: list[np.ndarray] = []
+        if pos < n and node.children:
+            node, more = self._walk(node, t[pos:n].tobytes(), n - pos, now, pages)
+            pos += more
+        self._push_if_evictable(node)
+        if not pages:
+            return prev if node is prev.last_node else MatchResult(prev.pages, node, pos)
+        return MatchResult(np.concatenate([prev.pages, *pages]), node, pos)
+
+    @staticmethod
+    def _touch_path(node: Node, now: int) -> None:
+        """What a walk from the root does to the path above a resumed node: a parent is never older than its
+        children (LRU evicts leaves, so their ancestors must not look staler)."""
+        while node.parent is not None:
+            node.last_access = now
+            node = node.parent
+
+    def _resumable(self, prev: MatchResult | None, n: int, extra_key: Hashable) -> bool:
+        node = prev.last_node if prev is not None else None
+        return not (node is None or node.value is None or prev.num_tokens > n
+                    or (node.parent is None and self._roots.get(extra_key) is not node))
+
+    def insert(self, tokens, pages, extra_key: Hashable = None, below: MatchResult | None = None) -> int:
         """Cache `tokens` (whole pages) with their KV `pages`. Returns how many tokens were already cached.
 
         The cache takes ownership of all of `pages`; see the class docstring for what happens to duplicates.
+        `below`: a match of a prefix of `tokens` whose pages are those of `pages` (a running request's locked
+        prefix): the walk starts at its node (see rematch for why that path still holds).
         """
         t, p = check_insert_args(tokens, pages, self.page_size)
         n = len(t)
         if n == 0:
             return 0
-        qb = t.tobytes()
-        root = self._root(extra_key)
         now = self._tick()
+        if self._resumable(below, n, extra_key):
+            node, start = below.last_node, below.num_tokens
+            self._touch_path(node, now)
+        else:
+            node, start = self._root(extra_key), 0
+        qb = t[start:].tobytes()
         cached: list[np.ndarray] = []
-        node, pos = self._walk(root, qb, n, now, cached)
+        node, pos = self._walk(node, qb, n - start, now, cached)
+        first = start // self.page_size
         if pos:
-            self._free_duplicates(p[: pos // self.page_size], np.concatenate(cached))
-        if pos < n:
-            self._add_leaf(node, qb[pos * TOKEN_BYTES :], p[pos // self.page_size :], now)
+            self._free_duplicates(p[first: first + pos // self.page_size], np.concatenate(cached))
+        if pos < n - start:
+            self._add_leaf(node, qb[pos * TOKEN_BYTES :], p[first + pos // self.page_size :], now)
         else:
             self._push_if_evictable(node)
-        return pos
+        return start + pos
 
     def _check_node(self, node: Node) -> None:
         ntok = len(node.key) // TOKEN_BYTES

@@ -42,6 +42,7 @@ class Req:
     kv_len: int = 0  # tokens of fill_ids whose KV is in `pages`
     prefill_done: bool = False  # the prompt (plus any resumed output) has been prefilled at least once
     slot: int = -1  # while running: where the device keeps its newest sampled token (Runner.future)
+    match: Any = None  # while waiting: (limit, MatchResult) of its last match, where the next one resumes
 
     # reporting
     cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
@@ -75,6 +76,13 @@ class Req:
         if self.prefill_done and self.output_ids:
             return self.input_ids + self.output_ids[:-1]
         return self.input_ids + self.output_ids
+
+    def fill_prefix(self, n: int) -> np.ndarray:
+        """The first n fill tokens as int32: a view of the prompt's array while they are all prompt (the cache's
+        match and insert take arrays; converting a long list each time was most of their cost)."""
+        if n <= len(self.input_ids):
+            return self.input_array[:n]
+        return np.asarray(self.fill_ids[:n], np.int32)
 
     @property
     def fill_len(self) -> int:

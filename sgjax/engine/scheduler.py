@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sgjax.cache import POLICIES, PageAllocator, make_cache, schedule_order
+from sgjax.cache.base import MatchResult
 from sgjax.engine.request import Req
 from sgjax.engine.sentinels import future_input
 
@@ -214,6 +215,7 @@ class Scheduler:
                 self._timed(self.cache.unlock, m.last_node)
                 break
             req.pages, req.tree_pages, req.last_node, req.kv_len = m.pages.copy(), len(m.pages), m.last_node, m.num_tokens
+            req.match = None
             req.slot = self._free_slots.pop()
             if req.cached_tokens < 0:
                 req.cached_tokens = m.num_tokens
@@ -329,8 +331,10 @@ class Scheduler:
         limit = req.fill_len - 1
         if req.wants_input_logprobs:
             limit = min(limit, max(req.logprob_start_len - 1, 0))
-        tokens = req.input_array if limit <= len(req.input_ids) else req.fill_ids
-        return self._timed(self.cache.match_prefix, tokens[:limit], req.extra_key)
+        prev = req.match[1] if req.match is not None and req.match[0] == limit else None
+        m = self._timed(self.cache.rematch, prev, req.fill_prefix(limit), req.extra_key)
+        req.match = (limit, m)
+        return m
 
     def _timed(self, op, *args):
         """A cache operation, its time counted as RadixAttention bookkeeping."""
@@ -358,9 +362,10 @@ class Scheduler:
         full = req.kv_len // self.page_size
         if full <= req.tree_pages:
             return
-        tokens = req.fill_ids[:full * self.page_size]
-        self.cache.insert(tokens, req.pages[:full], req.extra_key)
-        m = self.cache.match_prefix(tokens, req.extra_key)
+        tokens = req.fill_prefix(full * self.page_size)
+        held = self._held(req)
+        self.cache.insert(tokens, req.pages[:full], req.extra_key, below=held)
+        m = self.cache.rematch(held, tokens, req.extra_key)
         if m.num_tokens != len(tokens):
             raise RuntimeError(f"scheduler bug: inserted {len(tokens)} tokens but matched {m.num_tokens}")
         self.cache.lock(m.last_node)
@@ -368,12 +373,20 @@ class Scheduler:
         req.pages = np.concatenate([m.pages, req.pages[full:]])
         req.tree_pages, req.last_node = full, m.last_node
 
+    def _held(self, req: Req) -> MatchResult | None:
+        """The request's locked cached prefix as a match: the tree's inserts and matches of its longer prefixes
+        resume there instead of walking it again (the lock keeps it in the tree)."""
+        if req.last_node is None:
+            return None
+        return MatchResult(req.pages[:req.tree_pages], req.last_node, req.tree_pages * self.page_size)
+
     def _release(self, req: Req, keep: bool) -> None:
         """Give back a request's pages: whole computed pages to the cache when `keep`, everything else freed."""
         t0 = time.perf_counter()
         full = req.kv_len // self.page_size
         if keep and self.cfg.cache != "none" and full > req.tree_pages:
-            self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full], req.extra_key)
+            self.cache.insert(req.fill_prefix(full * self.page_size), req.pages[:full], req.extra_key,
+                              below=self._held(req))
             self.allocator.free(req.pages[full:])
         else:
             self.allocator.free(req.own_pages)

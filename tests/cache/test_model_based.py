@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from sgjax.cache import PageAllocator, RadixCache, TableCache
+from sgjax.cache.base import MatchResult
 
 NAMESPACES = (None, "image-a", 7)
 
@@ -105,18 +106,27 @@ def run_radix(num_ops, page_size, num_pages, seed):
     model = PrefixModel(page_size)
     locked = []  # (node, ns, prefix)
     pool: list[list[int]] = []
-    counts = dict.fromkeys(["match", "insert", "insert_fresh", "lock", "unlock", "evict", "flush", "reset", "grow"], 0)
+    seen = []  # (MatchResult, ns, tokens) of earlier matches: rematch resumes them after whatever ran since
+    counts = dict.fromkeys(["match", "insert", "insert_fresh", "lock", "unlock", "evict", "flush", "reset", "grow",
+                            "rematch"], 0)
     ops = list(counts)
-    weights = np.array([25, 20, 10, 10, 10, 15, 2, 1, 8], float)
+    weights = np.array([25, 20, 10, 10, 10, 15, 2, 1, 8, 12], float)
     for _ in range(num_ops):
         op = ops[rng.choice(len(ops), p=weights / weights.sum())]
         ns = NAMESPACES[rng.integers(len(NAMESPACES))]
         toks = random_tokens(rng, pool, page_size)
-        if op == "match" or op == "lock":
-            m = c.match_prefix(toks, ns)
+        if op == "rematch" and not seen:
+            counts[op] -= 1
+        elif op in ("match", "lock", "rematch"):
+            if op == "rematch":  # the waiting queue's pattern: the same tokens again, from the last match
+                prev, ns, toks = seen.pop(int(rng.integers(len(seen))))
+                m = c.rematch(prev, toks, ns)
+            else:
+                m = c.match_prefix(toks, ns)
             want_len, want_pages = model.match(ns, toks)
             assert m.num_tokens == want_len
             chex.assert_trees_all_equal(m.pages, np.asarray(want_pages, np.int32))
+            seen = (seen + [(m, ns, toks)])[-40:]
             if op == "lock":
                 c.lock(m.last_node)
                 locked.append((m.last_node, ns, tuple(toks[: m.num_tokens])))
@@ -169,10 +179,12 @@ def run_radix(num_ops, page_size, num_pages, seed):
                     matched = [model.pages[k] for k in model.keys_of(ns, list(prefix))]
                     pages = np.concatenate([np.asarray(matched, np.int32), fresh]).astype(np.int32)
                     want_present, want_freed = model.insert(ns, grown, pages.tolist())
-                    assert c.insert(grown, pages, ns) == want_present
+                    # half the time from the locked node, as the scheduler inserts and re-matches a prefix it holds
+                    held = MatchResult(np.asarray(matched, np.int32), node, len(prefix)) if rng.random() < 0.5 else None
+                    assert c.insert(grown, pages, ns, below=held) == want_present
                     assert not set(want_freed) & set(matched), "a page the request matched was freed"
                     assert set(want_freed) <= set(a.free_pages().tolist())
-                    m = c.match_prefix(grown, ns)
+                    m = c.rematch(held, grown, ns)
                     assert m.num_tokens == len(grown)
                     c.lock(m.last_node)
                     c.unlock(node)
