@@ -228,7 +228,9 @@ def test_reasoning_block_before_constrained_calls(fmt, smollm2_tokenizer):
         (optional, "required", [one, "<think>hm</think>\n" + one], ["I think.</think>" + one, "<think>x</think>hi"]),
         (forced, {"type": "function", "function": {"name": "get_weather"}}, ["<think>ok</think>" + one],
          ["<think>ok</think>" + parser.render([("get_time", "{}")])]),
-    ] + ([(forced, "auto", ["<think>a <tool_call> in thought</think>Sure. " + one + " Done."], ["Sure. " + one])]
+    ] + ([(forced, "auto", ["<think>a <tool_call> in thought</think>Sure. " + one + " Done."], ["Sure. " + one]),
+          # an optional type under auto: the free text holds the block, which then may not write the trigger
+          (optional, "auto", ["<think>hm</think>Sure. " + one, "Sure. " + one], ["<think>a <tool_call> b</think>" + one])]
          if parser.trigger else [])
     for reasoning, choice, accepts, refuses in cases:
         plan = tools.plan(_req(tools=[WEATHER, CLOCK], tool_choice=choice), parser, reasoning=reasoning)

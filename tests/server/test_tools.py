@@ -304,3 +304,62 @@ def test_structural_tag_over_http(oai, tool_server):
     got = httpx.post(tool_server.url + "/generate", json={"text": "Hi", "sampling_params": {
         "max_new_tokens": 4, "structural_tag": json.dumps(bad)}}, timeout=60)
     assert got.status_code == 400 and got.json()["error"]["param"] == "sampling_params.structural_tag", got.text
+
+
+# -- a pythonic server with a forced reasoning type ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pythonic_server():
+    # deepseek-r1 is a forced type: every constrained answer opens with the reasoning block (or drops it with
+    # separate_reasoning false); pythonic calls are Python, held to the same grammar guarantees as JSON ones.
+    yield from serving(*SMALL_FLAGS, "--tool-call-parser", "pythonic", "--reasoning-parser", "deepseek-r1")
+
+
+@pytest.fixture(scope="module")
+def py_oai(pythonic_server):
+    return openai.OpenAI(base_url=pythonic_server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _finished_calls_validate(choices, tools) -> int:
+    """Every answer that finished calls and every call validates; returns how many finished."""
+    done = [c for c in choices if c.finish_reason != "length"]
+    for c in done:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        for call in c.message.tool_calls:
+            _valid(call, tools)
+    return len(done)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_pythonic_calls_on_a_real_run(py_oai, choice):
+    r = py_oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, n=4,
+                                       max_tokens=48, temperature=0.8, seed=3,
+                                       extra_body={"separate_reasoning": False})  # no reasoning block: calls only
+    assert _finished_calls_validate(r.choices, [WEATHER, TIME]) == 4
+    if isinstance(choice, dict):
+        assert {c.message.tool_calls[0].function.name for c in r.choices} == {"get_time"}
+
+
+# SmolLM2 never thinks by itself; two earlier turns that reasoned before calling show it how.
+SHOTS = [
+    {"role": "user", "content": "What is the weather in Rome?"},
+    {"role": "assistant", "content": "<think>The weather tool answers this.</think>", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "21 C"},
+    {"role": "assistant", "content": "It is 21 C in Rome."},
+    {"role": "user", "content": "What time is it in Tokyo?"},
+    {"role": "assistant", "content": "<think>The time tool answers this.</think>", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "Asia/Tokyo"}'}}]},
+    {"role": "tool", "tool_call_id": "c2", "content": "09:12"},
+    {"role": "assistant", "content": "It is 09:12 in Tokyo."}]
+
+
+def test_forced_reasoning_then_valid_calls(py_oai):
+    """The grammar lets the model reason (free text up to `</think>`) and then holds it to the calls: every
+    finished answer has its reasoning split off and valid calls in the content."""
+    r = py_oai.chat.completions.create(model="m", messages=SHOTS + ASK, tools=[WEATHER, TIME],
+                                       tool_choice="required", n=4, max_tokens=96, temperature=0.7, seed=1)
+    assert _finished_calls_validate(r.choices, [WEATHER, TIME]) >= 1
+    for c in r.choices:
+        if c.finish_reason != "length":
+            assert c.message.reasoning_content and "</think>" not in c.message.reasoning_content
+            assert not c.message.content  # the content was the calls
