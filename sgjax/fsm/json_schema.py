@@ -220,8 +220,8 @@ class _Converter:
         if missing:
             raise GrammarError(f"{path}: required properties {sorted(missing)} have no schema in 'properties'")
         ws = self.open_ws
-        parts = [(f'{_lit(self.dump(name))}{self.key_sep}'
-                  f'(?:{self.convert(sub, f"{path}/properties/{name}", refs)})', name in required)
+        parts = [(f'{_lit(self.dump(name))}{self.key_sep}(?:{self.convert(sub, f"{path}/properties/{name}", refs)})',
+                  name in required)
                  for name, sub in props.items()]
         if not parts:
             # No properties: any keys, unless additionalProperties says none (False) or gives their schema.
