@@ -33,8 +33,8 @@ CASES = {
         ('Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', "Sure.",
          [("a", '{"x": 1}'), ("b", "{}")]),
         ("no calls [TOOL here", "no calls [TOOL here", []),
-        (('Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}] Then. [TOOL_CALLS] [{"name": "b", "arguments": {}}]'
-          " Done."), "Sure.  Then.  Done.", [("a", '{"x": 1}'), ("b", "{}")]),
+        (('Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}] Then. '
+          '[TOOL_CALLS] [{"name": "b", "arguments": {}}] Done.'), "Sure.  Then.  Done.", [("a", '{"x": 1}'), ("b", "{}")]),
     ],
     "pythonic": [
         ('[get_weather(city="Paris"), set_alarm(at=[7, 30], loud=True)]', "",

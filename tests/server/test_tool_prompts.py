@@ -205,7 +205,8 @@ def test_pythonic_refusals_name_the_field():
     refused({"type": "function", "function": {"name": "get-time"}}, "tools.0.function.name")  # not a Python name
     anyof = {"anyOf": [{"type": "object"}, {"type": "null"}]}
     refused({"type": "function", "function": {"name": "f", "parameters": anyof}}, "tools.0.function.parameters")
-    assert tools.plan(_req(tools=[WEATHER], tool_choice="required"), get_parser("hermes"), constrain=False).regex is None
+    free = tools.plan(_req(tools=[WEATHER], tool_choice="required"), get_parser("hermes"), constrain=False)
+    assert free.regex is None
 
 
 # -- reasoning before constrained calls ---------------------------------------------------------------------------
@@ -230,7 +231,8 @@ def test_reasoning_block_before_constrained_calls(fmt, smollm2_tokenizer):
          ["<think>ok</think>" + parser.render([("get_time", "{}")])]),
     ] + ([(forced, "auto", ["<think>a <tool_call> in thought</think>Sure. " + one + " Done."], ["Sure. " + one]),
           # an optional type under auto: the free text holds the block, which then may not write the trigger
-          (optional, "auto", ["<think>hm</think>Sure. " + one, "Sure. " + one], ["<think>a <tool_call> b</think>" + one])]
+          (optional, "auto", ["<think>hm</think>Sure. " + one, "Sure. " + one],
+           ["<think>a <tool_call> b</think>" + one])]
          if parser.trigger else [])
     for reasoning, choice, accepts, refuses in cases:
         plan = tools.plan(_req(tools=[WEATHER, CLOCK], tool_choice=choice), parser, reasoning=reasoning)
