@@ -184,8 +184,7 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
     one is split by request. "triton" keeps everything on this module's kernel; "auto" (the default) is "mgpu" on
     a Hopper GPU and "triton" elsewhere (wgmma exists only on sm_90). With `interpret`, "mgpu" runs the Hopper
     kernel in jax's GPU interpret mode (tests) and "auto" is "triton".
-    `window` (an int or traced int32, 0: none) and `softcap` (Gemma): the Triton kernel applies them; the Hopper
-    kernel has neither, so a sliding or soft-capped layer stays on Triton.
+    `window` (an int or traced int32, 0: none) and `softcap` (Gemma): both kernels apply them.
     """
     kv_write = kv_write or ("xla" if interpret else "pallas")
     if kv_write == "pallas":
@@ -200,25 +199,24 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
         raise ValueError(f"prefill_kernel must be 'auto', 'triton' or 'mgpu', got {prefill_kernel!r}")
     if prefill_kernel == "auto":
         prefill_kernel = "triton" if interpret or not _is_hopper() else "mgpu"
-    if softcap or not (isinstance(window, int) and window == 0):
-        prefill_kernel = "triton"
     masks = dict(window=window, softcap=softcap)
     # Decode-shaped buckets (no more rows than requests) stay on the Triton kernel: no request can be long there.
     if prefill_kernel == "mgpu" and num_rows >= MGPU_MIN_ROWS_PER_REQ and num_rows > num_reqs:
         from sgjax.kernels import pallas_mgpu
 
         mgpu = dict(mgpu or {}, interpret=interpret)
-        if pallas_mgpu.supported(q.dtype, head_dim, page_size, mgpu.get("block_kv", 128)):
+        if pallas_mgpu.supported(q.dtype, head_dim, page_size, mgpu.get("block_kv")):
             if num_rows >= MGPU_MIN_ROWS_PER_REQ * num_reqs:  # prefill-shaped: every request on the Hopper kernel
-                return pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=sm_scale, **mgpu), pool
+                return pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=sm_scale, **mgpu,
+                                                          **masks), pool
             # A mixed bucket: requests of at least MGPU_MIN_ROWS_PER_REQ new rows (and the padding) go to the
             # Hopper kernel, the decodes and short extends to the Triton kernel with its decode blocks; each
             # kernel's grid has programs for the other's requests that find no rows, and rows are picked after.
             long_req = rb.long_requests(meta, MGPU_MIN_ROWS_PER_REQ)
             long_out = pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=sm_scale, include=long_req,
-                                                          **mgpu)
+                                                          **mgpu, **masks)
             short_out = _triton_attention(q, pool, layer, meta, sm_scale=sm_scale, interpret=interpret,
-                                          include=~long_req, config=config)
+                                          include=~long_req, config=config, **masks)
             return jnp.where(rb.row_mask(meta, num_rows, long_req)[:, None, None], long_out, short_out), pool
     return _triton_attention(q, pool, layer, meta, sm_scale=sm_scale, interpret=interpret, config=config,
                              **masks), pool

@@ -10,7 +10,9 @@ forward in Mosaic GPU, over our paged pool:
   all completing on one barrier that expects every page's arrival;
 - the two compute warpgroups take turns on the tensor cores (a shared "schedule" barrier): while one
   runs its QK^T and PV wgmmas, the other does its softmax (FA3's ping-pong);
-- causal masking only on tiles that reach past a row block's first position, like pallas_gpu.
+- causal masking only on tiles that reach past a row block's first position, like pallas_gpu;
+- a sliding window (a traced per-layer width, 0: none) starts each warpgroup at the first tile its first row sees
+  and masks every tile (the window's edge moves by row); a soft cap (Gemma 2) is a tanh on the scores.
 
 TMA row offsets must be multiples of 8, so a request's blocks start at its first row rounded down to 8
 (ragged_blocks.aligned_block_table) and may compute a few rows of the previous request. A 64-row tile wholly
@@ -38,6 +40,7 @@ from sgjax.kernels import ragged_blocks as rb
 from sgjax.kernels.metadata import AttentionMetadata
 
 _LOG2E = math.log2(math.e)
+_MASK = -1e30  # a masked score where a whole row may be masked (finite: see _kernel's step)
 _FIRST_ROW = rb.NUM_FIELDS  # the extra column: the first row of the block's request
 _FIELDS = rb.NUM_FIELDS + 1
 _ALIGN = 8  # TMA copies into (8, 64)-tiled shared memory need row offsets that are multiples of 8
@@ -51,7 +54,7 @@ def _plgpu():
 
 
 def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped, *, block_q, block_kv, stages,
-            page_size, pages_per_req, pages_per_layer, group, num_blocks, scale, interpret):
+            page_size, pages_per_req, pages_per_layer, group, num_blocks, scale, interpret, windowed, softcap):
     plgpu = _plgpu()
     (qo_smem2, k_smem, v_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
     b = num_blocks - 1 - lax.axis_index("blocks")  # the longest (last) blocks of a request start first
@@ -63,6 +66,15 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
     first_row = blk_ref[b * _FIELDS + _FIRST_ROW]  # row_start may be up to 7 rows below it (8-row TMA tiles)
     layer, real_rows = scal_ref[0], scal_ref[1]
     kv_head = lax.div(head, jnp.int32(group))
+    window = scal_ref[2] if windowed else 0  # a row at p sees keys (p - window, p]; 0: all up to p
+
+    def first_tile(row):
+        """The first KV tile row `row` (and so every later row) sees: 0 without a window. Rows below the request's
+        first row (TMA alignment) belong to the previous request and are discarded, so they do not count."""
+        if not windowed:
+            return 0
+        edge = jnp.maximum(jnp.maximum(row, first_row) + pos_offset - window + 1, 0)
+        return jnp.where(window > 0, lax.div(edge, jnp.int32(block_kv)), 0)
 
     def steps_for(lo, hi):
         """KV tiles that rows [lo, hi) attend (0 when the range is empty)."""
@@ -72,6 +84,11 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
     # Every tile the memory warpgroup loads must be waited on by a compute warpgroup before its slot is reloaded
     # (a barrier re-armed before its phase completed hangs), so it loads exactly what the longer half needs.
     block_steps = steps_for(row_start, row_start + 2 * block_q)
+    # The memory warpgroup loads tiles [block_first, block_steps); the ring's slot counts from block_first.
+    block_first = jnp.minimum(first_tile(row_start), block_steps) if windowed else 0
+
+    def slot_of(kv_step):
+        return lax.rem(kv_step - block_first if windowed else kv_step, jnp.int32(stages))
 
     # In jax's GPU interpret mode (CPU, tests) there are no register layouts, and its wgmma takes neither a
     # transposed B nor a register A: the two dots read the same smem tiles as plain dots there. Everything else
@@ -98,8 +115,14 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
         row0 = pl.multiple_of(row_start + wg * block_q, _ALIGN)
         row_hi = jnp.minimum(row0 + block_q, row_end)
         kv_steps = steps_for(row0, row_hi)
-        # Tiles wholly at or below the first row's position need no mask.
+        # Tiles wholly at or below the first row's position need no mask; with a window every tile does.
         full_steps = jnp.clip(lax.div(row0 + pos_offset + 1, jnp.int32(block_kv)), 0, kv_steps)
+        if windowed:
+            own_first = jnp.clip(first_tile(row0), block_first, jnp.maximum(kv_steps, block_first))
+            kv_steps = jnp.maximum(kv_steps, own_first)
+            full_steps = jnp.where(window > 0, own_first, full_steps)
+        else:
+            own_first = 0
 
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, block_q), head], qo_smem, q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
@@ -107,15 +130,31 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
         l_i = layout(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = layout(jnp.full((block_q, q_ref.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-        @pl.when(kv_steps > 0)
-        def _():
-            plgpu.barrier_wait(k_bar.at[0])
-
         pl.when(wg == 1)(sched_barrier)  # offsets the two warpgroups by half a step
+
+        def skip(kv_step, _, wait):
+            # A tile the other warpgroup needs: free its slot and keep the ping-pong in step. `wait`: observe its
+            # loads too, as a tile below this warpgroup's window comes before tiles it waits on, and a barrier's
+            # phase is tracked by the waits (the interpreter also insists on every phase being observed).
+            slot = slot_of(kv_step)
+            if wait or interpret:
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            sched_barrier()
+            sched_barrier()
+
+        if windowed:
+            lax.fori_loop(block_first, own_first, functools.partial(skip, wait=True), None)
+
+        @pl.when(kv_steps > own_first)
+        def _():
+            plgpu.barrier_wait(k_bar.at[slot_of(own_first)])
 
         def step(kv_step, carry, masked):
             acc, m_i, l_i = carry
-            slot = lax.rem(kv_step, jnp.int32(stages))
+            slot = slot_of(kv_step)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -128,13 +167,28 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
             else:
                 s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
+            if softcap:  # in log2 units: softcap * tanh(natural score / softcap) * log2(e)
+                s = (softcap * _LOG2E) * jnp.tanh(s * (scale / _LOG2E / softcap))
+
+            def scaled(x):  # without a cap the scale is applied after the row max: one FMA per element
+                return x if softcap else x * scale
+
+            valid = None
             if masked:
                 rows, keys = iota(s.shape, 0), iota(s.shape, 1)
-                s = jnp.where(rows + (row0 + pos_offset) >= keys + kv_step * block_kv, s, -jnp.inf)
+                pos, key = rows + (row0 + pos_offset), keys + kv_step * block_kv
+                valid = pos >= key
+                if windowed:  # no window: an edge below every position (no scalar-bool broadcast in the kernel)
+                    valid = valid & (key > pos - jnp.where(window > 0, window, jnp.int32(1 << 30)))
+                # With a window a row may see nothing in its first tiles: a finite mask keeps m finite there
+                # (-inf - -inf is NaN), and p is zeroed below.
+                s = jnp.where(valid, s, _MASK if windowed else -jnp.inf)
             # m is kept in log2 units times the scale, so p is one FMA and an exp2 per element.
-            m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
+            m_new = jnp.maximum(m_i, scaled(s.max(axis=1)))
             alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            p = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            if windowed and masked:
+                p = jnp.where(valid, p, 0.0)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha + p.sum(axis=1)
             p16 = p.astype(q_ref.dtype)
@@ -146,7 +200,7 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
             def wait_next_k():
                 @pl.when(kv_step + 1 < kv_steps)
                 def _():
-                    plgpu.barrier_wait(k_bar.at[lax.rem(kv_step + 1, jnp.int32(stages))])
+                    plgpu.barrier_wait(k_bar.at[slot_of(kv_step + 1)])
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])  # P from registers, as FA3
@@ -160,20 +214,9 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
-        def drain(kv_step, _):
-            # Tiles the other warpgroup needs: free their slots and keep the ping-pong in step.
-            slot = lax.rem(kv_step, jnp.int32(stages))
-            if interpret:  # the interpreter insists that every thread observes every phase of a barrier
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            sched_barrier()
-            sched_barrier()
-
-        carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), (acc, m_i, l_i))
+        carry = lax.fori_loop(own_first, full_steps, functools.partial(step, masked=False), (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), carry)
-        lax.fori_loop(kv_steps, block_steps, drain, None)
+        lax.fori_loop(kv_steps, block_steps, functools.partial(skip, wait=False), None)
         pl.when(wg == 0)(sched_barrier)
 
         # Rows with no key (padding, empty tiles) have l = 0: write zeros, not 0/0.
@@ -202,6 +245,7 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
         base = (layer * pages_per_layer) * page_size
 
         def load(kv_step, slot):
+            kv_step = kv_step + block_first  # the ring's step -> the tile
             for i in range(block_kv // page_size):
                 idx = jnp.minimum(kv_step * (block_kv // page_size) + i, pages_per_req - 1)
                 first = pl.multiple_of(base + pt_ref[req * pages_per_req + idx] * page_size, _ALIGN)
@@ -211,18 +255,19 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
                 plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(first, page_size), 2 * kv_head + 1],
                                         v_smem.at[slot, rows], v_bar.at[slot])
 
+        num_steps = block_steps - block_first
         for i in range(stages):
-            pl.when(i < block_steps)(functools.partial(load, i, i))
+            pl.when(i < num_steps)(functools.partial(load, i, i))
 
-        @pl.loop(0, jnp.maximum(block_steps - stages, 0))
+        @pl.loop(0, jnp.maximum(num_steps - stages, 0))
         def _(kv_step):
             slot = lax.rem(kv_step, jnp.int32(stages))
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
             load(kv_step + stages, slot)
 
-        if interpret:  # observe the last releases too (see drain)
-            @pl.loop(jnp.maximum(block_steps - stages, 0), block_steps)
+        if interpret:  # observe the last releases too (see skip)
+            @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
             def _(kv_step):
                 plgpu.barrier_wait(k_free.at[lax.rem(kv_step, jnp.int32(stages))])
                 plgpu.barrier_wait(v_free.at[lax.rem(kv_step, jnp.int32(stages))])
@@ -240,24 +285,34 @@ def _stages(block_q: int, block_kv: int, head_dim: int) -> int:
     return next((s for s in (3, 2) if _smem_bytes(block_q, block_kv, head_dim, s) <= _SMEM_BYTES), 0)
 
 
-def supported(q_dtype, head_dim: int, page_size: int, block_kv: int = 128, block_q: int = 64) -> bool:
+def default_block_kv(head_dim: int, block_q: int = 64) -> int:
+    """128-key tiles (the H200 sweep's best at head_dim 128), else 64 where those do not fit (head_dim 256)."""
+    return 128 if _stages(block_q, 128, head_dim) else 64
+
+
+def supported(q_dtype, head_dim: int, page_size: int, block_kv: int | None = None, block_q: int = 64) -> bool:
     """Whether this kernel handles the shapes (the caller falls back to the Triton kernel otherwise)."""
+    block_kv = block_kv or default_block_kv(head_dim, block_q)
     return (jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 64 == 0
             and page_size % 8 == 0 and block_kv % page_size == 0 and _stages(block_q, block_kv, head_dim) > 0)
 
 
 def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: float, block_q: int = 64,
-                           block_kv: int = 128, stages: int | None = None, interpret: bool = False, include=None):
+                           block_kv: int | None = None, stages: int | None = None, interpret: bool = False,
+                           include=None, window=0, softcap: float | None = None):
     """Attention of q [T, Hq, D] over the pool (the new K/V already written). Returns [T, Hq, D].
 
     Defaults from the H200 sweep (docs/kernels.md): 128-key tiles 3 deep (224 KB of shared memory at D 128)
     took a 4k prefill with its KV write in 372 us, against 421 us 2 deep and 406-471 us with 64-key tiles.
-    `stages` None: 3, or 2 where 3 would not fit in shared memory (head_dim 256). `interpret`: run in jax's GPU
-    interpret mode on the CPU (tests; the two dots become plain dots there, see _kernel). `include` (bool[R + 1],
-    the last entry the padding rows): compute only those requests; the other rows of the result are undefined."""
+    `block_kv` None: 128, or 64 where 128-key tiles do not fit in shared memory (head_dim 256, Gemma). `stages`
+    None: 3, or 2 where 3 would not fit. `interpret`: run in jax's GPU interpret mode on the CPU (tests; the two
+    dots become plain dots there, see _kernel). `include` (bool[R + 1], the last entry the padding rows): compute
+    only those requests; the other rows of the result are undefined. `window` (an int or traced int32, 0: none)
+    and `softcap` as in the ref backend."""
     plgpu = _plgpu()
     (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
      pages_per_req) = rb.batch_dims(q, pool, meta)
+    block_kv = block_kv or default_block_kv(head_dim, block_q)
     if not supported(q.dtype, head_dim, page_size, block_kv, block_q):
         raise ValueError(f"mgpu prefill attention needs bf16/fp16, head_dim % 64 == 0, page_size % 8 == 0 "
                          f"dividing block_kv, and tiles that fit in shared memory; got {q.dtype}, D {head_dim}, "
@@ -271,7 +326,8 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
     kernel = functools.partial(
         _kernel, block_q=block_q, block_kv=block_kv, stages=stages, page_size=page_size,
         pages_per_req=pages_per_req, pages_per_layer=num_pages, group=group, num_blocks=num_blocks,
-        scale=sm_scale * _LOG2E, interpret=interpret)
+        scale=sm_scale * _LOG2E, interpret=interpret, windowed=not (isinstance(window, int) and window == 0),
+        softcap=softcap)
 
     def entry(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref):
         pl.run_scoped(
@@ -293,7 +349,8 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
         q = jnp.pad(q, ((0, padded_rows - num_rows), (0, 0), (0, 0)))
     if interpret:  # the hardware zero-fills a TMA read past the end; the interpreter raises instead
         q = jnp.pad(q, ((0, 2 * block_q), (0, 0), (0, 0)))
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), meta.cu_q_lens[-1].astype(jnp.int32)])
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), meta.cu_q_lens[-1].astype(jnp.int32),
+                         jnp.asarray(window, jnp.int32).reshape(())])
     # A Mosaic GPU call rejects inputs that are not 256-byte aligned ("Input buffer 2 is not 256-byte aligned" in
     # the engine on the H200). The engine unpacks its metadata from one packed step buffer, and XLA hands a slice of
     # a buffer to a custom call as an offset into it; an elementwise op (page ids are >= 0) gives the table a buffer

@@ -13,7 +13,9 @@
 #      then bench_overlap on the 8B at batch 128
 #   3  the paper's programs on the 8B (full, no_overlap, no_cache, --repeats 3) and HF transformers on the same GPU
 #      over the same weights
-# Usage: OUT=... bash scripts/lab/h200_engine.sh 1|2|3   Optional: S1_TIMEOUT, S2_TIMEOUT, S3_TIMEOUT, WORKLOADS (stage 3)
+#   f  the families' kernels and shapes: the Mosaic GPU / Triton kernel tests compiled (sliding windows, soft caps,
+#      head_dim 256), then bench_forward on dummy Qwen3-8B and Gemma-3-12B; also keeps stage 2's part a in /tmp
+# Usage: OUT=... bash scripts/lab/h200_engine.sh 1|2|3|f   Optional: S1_TIMEOUT, S2_TIMEOUT, S3_TIMEOUT, WORKLOADS (stage 3)
 set -uo pipefail
 stage=$1
 OUT=${OUT:-/tmp/out}
@@ -28,7 +30,17 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,m
 for d in smoltok bench_workload.json workloads.json; do [ -e "out/gpu/$d" ] && cp -r "out/gpu/$d" /tmp/; done
 quiet() { grep -v "^W0\|^I0\|^E0" "$@"; }
 cd /tmp
-if [ "$stage" = 1 ]; then
+if [ "$stage" = f ]; then
+  [ -e "$REPO/out/gpu1/smol.part_a" ] && cp "$REPO/out/gpu1/smol.part_a" /tmp/smol.part_a
+  (cd "$REPO" && timeout "${TEST_TIMEOUT:-150}" python3 -P -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_pallas_mgpu.py tests/kernels/test_pallas_attention.py -k "not interpret" --import-mode=append \
+    > "$OUT/kernel_tests.log" 2>&1; echo "exit $?" >> "$OUT/kernel_tests.log"); tail -5 "$OUT/kernel_tests.log"
+  for m in ${MODELS:-qwen3-8b gemma3-12b}; do
+    timeout "${FORWARD_TIMEOUT:-150}" python3 -P "$REPO/scripts/perf/bench_forward.py" --model $m --skip-hf \
+      --attention ${FORWARD_ATTENTION:-pallas} --out "$OUT/forward_$m" > "$OUT/forward_$m.log" 2>&1
+    echo "exit $?" >> "$OUT/forward_$m.log"; quiet "$OUT/forward_$m.log" | tail -8
+  done
+elif [ "$stage" = 1 ]; then
   cp "$REPO/out/gpu1/smol.part_a" /tmp/smol.part_a
   # does the sampler's lax.cond hold the dispatch until the forward is done? (8B and SmolLM2 logits shapes)
   timeout "${PROBE_TIMEOUT:-90}" python3 -P "$REPO/scripts/probes/probe_sampler_sync.py" --rows 128 --vocab 128256 \

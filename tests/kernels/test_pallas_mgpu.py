@@ -31,6 +31,12 @@ CASES = {
     "one-long": dict(q_lens=[1024], prefix_lens=[0], page_size=16, head_dim=128),
     "padded-d64-page8": dict(q_lens=[70, 129], prefix_lens=[5, 0], page_size=8, head_dim=64, num_tokens=256,
                              num_reqs=4, pages_per_req=40),
+    # sliding windows (the first warpgroup's and the second's first tiles differ, rows see nothing in some tiles)
+    # and Gemma's head_dim 256 (64-key tiles) with a soft cap
+    "window-prefix": dict(q_lens=[130, 64, 7, 200], prefix_lens=[0, 100, 33, 300], page_size=16, head_dim=128,
+                          window=100),
+    "window-softcap-d256": dict(q_lens=[300, 40], prefix_lens=[50, 0], page_size=16, head_dim=256, window=128,
+                                softcap=50.0),
 }
 HEADS = {"mha": (4, 4), "gqa4": (8, 2), "gqa8": (8, 1)}
 
@@ -54,7 +60,8 @@ def _rel_err(out, expected, total):
 def test_kernel_matches_expectation(case, heads):
     (q, k, v, pool, layer, meta), expected, total = _bf16_case(case, HEADS[heads], seed=len(case) + len(heads))
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
-    fn = jax.jit(functools.partial(pallas_mgpu.mgpu_prefill_attention, sm_scale=q.shape[-1] ** -0.5))
+    masks = {k: CASES[case][k] for k in ("window", "softcap") if k in CASES[case]}
+    fn = jax.jit(functools.partial(pallas_mgpu.mgpu_prefill_attention, sm_scale=q.shape[-1] ** -0.5, **masks))
     for _ in range(2):  # a race shows as a result that moves between runs
         out = np.asarray(fn(q, pool, layer, meta), np.float32)
         assert np.isfinite(out).all()  # padding rows too
@@ -70,18 +77,24 @@ INTERPRET_CASES = {
     # page 8, 13 padding rows and an empty request slot
     "padded-page8": dict(q_lens=[70, 5], prefix_lens=[3, 0], page_size=8, head_dim=64, num_tokens=88, num_reqs=3,
                          pages_per_req=10),
+    # a 20-key window and Gemma 2's soft cap: on a 100-token prefix the first half-block starts at tile 1 and the
+    # second at tile 2 (it skips a tile the first needs), the rows' edges move across 64-key tiles so a row may see
+    # nothing in its warpgroup's first tile; request 1 starts inside request 0's last block
+    "window-softcap": dict(q_lens=[150, 9], prefix_lens=[100, 30], page_size=16, head_dim=64, window=20,
+                           softcap=3.0),
 }
 
 
-@pytest.mark.parametrize("case,heads", [("ragged", (2, 1)), ("padded-page8", (2, 2))])
+@pytest.mark.parametrize("case,heads", [("ragged", (2, 1)), ("padded-page8", (2, 2)), ("window-softcap", (1, 1))])
 def test_interpret_mode_matches_expectation(case, heads):
     args, expected, total = make_case(np.random.default_rng(11), num_heads=heads[0], num_kv_heads=heads[1],
                                       **INTERPRET_CASES[case])
     q, k, v, pool, layer, meta = args
     q, k, v, pool = (x.astype(jnp.bfloat16) for x in (q, k, v, pool))
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
+    masks = {k: INTERPRET_CASES[case][k] for k in ("window", "softcap") if k in INTERPRET_CASES[case]}
     out = pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, block_kv=64,
-                                             stages=2, interpret=True)
+                                             stages=2, interpret=True, **masks)
     out = np.asarray(out, np.float32)
     assert _rel_err(out, expected, total) < 1e-2
     np.testing.assert_array_equal(out[total:], 0.0)
@@ -234,8 +247,11 @@ def test_supported_shapes():
     assert pallas_mgpu.supported(jnp.bfloat16, 128, 16) and pallas_mgpu.supported(jnp.float16, 64, 8)
     assert not pallas_mgpu.supported(jnp.float32, 128, 16)  # the Triton kernel keeps fp32
     assert not pallas_mgpu.supported(jnp.bfloat16, 96, 16) and not pallas_mgpu.supported(jnp.bfloat16, 128, 4)
-    # 128-key tiles: 3 deep fit in shared memory at head_dim 128 (measured: 4 deep did not), none at 256
-    assert pallas_mgpu._stages(64, 128, 128) == 3 and not pallas_mgpu.supported(jnp.bfloat16, 256, 16)
+    # 128-key tiles: 3 deep fit in shared memory at head_dim 128 (measured: 4 deep did not), none at 256, where
+    # the default falls back to 64-key tiles 2 deep (Gemma's head_dim)
+    assert pallas_mgpu._stages(64, 128, 128) == 3 and not pallas_mgpu.supported(jnp.bfloat16, 256, 16, block_kv=128)
+    assert pallas_mgpu.default_block_kv(256) == 64 and pallas_mgpu._stages(64, 64, 256) == 2
+    assert pallas_mgpu.supported(jnp.bfloat16, 256, 16) and pallas_mgpu.default_block_kv(128) == 128
 
 
 def test_unknown_prefill_kernel_is_rejected():
