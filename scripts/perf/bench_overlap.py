@@ -30,6 +30,8 @@ def make_engine(args, overlap: bool):
                   disable_overlap_schedule=not overlap)
     if args.chunked_prefill_size:
         common["chunked_prefill_size"] = args.chunked_prefill_size
+    if args.attention_backend:
+        common["attention_backend"] = args.attention_backend
     if args.model_path or args.smollm2:
         return Engine(args.model_path, load_format=args.load_format, **common)
     from sgjax.model.config import llama3_8b_config
@@ -60,6 +62,8 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool (default: what the batch needs)")
     ap.add_argument("--chunked-prefill-size", type=int, default=None,
                     help="the engine's default otherwise; smaller means fewer step shapes to compile at start")
+    ap.add_argument("--attention-backend", default=None,
+                    help="ref | pallas | pallas:triton | pallas:mgpu (the 8B's ladder compiles faster with triton)")
     ap.add_argument("--out", default="bench_overlap.jsonl")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
