@@ -58,9 +58,8 @@ class Engine:
                                          mesh=mesh if args.tp_size > 1 else None)
         tokenizer = None
         if not args.skip_tokenizer_init:
-            tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-            if args.chat_template:
-                tokenizer = dataclasses.replace(tokenizer, chat_template=chat_templates.resolve(args.chat_template))
+            tokenizer = chat_templates.with_template(load_tokenizer(args.tokenizer_path or args.model_path),
+                                                     args.chat_template, cfg.architecture)
         self._start(args, cfg, weights, tokenizer, VISION.get((args.model_path, dtype, args.load_format)))
 
     @classmethod

@@ -2,13 +2,16 @@
 
 Byte-level BPE tokenizers (GPT-2 alphabet: SmolLM2, Qwen2, Llama-3) spell every byte as one
 printable character; we undo that mapping so a token that holds half of a UTF-8 character is
-still matched byte by byte against the regex automaton.
+still matched byte by byte against the regex automaton. SentencePiece-style vocabularies (Gemma,
+Llama-2, Mistral) write a space as U+2581 and bytes outside their pieces as `<0xNN>` tokens.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -83,9 +86,26 @@ class Vocabulary:
         return ids[lo:hi]
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _metaspace(hf) -> bool:
+    """Whether the tokenizer's decoder turns U+2581 into spaces (SentencePiece style) rather than undoing GPT-2's
+    byte alphabet."""
+    decoder = json.dumps(json.loads(hf.to_str()).get("decoder") or {})
+    return "ByteLevel" not in decoder and ("\\u2581" in decoder or "Metaspace" in decoder or "ByteFallback" in decoder)
+
+
+def _sentencepiece_bytes(piece: str) -> bytes:
+    m = _BYTE_PIECE.fullmatch(piece)
+    return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
+
+
 def from_hf_tokenizer(hf, eos_ids, special_ids=(), name: str = "") -> Vocabulary:
-    """Vocabulary of a byte-level BPE `tokenizers.Tokenizer`; added/special tokens map to None."""
+    """Vocabulary of a byte-level BPE or SentencePiece-style `tokenizers.Tokenizer`; added/special tokens map to
+    None."""
     decoder = _byte_decoder()
+    metaspace = _metaspace(hf)
     size = hf.get_vocab_size(with_added_tokens=True)
     special = set(special_ids) | set(eos_ids)
     added = {i: t for i, t in hf.get_added_tokens_decoder().items()}
@@ -96,6 +116,8 @@ def from_hf_tokenizer(hf, eos_ids, special_ids=(), name: str = "") -> Vocabulary
             tokens.append(None)
         elif i in added:  # user-defined added tokens are plain text, not byte-level spelled
             tokens.append(piece.encode())
+        elif metaspace:
+            tokens.append(_sentencepiece_bytes(piece))
         else:
             try:
                 tokens.append(bytes(decoder[ch] for ch in piece))

@@ -37,6 +37,7 @@ class Family:
     norm_plus_one: bool = False
     gguf_unpermute_qk: bool = False  # llama.cpp's converter interleaves Llama's rotary halves
     tied_by_default: bool = False  # tie_word_embeddings when config.json does not say
+    chat_template: str | None = None  # a built-in (model/chat_templates.py) for checkpoints that carry none
 
 
 def _mistral(d: dict) -> dict:
@@ -117,10 +118,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), hf_config=_qwen3,
            gguf_config=lambda g, common: {"qk_norm": True}),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), hf_config=_gemma2, hf_names=_GEMMA_NAMES,
-           norm_plus_one=True, tied_by_default=True),
+           norm_plus_one=True, tied_by_default=True, chat_template="gemma"),
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",), hf_config=_gemma3,
            gguf_config=_gemma3_gguf, hf_names=_GEMMA_NAMES, gguf_names=_GEMMA_GGUF, norm_plus_one=True,
-           tied_by_default=True),
+           tied_by_default=True, chat_template="gemma"),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), hf_config=_phi3,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")}),
 )
