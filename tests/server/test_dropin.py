@@ -241,7 +241,7 @@ def test_max_queued_requests_and_stream_interval(locked):
         def one():
             with httpx.Client(base_url=locked.url, timeout=120, headers=auth) as cc:
                 r = cc.post("/generate", json={**body, "stream": False,
-                                               "sampling_params": {**body["sampling_params"], "max_new_tokens": 60}})
+                                               "sampling_params": {**body["sampling_params"], "max_new_tokens": 16}})
                 with lock:
                     statuses.append((r.status_code, r.headers.get("retry-after")))
 
