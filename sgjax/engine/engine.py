@@ -460,18 +460,10 @@ class Engine:
                  t1 - t0, threads, time.perf_counter() - t1)
 
     def _server_info(self) -> dict:
-        s, a, c = self.scheduler, self.scheduler.allocator, self.scheduler.cache
-        st = s.stats
         return {
             "model_path": self.args.model_path, "page_size": self.args.page_size,
             "max_total_tokens": self.max_total_tokens, "context_length": self.context_length,
-            "schedule_policy": s.cfg.policy, "cache": s.cfg.cache, "attention_backend": self.runner.attention,
-            "num_pages": a.capacity, "free_pages": a.num_free, "evictable_pages": c.evictable_pages,
-            "protected_pages": c.protected_pages, "pool_usage": 1.0 - a.num_free / a.capacity,
-            "running_requests": len(s.running), "waiting_requests": len(s.waiting),
-            "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens, "cache_hit_rate": s.hit_rate,
-            "retractions": st.retractions, "steps": st.steps, "tree_seconds": st.tree_seconds,
-            "admit_seconds": st.admit_seconds,
+            "attention_backend": self.runner.attention, **self.scheduler.report(),
             "step_seconds": self._step_seconds, "detokenize_seconds": self.outputs.detokenize_seconds,
             "compiled_shapes": len(self.runner.shapes_seen),
             "traces": self.runner.traces, "jump_forward_tokens": self.outputs.jumped_tokens,

@@ -409,6 +409,19 @@ class Scheduler:
         self.cache.reset()
         return True
 
+    def report(self) -> dict:
+        """The scheduler's, pool's and cache's gauges and counters (the engine's server info)."""
+        a, c, st = self.allocator, self.cache, self.stats
+        return {
+            "schedule_policy": self.cfg.policy, "cache": self.cfg.cache,
+            "num_pages": a.capacity, "free_pages": a.num_free, "evictable_pages": c.evictable_pages,
+            "protected_pages": c.protected_pages, "pool_usage": 1.0 - a.num_free / a.capacity,
+            "running_requests": len(self.running), "waiting_requests": len(self.waiting),
+            "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens, "cache_hit_rate": self.hit_rate,
+            "retractions": st.retractions, "steps": st.steps, "tree_seconds": st.tree_seconds,
+            "admit_seconds": st.admit_seconds,
+        }
+
     @property
     def hit_rate(self) -> float:
         return self.stats.cached_tokens / self.stats.prompt_tokens if self.stats.prompt_tokens else 0.0

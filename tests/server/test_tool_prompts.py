@@ -257,9 +257,8 @@ def _installed_qwen_template():
     import inspect
     import os
 
-    spec = importlib.util.find_spec("bfcl_eval")
-    if spec is None:
-        pytest.skip("bfcl_eval is not installed")
+    spec = importlib.util.find_spec("bfcl_eval")  # installed by `make setup` (the BFCL tests' data)
+    assert spec is not None, "bfcl_eval is missing: make setup installs it"
     path = os.path.join(spec.submodule_search_locations[0], "model_handler", "local_inference", "qwen_fc.py")
     with open(path, encoding="utf-8") as f:
         source = f.read()
