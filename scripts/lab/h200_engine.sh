@@ -72,20 +72,27 @@ save_hf_dir(tok, '/tmp/smol_dummy', {'architectures': ['LlamaForCausalLM'], 'mod
   # 2026-12-02): pick one part per call with S2_PARTS, e.g. "engine32" then "overlap32 overlap8b".
   parts=" ${S2_PARTS:-engine32 overlap32 engine128 overlap128 overlap8b} "
   for b in 32 128; do
-    [[ "$parts" == *" engine$b "* ]] && timeout "${S2_TIMEOUT:-280}" python3 -P "$REPO/scripts/perf/bench_engine.py" "${model[@]}" --dtype float32 \
-      --workload-file /tmp/bench_workload.json --workloads sharegpt,mmlu5 --configs lpm,no_overlap \
-      --max-running-requests $b --max-total-tokens 131072 --chunked-prefill-size 512 --repeat 3 \
-      --profile-dir /tmp/prof_smol_$b --tag "smollm2-b$b" --out "$OUT/engine_smol_b$b.jsonl" > "$OUT/engine_smol_b$b.log" 2>&1
-    [[ "$parts" == *" engine$b "* ]] && { echo "exit $?" >> "$OUT/engine_smol_b$b.log"; quiet "$OUT/engine_smol_b$b.log" | tail -6; }
-    [[ "$parts" == *" overlap$b "* ]] && { JAX_LOG_COMPILES=${LOG_COMPILES:-0} timeout "${S2_OVERLAP_TIMEOUT:-280}" \
-      python3 -P "$REPO/scripts/perf/bench_overlap.py" "${model[@]}" --batch $b --prompt 64 --new 128 \
-      --chunked-prefill-size 512 --out "$OUT/overlap.jsonl" > "$OUT/overlap_smol_$b.log" 2>&1
-      echo "exit $?" >> "$OUT/overlap_smol_$b.log"; quiet "$OUT/overlap_smol_$b.log" | tail -4; }
+    # (the exit status is the command's: "exit $?" after a [[ ]] && ... reported the test's, 0, for a timed-out run)
+    if [[ "$parts" == *" engine$b "* ]]; then
+      JAX_LOG_COMPILES=${LOG_COMPILES:-0} timeout "${S2_TIMEOUT:-280}" python3 -P "$REPO/scripts/perf/bench_engine.py" "${model[@]}" --dtype float32 \
+        --workload-file /tmp/bench_workload.json --workloads ${S2_WORKLOADS:-sharegpt,mmlu5} --configs lpm,no_overlap \
+        --max-running-requests $b --max-total-tokens 131072 --chunked-prefill-size 512 --repeat 3 ${S2_ARGS:-} \
+        --profile-dir /tmp/prof_smol_$b --tag "smollm2-b$b" --out "$OUT/engine_smol_b$b.jsonl" > "$OUT/engine_smol_b$b.log" 2>&1
+      echo "exit $?" >> "$OUT/engine_smol_b$b.log"; quiet "$OUT/engine_smol_b$b.log" | grep -v ShapedArray | tail -6
+    fi
+    if [[ "$parts" == *" overlap$b "* ]]; then
+      JAX_LOG_COMPILES=${LOG_COMPILES:-0} timeout "${S2_OVERLAP_TIMEOUT:-280}" \
+        python3 -P "$REPO/scripts/perf/bench_overlap.py" "${model[@]}" --dtype float32 --batch $b --prompt 64 --new 128 \
+        --chunked-prefill-size 512 ${S2_ARGS:-} --out "$OUT/overlap.jsonl" > "$OUT/overlap_smol_$b.log" 2>&1
+      echo "exit $?" >> "$OUT/overlap_smol_$b.log"; quiet "$OUT/overlap_smol_$b.log" | grep -v ShapedArray | tail -4
+    fi
   done
-  [[ "$parts" == *" overlap8b "* ]] && { timeout "${S2_8B_TIMEOUT:-280}" python3 -P "$REPO/scripts/perf/bench_overlap.py" \
-    --dummy llama3-8b --attention-backend pallas:triton --batch 128 --prompt 256 --new 128 --max-total-tokens 131072 \
-    --chunked-prefill-size 512 --out "$OUT/overlap.jsonl" > "$OUT/overlap_8b.log" 2>&1
-    echo "exit $?" >> "$OUT/overlap_8b.log"; quiet "$OUT/overlap_8b.log" | tail -4; }
+  if [[ "$parts" == *" overlap8b "* ]]; then
+    timeout "${S2_8B_TIMEOUT:-280}" python3 -P "$REPO/scripts/perf/bench_overlap.py" \
+      --dummy llama3-8b --attention-backend pallas:triton --batch 128 --prompt 256 --new 128 --max-total-tokens 131072 \
+      --chunked-prefill-size 512 --out "$OUT/overlap.jsonl" > "$OUT/overlap_8b.log" 2>&1
+    echo "exit $?" >> "$OUT/overlap_8b.log"; quiet "$OUT/overlap_8b.log" | tail -4
+  fi
 else
   if [ -z "${SKIP_PROBE:-}" ]; then
     timeout 60 python3 -P "$REPO/scripts/probes/probe_dispatch.py" --out "$OUT/probe_dispatch.json" > "$OUT/probe_dispatch.log" 2>&1

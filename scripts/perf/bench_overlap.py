@@ -32,6 +32,8 @@ def make_engine(args, overlap: bool):
         common["chunked_prefill_size"] = args.chunked_prefill_size
     if args.attention_backend:
         common["attention_backend"] = args.attention_backend
+    if args.dtype:
+        common["dtype"] = args.dtype
     if args.model_path or args.smollm2:
         return Engine(args.model_path, load_format=args.load_format, **common)
     from sgjax.model.config import llama3_8b_config
@@ -64,6 +66,8 @@ def main() -> None:
                     help="the engine's default otherwise; smaller means fewer step shapes to compile at start")
     ap.add_argument("--attention-backend", default=None,
                     help="ref | pallas | pallas:triton | pallas:mgpu (the 8B's ladder compiles faster with triton)")
+    ap.add_argument("--dtype", default=None, help="a checkpoint's dtype (the engine's default: bfloat16 on "
+                    "accelerators); the issue's SmolLM2 rows are float32")
     ap.add_argument("--out", default="bench_overlap.jsonl")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -91,6 +95,7 @@ def main() -> None:
                              overlapped_steps=after["overlapped_steps"] - before["overlapped_steps"],
                              timeline=summarize(eng.step_log),
                              model=args.model_path or args.dummy or ("smollm2" if args.smollm2 else "tiny-random"),
+                             dtype=args.dtype or "default",
                              outputs_hash=hash(tuple(tuple(o["output_ids"]) for o in outs))))
     base = rows[0]["wall_s"]
     for r in rows:

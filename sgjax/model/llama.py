@@ -131,9 +131,15 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"
     block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention)
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
     if isinstance(weights.layers, (tuple, list)):
+        # One jitted block per distinct window, called once per layer: jax traces and lowers it once (the module
+        # calls one function L times; XLA inlines it), not L times. On the H200 the unrolled SmolLM2 spent 40-75 s
+        # tracing and ~60 s lowering each step shape (its Pallas kernels built again for every layer), against 6-7 s
+        # of XLA compilation.
+        jitted = {win: jax.jit(lambda x, pool, w, i, inv, win=win: block(x, pool, w, (i, win, inv)))
+                  for win in set(windows)}
         for i, w in enumerate(weights.layers):
             with jax.named_scope(f"layer{i}"):
-                x, pool = block(x, pool, w, (jnp.int32(i), windows[i], jnp.asarray(rope[i])))
+                x, pool = jitted[windows[i]](x, pool, w, jnp.int32(i), jnp.asarray(rope[i]))
     else:
         same = len(set(windows)) == 1  # every layer alike (Llama, Mistral): the window stays a static int
 
