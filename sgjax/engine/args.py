@@ -62,6 +62,9 @@ class ServerArgs:
     # Tensor parallelism over the first tp_size local devices (engine/mesh.py): weights and the KV pool split by
     # heads, one jitted step over the mesh; the host side is unchanged.
     tp_size: int = 1
+    # Expert parallelism for mixtures of experts (engine/mesh.py sharded_experts): 1 splits every expert's columns
+    # over the tp_size devices, tp_size gives each device whole experts (SGLang's --ep-size = --tp-size).
+    ep_size: int = 1
     # Multi-host (engine/distributed.py): nnodes processes, one per host, each running `sgjax serve` with its
     # node_rank; rank 0 serves HTTP and broadcasts every step, the others follow. dist_init_addr is jax.distributed's
     # coordinator (host:port on rank 0's host); port + 1 carries the followers' liveness connections.
@@ -150,6 +153,8 @@ ENGINE_FLAGS = [
     ("tp_size", dict(type=int, help="tensor parallelism: shard the weights and the KV pool by heads over this many "
                                     "devices (one jitted step over the mesh); with --nnodes, every device of "
                                     "every host")),
+    ("ep_size", dict(type=int, help="expert parallelism (mixtures of experts): 1 or --tp-size; at tp-size each "
+                                    "device holds num_experts / tp-size whole experts instead of a slice of each")),
     ("nnodes", dict(type=int, help="hosts (processes) the mesh spans; rank 0 serves HTTP, the others follow its "
                                    "steps")),
     ("node_rank", dict(type=int, help="this process's rank among --nnodes (0: the server)")),

@@ -28,15 +28,18 @@ def jitted_readout(cfg: ModelConfig, attention: str, readout: str, mesh=None):
     """With a mesh: attention under shard_map over the heads as in the step (a Pallas kernel cannot be split by
     GSPMD), and a replicated output, so each process reads its own copy."""
     attend = get_backend(attention)
+    experts_fn = None
     if mesh is not None:
         attend = tp.sharded_attention(attend, mesh)
+        experts_fn = tp.sharded_experts(mesh, cfg) if cfg.is_moe else None
 
     def run(weights, pool, batch):
         if readout == "logprobs":
-            logits, _ = forward(weights, pool, batch, cfg=cfg, attention=attend)
+            logits, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, experts_fn=experts_fn)
             out = jax.nn.log_softmax(logits, axis=-1)
         else:
-            hidden, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, output="hidden")
+            hidden, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, output="hidden",
+                                experts_fn=experts_fn)
             out = hidden / jnp.maximum(jnp.linalg.norm(hidden, axis=-1, keepdims=True), 1e-12)
         if mesh is not None:
             out = jax.lax.with_sharding_constraint(out, tp.replicated(mesh))

@@ -55,7 +55,7 @@ class Engine:
         check_args(args, dtype)
         mesh = tp.make_mesh(args.tp_size)  # before loading: a tp_size the host cannot give fails at once
         cfg, weights = load_model_cached(args.model_path, dtype, args.load_format,
-                                         mesh=mesh if args.tp_size > 1 else None)
+                                         mesh=mesh if args.tp_size > 1 else None, ep_size=args.ep_size)
         tokenizer = None
         if not args.skip_tokenizer_init:
             tokenizer = chat_templates.with_template(load_tokenizer(args.tokenizer_path or args.model_path),
@@ -75,17 +75,17 @@ class Engine:
                vision=None) -> None:
         platform = jax.devices()[0].platform
         self.mesh = tp.make_mesh(args.tp_size)
-        tp.check_model(cfg, args.tp_size)
+        tp.check_model(cfg, args.tp_size, args.ep_size)
         self._fatal_message: str | None = None
         self._fatal_lock = threading.Lock()
         self._in_call: Call | None = None  # the Call the engine thread runs (a readout may hang with a lost host)
         leader, follower = distributed.roles(args, on_lost=self._fatal)  # (None, None) on one host
         # The sharded model's config (KV heads replicated up to tp_size) and weights placed on the mesh; tp_size 1
         # keeps the single-device program as it was.
-        run_cfg = tp.tp_config(cfg, args.tp_size)
+        run_cfg = tp.ep_config(tp.tp_config(cfg, args.tp_size), args.ep_size)
         run_mesh = self.mesh if args.tp_size > 1 else None
         if run_mesh is not None:
-            weights = tp.place_weights(cfg, weights, run_mesh)
+            weights = tp.place_weights(tp.ep_config(cfg, args.ep_size), weights, run_mesh)
         if args.step_buckets not in (None, "fine", "coarse"):
             raise ValueError(f"step_buckets must be 'fine' or 'coarse', got {args.step_buckets!r}")
         if args.gil_switch_interval_ms is not None:
@@ -470,4 +470,11 @@ class Engine:
             "overlapped_steps": self._overlapped_steps,
             "generated_tokens": self.outputs.sampled_tokens + self.outputs.jumped_tokens,
             "grammar_cache": dataclasses.asdict(self.requests.grammars.stats),
+            **self._expert_report(),
         }
+
+    def _expert_report(self) -> dict:
+        """A mixture of experts' routing since start: (token, choice) pairs per layer and expert (load imbalance is
+        what MoE users debug). Read off the device between steps."""
+        counts = self.runner.expert_tokens()
+        return {} if counts is None else {"expert_tokens": counts.tolist()}

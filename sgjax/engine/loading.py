@@ -44,33 +44,33 @@ def check_args(args: ServerArgs, model_dtype: str) -> None:
                          f"schemas with its own compressed FSM (grammar_backend 'sgjax', or 'none' to refuse them)")
 
 
-def load_model_cached(path, dtype, load_format="auto", mesh=None):
+def load_model_cached(path, dtype, load_format="auto", mesh=None, ep_size=1):
     """Weights are immutable arrays: engines in one process (tests, ablation sweeps) share one copy. With a mesh
     (tensor parallelism) they are placed on it as they are made: dummy weights generated sharded, a GGUF or HF
     checkpoint read into host memory and each device given its slice (engine/mesh.py), so no device holds the whole
     model. LLaVA and orbax checkpoints load onto the default device and are placed by the engine."""
-    key = (path, dtype, load_format) if mesh is None else (path, dtype, load_format, mesh)
+    key = (path, dtype, load_format) if mesh is None else (path, dtype, load_format, mesh, ep_size)
     if key not in MODELS:
         if load_format == "dummy":
             if path is None or not os.path.isdir(path):
                 raise ValueError(f"load_format 'dummy' needs an HF directory with config.json, got {path!r}")
             cfg = config_from_hf_dir(path, dtype)
             if mesh is not None:
-                from sgjax.engine.mesh import check_model, dummy_weights as sharded_dummy_weights, tp_size
+                from sgjax.engine.mesh import check_model, dummy_weights as sharded_dummy_weights, ep_config, tp_size
 
-                check_model(cfg, tp_size(mesh))
-                MODELS[key] = cfg, sharded_dummy_weights(cfg, mesh)
+                check_model(cfg, tp_size(mesh), ep_size)
+                MODELS[key] = cfg, sharded_dummy_weights(ep_config(cfg, ep_size), mesh)
             else:
                 MODELS[key] = cfg, dummy_weights(cfg)
         elif is_llava_dir(path):
             cfg, weights, vcfg, vweights = load_llava_dir(path, dtype)
             MODELS[key], VISION[key[:3]] = (cfg, weights), (vcfg, vweights)  # the engine looks it up without the mesh
         elif mesh is not None:
-            from sgjax.engine.mesh import check_model, place_weights, tp_size
+            from sgjax.engine.mesh import check_model, ep_config, place_weights, tp_size
 
             cfg, weights = load_model(path, dtype, host=True)
-            check_model(cfg, tp_size(mesh))
-            MODELS[key] = cfg, place_weights(cfg, weights, mesh)
+            check_model(cfg, tp_size(mesh), ep_size)
+            MODELS[key] = cfg, place_weights(ep_config(cfg, ep_size), weights, mesh)
         else:
             MODELS[key] = load_model(path, dtype)
     return MODELS[key]

@@ -35,9 +35,11 @@ try:  # GSPMD ("auto") axes, spelled out where jax has axis types: the placement
     _AUTO_AXES = dict(axis_types=(AxisType.Auto,) * len(AXES))
 except ImportError:
     _AUTO_AXES = {}
-# logical axis -> mesh axis; axes not named here are replicated ("vocab", "embed", "layers")
-RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
+# logical axis -> mesh axis; axes not named here are replicated ("vocab", "embed", "layers", "router")
+RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "expert_mlp": "tensor"}
 VOCAB_RULES = {**RULES, "vocab": "tensor"}  # the vocab-sharded alternative (scripts/perf/bench_tp.py --shard-vocab)
+# expert parallelism: whole experts per device instead of every expert's columns (ModelConfig.expert_parallel)
+EP_CHANGES = {"expert": "tensor", "expert_mlp": None}
 KV_LEAVES = ("wk", "wv", "bk", "bv")
 POOL_SPEC = P(None, None, None, "tensor", None)  # [L, pages, page_size, 2*Hkv, D]: K/V interleaved by head
 HEADS_SPEC = P(None, "tensor", None)  # q, k, v and the attention output: [T, H, D]
@@ -59,15 +61,26 @@ def tp_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape["tensor"]
 
 
-def check_model(cfg: ModelConfig, tp: int) -> None:
-    """One-line errors naming tp_size for models that cannot split tp ways."""
+def check_model(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
+    """One-line errors naming tp_size / ep_size for models that cannot split that way."""
     if cfg.num_heads % tp:
         raise ValueError(f"tp_size={tp} must divide the model's {cfg.num_heads} attention heads")
     kv = cfg.num_kv_heads
     if (kv % tp) if tp <= kv else (tp % kv):
         raise ValueError(f"tp_size={tp} and the model's {kv} KV heads: one must divide the other")
-    if cfg.intermediate_size % tp:
-        raise ValueError(f"tp_size={tp} must divide the model's MLP width {cfg.intermediate_size}")
+    if ep not in (1, tp):
+        raise ValueError(f"ep_size={ep} must be 1 or tp_size={tp}: the experts split over the tensor-parallel devices")
+    if ep > 1 and not cfg.is_moe:
+        raise ValueError(f"ep_size={ep} needs a mixture-of-experts model ({cfg.architecture} has no experts)")
+    if ep > 1 and cfg.num_experts % ep:
+        raise ValueError(f"ep_size={ep} must divide the model's {cfg.num_experts} experts")
+    if ep == 1 and cfg.mlp_width % tp:
+        raise ValueError(f"tp_size={tp} must divide the model's MLP width {cfg.mlp_width}")
+
+
+def ep_config(cfg: ModelConfig, ep: int) -> ModelConfig:
+    """The config the model runs with under expert parallelism (ep > 1: whole experts per device)."""
+    return cfg.replace(expert_parallel=ep > 1) if cfg.is_moe else cfg
 
 
 def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -87,8 +100,13 @@ def expand_kv(a, cfg: ModelConfig, tp: int):
     return xp.repeat(heads, r, axis=-2).reshape(*lead, cfg.num_kv_heads * r * cfg.head_dim)
 
 
-def weight_shardings(weights: W.Weights, mesh: Mesh, shard_vocab: bool = False) -> W.Weights:
-    return W.shardings(weights, mesh, VOCAB_RULES if shard_vocab else RULES)
+def rules(shard_vocab: bool = False, expert_parallel: bool = False) -> dict:
+    return {**(VOCAB_RULES if shard_vocab else RULES), **(EP_CHANGES if expert_parallel else {})}
+
+
+def weight_shardings(weights: W.Weights, mesh: Mesh, shard_vocab: bool = False,
+                     expert_parallel: bool = False) -> W.Weights:
+    return W.shardings(weights, mesh, rules(shard_vocab, expert_parallel))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -118,7 +136,7 @@ def place_weights(cfg: ModelConfig, weights: W.Weights, mesh: Mesh, shard_vocab:
     if isinstance(weights.layers, (tuple, list)):
         raise ValueError("place_weights takes stacked layers (place first, then unstack)")
     tp = tp_size(mesh)
-    target = _leaves(weight_shardings(_expanded_struct(cfg, weights, tp), mesh, shard_vocab))
+    target = _leaves(weight_shardings(_expanded_struct(cfg, weights, tp), mesh, shard_vocab, cfg.expert_parallel))
     out = {}
     for name, a in _leaves(weights).items():
         if a is None:
@@ -150,21 +168,23 @@ def _expanded_struct(cfg, weights, tp):
     return _from_leaves({n: struct(n, a) for n, a in _leaves(weights).items()})
 
 
-def unstack_placed(weights: W.Weights, mesh: Mesh, shard_vocab: bool = False) -> W.Weights:
+def unstack_placed(weights: W.Weights, mesh: Mesh, shard_vocab: bool = False,
+                   expert_parallel: bool = False) -> W.Weights:
     """Per-layer weights (the accelerators' unrolled forward) from placed stacked ones, each slice keeping its
     leaf's partitioning (a jit with out_shardings: no gather through one device)."""
     struct = jax.eval_shape(W.unstack_layers, weights)
-    return jax.jit(W.unstack_layers, out_shardings=weight_shardings(struct, mesh, shard_vocab))(weights)
+    out = weight_shardings(struct, mesh, shard_vocab, expert_parallel)
+    return jax.jit(W.unstack_layers, out_shardings=out)(weights)
 
 
 def dummy_weights(cfg: ModelConfig, mesh: Mesh, seed: int = 0, shard_vocab: bool = False) -> W.Weights:
     """Random weights born sharded: the initialiser is jitted with out_shardings (jax's partitionable threefry gives
     the same values as the unsharded `weights.dummy_weights`), KV heads then expanded for tp > num_kv_heads."""
     tp = tp_size(mesh)
-    rules = VOCAB_RULES if shard_vocab else RULES
+    table = rules(shard_vocab, cfg.expert_parallel)
     if cfg.num_kv_heads % tp:
-        rules = {**rules, "kv_heads": None}  # replicated until expanded
-    flat = {name: NamedSharding(mesh, P(*(rules.get(n) for n in W.LOGICAL_AXES[name])))
+        table = {**table, "kv_heads": None}  # replicated until expanded
+    flat = {name: NamedSharding(mesh, P(*(table.get(n) for n in W.LOGICAL_AXES[name])))
             for name in W.shapes(cfg)}
     return place_weights(cfg, W.dummy_weights(cfg, seed, shardings=flat), mesh, shard_vocab)
 
@@ -199,6 +219,30 @@ def sharded_attention(attend, mesh: Mesh):
         return fn(q, k, v, pool, layer, meta, jnp.asarray(0 if static else window, jnp.int32))
 
     return attention
+
+
+# -- experts: expert parallelism or tensor-parallel experts, under shard_map ------------------------------------
+def sharded_experts(mesh: Mesh, cfg: ModelConfig):
+    """model/moe.experts over the mesh. The residual stream is replicated (attention is tensor-parallel), so every
+    device already holds every token: it routes them all (the same on every device), runs the (token, expert)
+    pairs of the experts it holds, and one psum adds the devices' partial outputs: the same single all-reduce of
+    [T, D] per layer as a dense tensor-parallel MLP, and no all-to-all (which only pays when the tokens themselves
+    are split over the devices, as in data-parallel attention). Expert parallelism (cfg.expert_parallel) holds
+    E / tp whole experts per device (a grouped matmul per device on tp times fewer groups); otherwise every
+    device holds every expert's 1 / tp columns."""
+    from sgjax.model.moe import experts
+
+    ep = cfg.expert_parallel
+    up_spec = P("tensor", None, None) if ep else P(None, None, "tensor")
+    down_spec = P("tensor", None, None) if ep else P(None, "tensor", None)
+
+    def local(h, top_w, top_i, w_gate, w_up, w_down):
+        first = jax.lax.axis_index("tensor") * w_gate.shape[0] if ep else 0
+        part = experts(h, top_w, top_i, w_gate, w_up, w_down, first=first, activation=cfg.activation,
+                       out_dtype=jnp.float32)
+        return jax.lax.psum(part, "tensor").astype(h.dtype)
+
+    return shard_map(local, mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec), out_specs=P())
 
 
 def addressable_bytes(tree) -> dict[int, int]:

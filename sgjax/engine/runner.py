@@ -125,8 +125,10 @@ def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None
     With a mesh (tensor parallelism, engine/mesh.py) attention runs under shard_map over the heads, the logits are
     gathered to every device before the sampler (which runs replicated), and the state keeps its sharding."""
     attend = get_backend(attention)
+    experts_fn = None
     if mesh is not None:
         attend = tp.sharded_attention(attend, mesh)
+        experts_fn = tp.sharded_experts(mesh, cfg) if cfg.is_moe else None
 
     def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None):
         batch, rows, image_rows, mask_words = unpack(buffer, shape)
@@ -139,7 +141,9 @@ def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None
             embeds = weights.embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
             picked = image_features[jnp.clip(image_rows, 0, shape.image_rows - 1)].astype(embeds.dtype)
             embeds = jnp.where((image_rows >= 0)[:, None], picked, embeds)
-        logits, pool = forward(weights, state.pool, batch, cfg=cfg, attention=attend, input_embeds=embeds)
+        logits, pool, stats = forward(weights, state.pool, batch, cfg=cfg, attention=attend, input_embeds=embeds,
+                                      experts_fn=experts_fn, with_stats=True)
+        expert_tokens = None if stats is None else state.expert_tokens + stats
         if mesh is not None:  # full-vocabulary logits for the sampler (a gather when the lm_head is vocab-sharded)
             logits = jax.lax.with_sharding_constraint(logits, tp.replicated(mesh))
         mask = None if mask_words is None else unpack_bits(mask_words, cfg.vocab_size)
@@ -150,7 +154,9 @@ def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None
         if mesh is not None:  # the donated state comes back as it went in, so the next step neither moves nor compiles
             pool = jax.lax.with_sharding_constraint(pool, tp.pool_sharding(mesh))
             future = jax.lax.with_sharding_constraint(future, tp.replicated(mesh))
-        return out, DeviceState(pool=pool, future=future)
+            if expert_tokens is not None:
+                expert_tokens = jax.lax.with_sharding_constraint(expert_tokens, tp.replicated(mesh))
+        return out, DeviceState(pool=pool, future=future, expert_tokens=expert_tokens)
 
     step.__name__ = step.__qualname__ = f"sgjax_step_{len(_COMPILES)}"  # its compile events' fun_name
     _COMPILES[step.__name__] = 0
@@ -174,7 +180,8 @@ class Runner:
         coarse = self.platform != "cpu" if coarse is None else coarse
         self.buckets = Buckets(coarse=coarse, max_reqs=max_reqs, max_top_logprobs=max_top_logprobs)
         if mesh is not None and layer_loop_for(self.platform) == "unrolled":
-            self.weights = tp.unstack_placed(weights, mesh, shard_vocab=_vocab_sharded(weights))
+            self.weights = tp.unstack_placed(weights, mesh, shard_vocab=_vocab_sharded(weights),
+                                             expert_parallel=cfg.expert_parallel)
         else:
             self.weights = for_platform(weights, self.platform)
         self.max_pages = -(-max_context // page_size)
@@ -199,11 +206,18 @@ class Runner:
             self.leader.reset()
         pool = allocate_pool(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
                              dtype=jnp.dtype(cfg.dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
-        if mesh is not None:
-            future = self._to_device(np.zeros(self.max_reqs, np.int32))
-        else:
-            future = jnp.zeros(self.max_reqs, jnp.int32)
-        self.state = DeviceState(pool=pool, future=future)
+        place = self._to_device if mesh is not None else jnp.asarray
+        future = place(np.zeros(self.max_reqs, np.int32))
+        expert_tokens = place(np.zeros((cfg.num_layers, cfg.num_experts), np.int32)) if cfg.is_moe else None
+        self.state = DeviceState(pool=pool, future=future, expert_tokens=expert_tokens)
+
+    def expert_tokens(self) -> np.ndarray | None:
+        """(token, choice) pairs per layer and expert since the pool was made ([L, E]; None for a dense model or a
+        lost state). Waits for the steps in flight: the engine asks between steps."""
+        state = self.state
+        if state is None or state.expert_tokens is None or state.lost():
+            return None
+        return np.asarray(jax.device_get(_local(state.expert_tokens)))
 
     def _to_device(self, host: np.ndarray):
         """A step input: replicated over the mesh (what the compiled step expects), else on the default device."""

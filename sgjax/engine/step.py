@@ -77,6 +77,10 @@ class DeviceState:
 
     pool: Array
     future: Array
+    # a mixture of experts' (token, choice) pairs per layer and expert since the pool was made, i32[L, E]: counted on
+    # the device, read only when /metrics or the server info asks (no per-step transfer)
+    expert_tokens: Array | None = None
 
     def lost(self) -> bool:
-        return self.pool.is_deleted() or self.future.is_deleted()
+        arrays = (self.pool, self.future) + (() if self.expert_tokens is None else (self.expert_tokens,))
+        return any(a.is_deleted() for a in arrays)

@@ -26,7 +26,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # the family (model/families.py): llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3
+    architecture: str  # the family (model/families.py): llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, and
+    # the mixtures of experts qwen3_moe, mixtral, olmoe
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -52,6 +53,17 @@ class ModelConfig:
     sliding_window: int | None = None  # keys within this many positions of the query, on the sliding layers
     sliding_layers: tuple[bool, ...] = ()  # per layer; () with a window: every layer slides (Mistral)
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (rope_scaling is the global's)
+    qk_norm_per_head: bool = True  # False (OLMoE): the q/k norms span the whole projection, before the head split
+    qkv_clip: float | None = None  # OLMoE's clip_qkv: q, k, v clamped to [-clip, clip]
+    # Mixture of experts (model/moe.py): every layer's MLP is num_experts experts of width moe_intermediate_size, of
+    # which a router picks num_experts_per_tok per token; 0 experts: the dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
+    # A run setting, not the checkpoint's (like tp_config's KV heads): with tensor parallelism, whole experts per
+    # device (expert parallelism, --ep-size = --tp-size) instead of every expert's columns split (engine/mesh.py).
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -65,6 +77,10 @@ class ModelConfig:
             raise UnsupportedModelError(f"activation {self.activation!r} is not supported (silu, gelu_tanh)")
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size):
+            raise UnsupportedModelError(
+                f"a mixture of {self.num_experts} experts needs 0 < num_experts_per_tok <= num_experts (got "
+                f"{self.num_experts_per_tok}) and a moe_intermediate_size (got {self.moe_intermediate_size})")
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -87,15 +103,30 @@ class ModelConfig:
             return 0
         return self.sliding_window if not self.sliding_layers or self.sliding_layers[layer] else 0
 
-    def num_params(self) -> int:
-        d, f, L = self.hidden_size, self.intermediate_size, self.num_layers
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def mlp_width(self) -> int:
+        """The width one MLP (or one expert) splits under tensor parallelism."""
+        return self.moe_intermediate_size if self.is_moe else self.intermediate_size
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameters; active=True: those one token reads (its num_experts_per_tok experts, not all of them)."""
+        d, L = self.hidden_size, self.num_layers
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
-        norms = 2 * d + (2 * d if self.sandwich_norms else 0) + (2 * self.head_dim if self.qk_norm else 0)
-        per_layer = attn + 3 * d * f + norms
+        qk = (self.q_size + self.kv_size) if not self.qk_norm_per_head else 2 * self.head_dim
+        norms = 2 * d + (2 * d if self.sandwich_norms else 0) + (qk if self.qk_norm else 0)
+        if self.is_moe:
+            experts = self.num_experts_per_tok if active else self.num_experts
+            mlp = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        else:
+            mlp = 3 * d * self.intermediate_size
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return self.vocab_size * d + L * per_layer + d + head
+        return self.vocab_size * d + L * (attn + mlp + norms) + d + head
 
 
 def config_from_hf(d: dict, dtype: str = "float32") -> ModelConfig:
@@ -233,5 +264,22 @@ def gemma3_12b_config(dtype: str = "bfloat16") -> ModelConfig:
                        dtype=dtype)
 
 
+def mixtral_8x7b_config(dtype: str = "bfloat16") -> ModelConfig:
+    """Mixtral-8x7B's shapes (8 experts of 14336, 2 per token), for performance runs with dummy weights."""
+    return ModelConfig(architecture="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                       rope_theta=1000000.0, max_position_embeddings=32768, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=14336, norm_topk_prob=True, dtype=dtype)
+
+
+def qwen3_30b_a3b_config(dtype: str = "bfloat16") -> ModelConfig:
+    """Qwen3-30B-A3B's shapes (128 experts of 768, 8 per token, q/k norms), for performance runs."""
+    return ModelConfig(architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True, num_experts=128,
+                       num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, dtype=dtype)
+
+
 # Dummy-weight shapes for benchmarks, by name (scripts/perf/bench_forward.py --model).
-BENCH_CONFIGS = {"llama3-8b": llama3_8b_config, "qwen3-8b": qwen3_8b_config, "gemma3-12b": gemma3_12b_config}
+BENCH_CONFIGS = {"llama3-8b": llama3_8b_config, "qwen3-8b": qwen3_8b_config, "gemma3-12b": gemma3_12b_config,
+                 "mixtral-8x7b": mixtral_8x7b_config, "qwen3-30b-a3b": qwen3_30b_a3b_config}

@@ -107,6 +107,31 @@ def _phi3(d: dict) -> dict:
     return {"sliding_window": d.get("sliding_window") or None}
 
 
+def _experts(d: dict, width: int, norm_topk: bool) -> dict:
+    num = d.get("num_experts") or d.get("num_local_experts")  # transformers 5 saves Qwen3-MoE's as the latter
+    return {"num_experts": int(num), "num_experts_per_tok": int(d["num_experts_per_tok"]),
+            "moe_intermediate_size": int(width), "norm_topk_prob": bool(norm_topk)}
+
+
+def _qwen3_moe(d: dict) -> dict:
+    out = _qwen3(d)
+    if d.get("mlp_only_layers") or (d.get("decoder_sparse_step") or 1) != 1:
+        raise UnsupportedModelError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step > 1) is not "
+                                    "supported: every layer must be sparse")
+    return {**out, **_experts(d, d["moe_intermediate_size"], d.get("norm_topk_prob", False))}
+
+
+def _mixtral(d: dict) -> dict:  # softmax, top k, renormalised: HF's MixtralTopKRouter
+    return {**_mistral(d), **_experts(d, d["intermediate_size"], True)}
+
+
+def _olmoe(d: dict) -> dict:  # q/k norms over the whole projections, optional clamp
+    return {"qk_norm": True, "qk_norm_per_head": False, "qkv_clip": d.get("clip_qkv"),
+            **_experts(d, d["intermediate_size"], d.get("norm_topk_prob", False))}
+
+
+_MIXTRAL_NAMES = {"router": "block_sparse_moe.gate.weight", "we_gate": "block_sparse_moe.experts.{e}.w1.weight",
+                  "we_up": "block_sparse_moe.experts.{e}.w3.weight", "we_down": "block_sparse_moe.experts.{e}.w2.weight"}
 _GEMMA_NAMES = {"mlp_norm": "pre_feedforward_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
                 "post_mlp_norm": "post_feedforward_layernorm.weight"}
 _GEMMA_GGUF = {"post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight"}
@@ -124,6 +149,9 @@ FAMILIES: tuple[Family, ...] = (
            tied_by_default=True, chat_template="gemma"),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), hf_config=_phi3,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")}),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), hf_config=_qwen3_moe),
+    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), hf_config=_mixtral, hf_names=_MIXTRAL_NAMES),
+    Family("olmoe", ("OlmoeForCausalLM",), ("olmoe",), hf_config=_olmoe),
 )
 FAMILY = {f.name: f for f in FAMILIES}
 
@@ -146,6 +174,13 @@ def hf_config_dict(cfg) -> dict:
         d["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                              "high_freq_factor": rs.high_freq_factor,
                              "original_max_position_embeddings": rs.original_max_position_embeddings}
+    if cfg.is_moe:
+        d.update(num_experts_per_tok=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+                 **{"num_local_experts" if fam.name == "mixtral" else "num_experts": cfg.num_experts})
+        if fam.name == "qwen3_moe":
+            d.update(moe_intermediate_size=cfg.moe_intermediate_size, mlp_only_layers=[], decoder_sparse_step=1)
+        if fam.name == "olmoe":
+            d["clip_qkv"] = cfg.qkv_clip
     if fam.name in ("gemma2", "gemma3"):
         scalar = cfg.query_pre_attn_scalar
         d.update(query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar, attn_logit_softcapping=cfg.attn_softcap,

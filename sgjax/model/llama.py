@@ -1,5 +1,6 @@
-"""The decoder forward of every family (model/families.py: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) as pure
-functions over the Weights pytree; the blocks a family changes are ModelConfig switches.
+"""The decoder forward of every family (model/families.py: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, and the mixtures
+of experts Qwen3-MoE, Mixtral, OLMoE through model/moe.py) as pure functions over the Weights pytree; the blocks a
+family changes are ModelConfig switches.
 
 One call processes a ragged batch over the paged KV pool and scans over the stacked layers, so
 compile time does not grow with depth.
@@ -17,6 +18,7 @@ import numpy as np
 
 from sgjax.model.batch import StepBatch
 from sgjax.model.config import ModelConfig, RopeScaling
+from sgjax.model.moe import moe_mlp
 from sgjax.model.weights import Weights
 
 
@@ -52,9 +54,10 @@ def apply_rope(x, positions, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention):
+def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, experts_fn=None):
     """One transformer block on the ragged rows; writes its K/V into the pool at `layer` = (index, window, inv_freq):
-    the layer's index, sliding window (0: none) and RoPE frequencies (Gemma 3's local and global layers differ)."""
+    the layer's index, sliding window (0: none) and RoPE frequencies (Gemma 3's local and global layers differ).
+    Returns ((x, pool), expert token counts i32[E] of the real rows, or None for a dense MLP)."""
     index, window, inv_freq = layer
     num_rows = x.shape[0]
     with jax.named_scope("qkv"):
@@ -62,9 +65,13 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention):
         q, k, v = h @ w.wq, h @ w.wk, h @ w.wv
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
+        if cfg.qk_norm and not cfg.qk_norm_per_head:  # OLMoE: over the whole projections
+            q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        if cfg.qkv_clip is not None:
+            q, k, v = (jnp.clip(a, -cfg.qkv_clip, cfg.qkv_clip) for a in (q, k, v))
         q = q.reshape(num_rows, cfg.num_heads, cfg.head_dim)
         k = k.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_per_head:
             q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
         v = v.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
@@ -80,11 +87,16 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention):
         x = x + out
     with jax.named_scope("mlp"):
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        act = jax.nn.silu if cfg.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-        out = (act(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
+        counts = None
+        if cfg.is_moe:
+            valid = jnp.arange(num_rows) < batch.attn.cu_q_lens[-1]  # padded rows route too, but are not counted
+            out, counts = moe_mlp(h, w, cfg, valid, experts_fn)
+        else:
+            act = jax.nn.silu if cfg.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+            out = (act(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
         if cfg.sandwich_norms:
             out = rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps)
-        return x + out, pool
+        return (x + out, pool), counts
 
 
 def layer_rope(cfg: ModelConfig) -> np.ndarray:
@@ -98,9 +110,12 @@ def layer_rope(cfg: ModelConfig) -> np.ndarray:
 
 
 def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, attention, input_embeds=None,
-            output: str = "logits"):
+            output: str = "logits", experts_fn=None, with_stats: bool = False):
     """Returns (logits f32[B, V] for the rows in batch.logits_idx, the updated pool); output="hidden": the final
-    normed hidden states f32[B, D] of those rows instead (embeddings).
+    normed hidden states f32[B, D] of those rows instead (embeddings). with_stats=True adds a third element: a
+    mixture of experts' tokens per expert per layer, i32[L, E] (None for a dense model).
+
+    experts_fn replaces model/moe.experts (the experts under expert or tensor parallelism, engine/mesh.py).
 
     input_embeds ([T, D], optional) replaces the token-embedding lookup, e.g. a prompt with image features merged
     in at its placeholder rows (vision.merge_image_features).
@@ -110,7 +125,8 @@ def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, atten
     layer's weights before its matmuls, which tripled weight traffic at decode (docs/architecture.md).
     """
     with matmul_precision(cfg.dtype):
-        return _forward(weights, pool, batch, cfg, attention, input_embeds, output)
+        out, pool, stats = _forward(weights, pool, batch, cfg, attention, input_embeds, output, experts_fn)
+    return (out, pool, stats) if with_stats else (out, pool)
 
 
 def matmul_precision(dtype: str):
@@ -120,7 +136,7 @@ def matmul_precision(dtype: str):
     return jax.default_matmul_precision("highest") if dtype == "float32" else contextlib.nullcontext()
 
 
-def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"):
+def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits", experts_fn=None):
     rope = layer_rope(cfg)
     if input_embeds is None:
         x = weights.embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
@@ -128,8 +144,9 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.dtype(cfg.dtype))
     else:
         x = input_embeds.astype(jnp.dtype(cfg.dtype))
-    block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention)
+    block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, experts_fn=experts_fn)
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
+    stats = []
     if isinstance(weights.layers, (tuple, list)):
         # One jitted block per distinct window, called once per layer: jax traces and lowers it once (the module
         # calls one function L times; XLA inlines it), not L times. On the H200 the unrolled SmolLM2 spent 40-75 s
@@ -139,25 +156,27 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"
                   for win in set(windows)}
         for i, w in enumerate(weights.layers):
             with jax.named_scope(f"layer{i}"):
-                x, pool = jitted[windows[i]](x, pool, w, jnp.int32(i), jnp.asarray(rope[i]))
+                (x, pool), counts = jitted[windows[i]](x, pool, w, jnp.int32(i), jnp.asarray(rope[i]))
+                stats.append(counts)
+        stats = jnp.stack(stats) if cfg.is_moe else None
     else:
         same = len(set(windows)) == 1  # every layer alike (Llama, Mistral): the window stays a static int
 
         def body(carry, inputs):
             w, i, win, inv = inputs
-            return block(*carry, w, (i, windows[0] if same else win, inv)), None
+            return block(*carry, w, (i, windows[0] if same else win, inv))
 
         scanned = (weights.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(windows, jnp.int32),
                    jnp.asarray(rope))
-        (x, pool), _ = jax.lax.scan(body, (x, pool), scanned)
+        (x, pool), stats = jax.lax.scan(body, (x, pool), scanned)
     with jax.named_scope("lm_head"):
         x = rms_norm(x[batch.logits_idx], weights.final_norm, cfg.rms_norm_eps)
         if output == "hidden":
-            return x.astype(jnp.float32), pool
+            return x.astype(jnp.float32), pool, stats
         if weights.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
             logits = jnp.einsum("bd,vd->bv", x, weights.embed, preferred_element_type=jnp.float32)
         else:
             logits = jnp.dot(x, weights.lm_head, preferred_element_type=jnp.float32)
         if cfg.final_softcap:
             logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-    return logits, pool
+    return logits, pool, stats

@@ -34,9 +34,9 @@ class LayerWeights:
     wv: Array  # [L, D, Hkv*hd]
     wo: Array  # [L, Hq*hd, D]
     mlp_norm: Array  # [L, D]
-    w_gate: Array  # [L, D, F]
-    w_up: Array  # [L, D, F]
-    w_down: Array  # [L, F, D]
+    w_gate: Array | None = None  # [L, D, F]; None in a mixture of experts
+    w_up: Array | None = None  # [L, D, F]
+    w_down: Array | None = None  # [L, F, D]
     bq: Array | None = None  # [L, Hq*hd] (Qwen2)
     bk: Array | None = None
     bv: Array | None = None
@@ -44,6 +44,10 @@ class LayerWeights:
     k_norm: Array | None = None
     post_attn_norm: Array | None = None  # [L, D] (Gemma 2/3)
     post_mlp_norm: Array | None = None
+    router: Array | None = None  # [L, D, E] (mixtures of experts, model/moe.py)
+    we_gate: Array | None = None  # [L, E, D, Fe]
+    we_up: Array | None = None  # [L, E, D, Fe]
+    we_down: Array | None = None  # [L, E, Fe, D]
 
 
 @jax.tree_util.register_dataclass
@@ -78,6 +82,16 @@ def _matrix(name, rows, cols, axes, hf, gguf):
 
 _D, _Q, _KV = (lambda c: c.hidden_size), (lambda c: c.q_size), (lambda c: c.kv_size)
 _F, _V = (lambda c: c.intermediate_size), (lambda c: c.vocab_size)
+_DENSE, _MOE = (lambda c: not c.is_moe), (lambda c: c.is_moe)
+
+
+def _expert(name, rows, cols, axes, hf):
+    """An expert matrix stacked over the experts ([E, rows, cols]); `hf` names one expert's tensor ({e})."""
+    return Leaf(name, lambda c: (c.num_experts, rows(c), cols(c)), ("expert", *axes), hf, "", transposed=True,
+                present=_MOE)
+
+
+_FE = lambda c: c.moe_intermediate_size  # noqa: E731
 # In this order: dummy_weights draws one key per leaf in it.
 LEAVES: tuple[Leaf, ...] = (
     Leaf("embed", lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed"), "model.embed_tokens.weight",
@@ -92,9 +106,12 @@ LEAVES: tuple[Leaf, ...] = (
     _matrix("wk", _D, _KV, ("embed", "kv_heads"), "self_attn.k_proj.weight", "attn_k.weight"),
     _matrix("wv", _D, _KV, ("embed", "kv_heads"), "self_attn.v_proj.weight", "attn_v.weight"),
     _matrix("wo", _Q, _D, ("q_heads", "embed"), "self_attn.o_proj.weight", "attn_output.weight"),
-    _matrix("w_gate", _D, _F, ("embed", "mlp"), "mlp.gate_proj.weight", "ffn_gate.weight"),
-    _matrix("w_up", _D, _F, ("embed", "mlp"), "mlp.up_proj.weight", "ffn_up.weight"),
-    _matrix("w_down", _F, _D, ("mlp", "embed"), "mlp.down_proj.weight", "ffn_down.weight"),
+    dataclasses.replace(_matrix("w_gate", _D, _F, ("embed", "mlp"), "mlp.gate_proj.weight", "ffn_gate.weight"),
+                        present=_DENSE),
+    dataclasses.replace(_matrix("w_up", _D, _F, ("embed", "mlp"), "mlp.up_proj.weight", "ffn_up.weight"),
+                        present=_DENSE),
+    dataclasses.replace(_matrix("w_down", _F, _D, ("mlp", "embed"), "mlp.down_proj.weight", "ffn_down.weight"),
+                        present=_DENSE),
     Leaf("bq", lambda c: (c.q_size,), ("q_heads",), "self_attn.q_proj.bias", "attn_q.bias",
          present=lambda c: c.qkv_bias),
     Leaf("bk", lambda c: (c.kv_size,), ("kv_heads",), "self_attn.k_proj.bias", "attn_k.bias",
@@ -103,14 +120,20 @@ LEAVES: tuple[Leaf, ...] = (
          present=lambda c: c.qkv_bias),
     dataclasses.replace(_matrix("lm_head", _D, _V, ("embed", "vocab"), "lm_head.weight", "output.weight"),
                         layer=False, present=lambda c: not c.tie_word_embeddings),
-    Leaf("q_norm", lambda c: (c.head_dim,), ("head_dim",), "self_attn.q_norm.weight", "attn_q_norm.weight",
-         init="ones", present=lambda c: c.qk_norm),
-    Leaf("k_norm", lambda c: (c.head_dim,), ("head_dim",), "self_attn.k_norm.weight", "attn_k_norm.weight",
-         init="ones", present=lambda c: c.qk_norm),
+    # per head (Qwen3, Gemma 3) or over the whole projection (OLMoE); replicated either way
+    Leaf("q_norm", lambda c: (c.head_dim if c.qk_norm_per_head else c.q_size,), ("head_dim",),
+         "self_attn.q_norm.weight", "attn_q_norm.weight", init="ones", present=lambda c: c.qk_norm),
+    Leaf("k_norm", lambda c: (c.head_dim if c.qk_norm_per_head else c.kv_size,), ("head_dim",),
+         "self_attn.k_norm.weight", "attn_k_norm.weight", init="ones", present=lambda c: c.qk_norm),
     Leaf("post_attn_norm", lambda c: (c.hidden_size,), ("embed",), "post_attention_norm.weight",
          "post_attention_norm.weight", init="ones", present=lambda c: c.sandwich_norms),
     Leaf("post_mlp_norm", lambda c: (c.hidden_size,), ("embed",), "post_mlp_norm.weight", "post_ffw_norm.weight",
          init="ones", present=lambda c: c.sandwich_norms),
+    dataclasses.replace(_matrix("router", _D, lambda c: c.num_experts, ("embed", "router"), "mlp.gate.weight", ""),
+                        present=_MOE),
+    _expert("we_gate", _D, _FE, ("embed", "expert_mlp"), "mlp.experts.{e}.gate_proj.weight"),
+    _expert("we_up", _D, _FE, ("embed", "expert_mlp"), "mlp.experts.{e}.up_proj.weight"),
+    _expert("we_down", _FE, _D, ("expert_mlp", "embed"), "mlp.experts.{e}.down_proj.weight"),
 )
 LEAF = {leaf.name: leaf for leaf in LEAVES}
 
@@ -235,7 +258,12 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool =
 
     fused = FAMILY[cfg.architecture].hf_fused
     present = [leaf for leaf in LEAVES if leaf.present(cfg)]
-    layer_leaf = {hf_name(cfg, leaf): leaf for leaf in present if leaf.layer}
+    layer_leaf = {hf_name(cfg, leaf): leaf for leaf in present if leaf.layer and "{e}" not in hf_name(cfg, leaf)}
+    # one tensor per expert (the checkpoints' layout), stacked on the expert axis here
+    expert_leaf = {hf_name(cfg, leaf).format(e=e): (leaf, e) for leaf in present if "{e}" in hf_name(cfg, leaf)
+                   for e in range(cfg.num_experts)}
+    per_expert = {leaf.name: [[None] * cfg.num_experts for _ in range(cfg.num_layers)]
+                  for leaf, _ in expert_leaf.values()}
     top_leaf = {hf_name(cfg, leaf): leaf for leaf in present if not leaf.layer}
     per_layer: dict[str, list] = {leaf.name: [None] * cfg.num_layers for leaf in present if leaf.layer}
     flat: dict[str, Any] = {}
@@ -252,10 +280,14 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool =
         if parts[:2] != ["model", "layers"] or len(parts) < 4:
             continue  # e.g. rotary inv_freq buffers
         rest, i = ".".join(parts[3:]), int(parts[2])
-        if rest not in layer_leaf and rest not in fused:
+        if rest not in layer_leaf and rest not in fused and rest not in expert_leaf:
             continue
         if i >= cfg.num_layers:
             raise ValueError(f"tensor {name!r} is for layer {i}, the config has {cfg.num_layers} layers")
+        if rest in expert_leaf:
+            leaf, e = expert_leaf[rest]
+            per_expert[leaf.name][i][e] = ours(leaf, get(name))
+            continue
         if rest in fused:  # stacked on the output axis, in the order the family lists them
             a, start = get(name), 0
             for leaf in (LEAF[n] for n in fused[rest]):
@@ -266,6 +298,13 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool =
                 raise ValueError(f"tensor {name!r} has {a.shape[0]} rows, its parts {list(fused[rest])} {start}")
             continue
         per_layer[layer_leaf[rest].name][i] = ours(layer_leaf[rest], get(name))
+    for leaf_name, layers in per_expert.items():
+        for i, items in enumerate(layers):
+            missing = [e for e, x in enumerate(items) if x is None]
+            if len(missing) < len(items):
+                if missing:
+                    raise ValueError(f"checkpoint has {leaf_name} of layer {i} for some experts but not for {missing}")
+                per_layer[leaf_name][i] = np.stack(items)
     for leaf_name, items in per_layer.items():
         got = [x is not None for x in items]
         if all(got):
@@ -300,6 +339,10 @@ def to_hf_state_dict(cfg: ModelConfig, weights: Weights, convert: Any = np.asarr
             continue
         for i in range(cfg.num_layers):
             a = getattr(weights.layers, leaf.name)[i] if stacked else getattr(weights.layers[i], leaf.name)
+            if "{e}" in hf_name(cfg, leaf):
+                for e in range(cfg.num_experts):
+                    out[f"model.layers.{i}.{hf_name(cfg, leaf).format(e=e)}"] = convert(hf(leaf, a[e]))
+                continue
             out[f"model.layers.{i}.{hf_name(cfg, leaf)}"] = convert(hf(leaf, a))
     for key, parts in fused.items():
         for i in range(cfg.num_layers):

@@ -66,6 +66,15 @@ class Metrics:
                                  ("token_usage", "pool_usage", "Fraction of KV pool pages in use (cache included)"),
                                  ("cache_hit_rate", "cache_hit_rate", "Cached / prompt tokens since start")):
             _family(out, name, "gauge", help_, [({}, info[key])])
+        if "expert_tokens" in info:  # a mixture of experts: per expert over the layers, and each layer's imbalance
+            counts = info["expert_tokens"]
+            per_expert = [sum(col) for col in zip(*counts)]
+            _family(out, "moe_expert_tokens_total", "counter", "Tokens routed to each expert, summed over the layers "
+                    "(a token counts once per layer and per expert it picks)",
+                    [({"expert": str(e)}, n) for e, n in enumerate(per_expert)])
+            _family(out, "moe_layer_imbalance", "gauge", "Per layer: the busiest expert's tokens / the mean (1 is "
+                    "balanced)", [({"layer": str(i)}, max(row) * len(row) / sum(row) if sum(row) else 1.0)
+                                  for i, row in enumerate(counts)])
         _histogram(out, "step_time_seconds", "Time of one engine step (batch build, forward, sampling)",
                    self.step_time)
         _histogram(out, "e2e_request_latency_seconds", "Generation requests from body read to last byte",

@@ -1,0 +1,108 @@
+"""Mixtures of experts through the whole engine: greedy tokens equal HF transformers' on tiny random Qwen3-MoE,
+Mixtral and OLMoE checkpoints (ragged batches, a cached prefix, chunked prefill); expert parallelism over 2 and 4
+CPU host devices (and tensor-parallel experts) gives the one-device tokens with each device holding its share of
+the experts; the router's per-expert token counts reach the server info and /metrics."""
+
+import jax
+import numpy as np
+import pytest
+
+from sgjax.engine import mesh as tp
+from sgjax.engine.engine import Engine
+from sgjax.model.loader import load_hf_dir
+from sgjax.server.metrics import Metrics
+from tests.model.hf_tiny import MOE_VARIANTS, hf_logits, write_tiny
+
+NEW = 6
+# a long prompt (two 24-token prefill chunks), then a batch of which one extends it (its prefix from the cache)
+LONG = list(range(40, 80))
+ROUND2 = [LONG + [7, 11, 13], list(range(200, 211)), [5, 9, 27]]
+ENGINE = dict(max_total_tokens=1024, chunked_prefill_size=24, max_running_requests=4)
+GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for name in MOE_VARIANTS:
+        path = str(tmp_path_factory.mktemp(name))
+        hf = write_tiny(name, path)
+        out[name] = (hf, *load_hf_dir(path))
+    return out
+
+
+def _hf_greedy(model, prompt):
+    ids = list(prompt)
+    for _ in range(NEW):
+        ids.append(int(np.argmax(hf_logits(model, ids)[-1])))
+    return ids[len(prompt):]
+
+
+def _run(engine):
+    first = engine.generate(input_ids=[LONG], sampling_params=GREEDY, return_logprob=True)
+    rest = engine.generate(input_ids=ROUND2, sampling_params=GREEDY, return_logprob=True)
+    return first + rest
+
+
+@pytest.mark.parametrize("name", MOE_VARIANTS)
+def test_greedy_matches_hf(checkpoints, name):
+    hf, cfg, weights = checkpoints[name]
+    with Engine.from_weights(cfg, weights, None, **ENGINE) as engine:
+        outs = _run(engine)
+    assert outs[1]["meta_info"]["cached_tokens"] >= 32  # the second round's first prompt hit the cache
+    for prompt, out in zip([LONG] + ROUND2, outs):
+        assert out["output_ids"] == _hf_greedy(hf, prompt)
+
+
+def _specs(engine):
+    layers = engine.runner.weights.layers
+    return layers.we_gate.sharding.spec, layers.we_down.sharding.spec
+
+
+@pytest.mark.parametrize("tp_size,ep_size", [(2, 1), (2, 2), (4, 4)])
+def test_expert_parallel_matches_one_device(checkpoints, tp_size, ep_size):
+    _, cfg, weights = checkpoints["qwen3-moe"]
+    with Engine.from_weights(cfg, weights, None, **ENGINE) as one:
+        want = _run(one)
+    with Engine.from_weights(cfg, weights, None, **ENGINE, tp_size=tp_size, ep_size=ep_size) as engine:
+        got = _run(engine)
+        gate, down = _specs(engine)
+        per_device = tp.addressable_bytes(engine.runner.weights.layers.we_gate)
+    P = jax.sharding.PartitionSpec
+    if ep_size > 1:  # whole experts: the expert axis split
+        assert gate == P(None, "tensor", None, None) and down == P(None, "tensor", None, None)
+    else:  # every expert's columns split
+        assert gate == P(None, None, None, "tensor") and down == P(None, None, "tensor", None)
+    assert len(per_device) == tp_size and len(set(per_device.values())) == 1
+    assert sum(per_device.values()) == np.asarray(weights.layers.we_gate).nbytes
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        np.testing.assert_allclose([lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]],
+                                   [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]], atol=1e-4)
+
+
+def test_expert_tokens_reach_server_info_and_metrics(checkpoints):
+    _, cfg, weights = checkpoints["olmoe-moe"]
+    prompt = list(range(100, 113))
+    with Engine.from_weights(cfg, weights, None, **ENGINE) as engine:
+        engine.generate(input_ids=[prompt], sampling_params=GREEDY)
+        info = engine.get_server_info()
+    counts = np.asarray(info["expert_tokens"])
+    assert counts.shape == (cfg.num_layers, cfg.num_experts)
+    # every computed token (the prompt, then the outputs but the last) picks k experts in every layer; padding none
+    np.testing.assert_array_equal(counts.sum(axis=1), cfg.num_experts_per_tok * (len(prompt) + NEW - 1))
+    text = Metrics().render(info)
+    total = sum(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("sgjax:moe_expert_tokens_total{"))
+    assert total == counts.sum()
+    assert "sgjax:moe_layer_imbalance{layer=\"0\"}" in text
+
+
+def test_ep_size_errors_name_the_setting(checkpoints):
+    _, cfg, weights = checkpoints["mixtral-moe"]
+    with pytest.raises(ValueError, match="ep_size=2 must be 1 or tp_size=4"):
+        Engine.from_weights(cfg, weights, None, **ENGINE, tp_size=4, ep_size=2)
+    with pytest.raises(ValueError, match="ep_size=2 needs a mixture-of-experts"):
+        tp.check_model(cfg.replace(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0), 2, 2)
+    with pytest.raises(ValueError, match="must divide the model's 4 experts"):
+        tp.check_model(cfg, 8, 8)
