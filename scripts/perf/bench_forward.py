@@ -2,6 +2,7 @@
 
     python scripts/perf/bench_forward.py --out out/          # H200: dummy Llama-3-8B, bf16
     python scripts/perf/bench_forward.py --model qwen3-8b --out out/   # or gemma3-12b (sliding windows)
+    python scripts/perf/bench_forward.py --model qwen3-30b-a3b --skip-hf --out out/   # or mixtral-8x7b (MoE)
     python scripts/perf/bench_forward.py --small --out out/  # CPU smoke run on a tiny config
 
 Runs two child processes in turn (so neither framework holds GPU memory the other needs): `sgjax`
@@ -31,21 +32,30 @@ SMALL_WORKLOADS = [("decode", 1, 64, 1), ("decode", 8, 64, 1), ("prefill", 1, 12
 def model_config(small: bool, model: str = "llama3-8b"):
     from sgjax.model.config import BENCH_CONFIGS, ModelConfig
 
-    if small:
-        return ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
-                           num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16, dtype="bfloat16")
+    if small:  # the named model's family at a tiny size
+        moe = {"architecture": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+               "qk_norm": True} if BENCH_CONFIGS[model]().is_moe else {"architecture": "llama"}
+        return ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
+                           num_kv_heads=2, head_dim=16, dtype="bfloat16", **moe)
     return BENCH_CONFIGS[model]("bfloat16")
 
 
 def cost(cfg, batch: int, context: int, new: int) -> tuple[float, float]:
-    """(bytes, flops) a step must move and compute at least."""
+    """(bytes, flops) a step must move and compute at least. A mixture of experts reads only the experts its rows
+    pick: with uniform routing (the dummy router is random) E * (1 - (1 - k/E)^rows) distinct experts per layer, and
+    computes k experts per row."""
     itemsize = 2 if cfg.dtype == "bfloat16" else 4
     rows = batch * new
     embed = cfg.vocab_size * cfg.hidden_size
-    dense = cfg.num_params() - embed - (0 if cfg.tie_word_embeddings else embed)  # per-token matmul weights
+    dense = cfg.num_params(active=True) - embed - (0 if cfg.tie_word_embeddings else embed)  # per-row matmul weights
     head = embed
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-    bytes_moved = (dense + head) * itemsize + batch * context * kv_per_token
+    read = dense
+    if cfg.is_moe:
+        expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+        read = dense + cfg.num_layers * expert * (e * (1 - (1 - k / e) ** rows) - k)
+    bytes_moved = (read + head) * itemsize + batch * context * kv_per_token
     # Causal attention: row i of a request attends to (context - new + i + 1) keys; QK and PV are 2 flops each.
     keys = batch * (new * (context - new) + new * (new + 1) / 2)
     flops = 2 * dense * rows + 2 * head * batch + 4 * keys * cfg.num_heads * cfg.head_dim * cfg.num_layers
@@ -63,7 +73,7 @@ def run_sgjax(args):
     from sgjax.model.batch import build_batch
     from sgjax.engine.runner import bucket
     from sgjax.model.llama import forward
-    from sgjax.model.weights import dummy_weights, for_platform
+    from sgjax.model.weights import dummy_layer_weights, dummy_weights, layer_loop_for
 
     small = args.small
     bw = copy_bandwidth(1 << 26 if small else 4 << 30)
@@ -71,7 +81,9 @@ def run_sgjax(args):
     rows = [{"kind": "ceiling", "copy_gb_per_s": bw / 1e9, "bf16_tflop_per_s": rate / 1e12,
              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}]
     cfg = model_config(small, args.model)
-    weights = for_platform(dummy_weights(cfg), jax.devices()[0].platform)
+    platform = jax.devices()[0].platform
+    # on an accelerator made layer by layer: Mixtral-8x7B's 93 GB would not fit twice (stacked, then sliced)
+    weights = dummy_weights(cfg) if layer_loop_for(platform) == "scan" else dummy_layer_weights(cfg)
     page = 16
     workloads = SMALL_WORKLOADS if small else WORKLOADS
     max_pages = max(b * -(-c // page) for _, b, c, _ in workloads) + 1
@@ -164,8 +176,11 @@ def run_hf(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny config (CPU smoke run)")
-    parser.add_argument("--model", default="llama3-8b", choices=["llama3-8b", "qwen3-8b", "gemma3-12b"],
-                        help="dummy-weight shapes (sgjax.model.config.BENCH_CONFIGS)")
+    from sgjax.model.config import BENCH_CONFIGS
+
+    parser.add_argument("--model", default="llama3-8b", choices=sorted(BENCH_CONFIGS),
+                        help="dummy-weight shapes (sgjax.model.config.BENCH_CONFIGS; mixtral-8x7b and qwen3-30b-a3b "
+                             "are mixtures of experts)")
     parser.add_argument("--out", default="out")
     parser.add_argument("--attention", nargs="+", default=["ref"], help="attention backends to time")
     parser.add_argument("--part", choices=["sgjax", "hf"], help=argparse.SUPPRESS)

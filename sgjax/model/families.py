@@ -174,6 +174,8 @@ def hf_config_dict(cfg) -> dict:
         d["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                              "high_freq_factor": rs.high_freq_factor,
                              "original_max_position_embeddings": rs.original_max_position_embeddings}
+    if fam.name == "mixtral" and cfg.head_dim == cfg.hidden_size // cfg.num_heads:
+        d["head_dim"] = None  # what Mixtral's own configs say (hidden_size / heads)
     if cfg.is_moe:
         d.update(num_experts_per_tok=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
                  **{"num_local_experts" if fam.name == "mixtral" else "num_experts": cfg.num_experts})

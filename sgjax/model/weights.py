@@ -10,6 +10,7 @@ on a mesh without touching the model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -222,23 +223,38 @@ def assemble(cfg: ModelConfig, arrays: Mapping[str, Any], host: bool = False) ->
     return Weights(layers=layers, **{k: v for k, v in out.items() if k not in layer_names})
 
 
+def _draw(key, names, shape_of, dtype) -> dict:
+    """Random leaves: ones for norm scales, else normal / sqrt(fan_in), drawn in the weights' dtype (a float32 draw
+    of Mixtral-8x7B's stacked experts is a 60 GB temporary)."""
+    out = {}
+    for k, name in zip(jax.random.split(key, len(names)), names):
+        shape = shape_of(name)
+        if LEAF[name].init == "ones":
+            out[name] = jnp.ones(shape, dtype)
+        else:
+            fan_in = shape[-2] if len(shape) >= 2 and name != "embed" else shape[-1]
+            out[name] = jax.random.normal(k, shape, dtype) * jnp.asarray(fan_in ** -0.5, dtype)
+    return out
+
+
+def dummy_layer_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
+    """Random weights in the unrolled layout (a tuple of per-layer weights), made one layer at a time: a large
+    model (Mixtral-8x7B's 93 GB in bf16) is never held twice, stacked and sliced (benchmarks on one device)."""
+    full = shapes(cfg)
+    draw = functools.partial(_draw, shape_of=lambda n: full[n][1:] if LEAF[n].layer else full[n],
+                             dtype=jnp.dtype(cfg.dtype))
+    one_layer = jax.jit(functools.partial(draw, names=tuple(n for n in full if LEAF[n].layer)))
+    top = jax.jit(functools.partial(draw, names=tuple(n for n in full if not LEAF[n].layer)))
+    key = jax.random.PRNGKey(seed)
+    layers = tuple(LayerWeights(**one_layer(jax.random.fold_in(key, i))) for i in range(cfg.num_layers))
+    return Weights(layers=layers, **top(jax.random.fold_in(key, cfg.num_layers)))
+
+
 def dummy_weights(cfg: ModelConfig, seed: int = 0, shardings: Mapping[str, Any] | None = None) -> Weights:
     """Random weights of the config's real shapes, generated on device (for performance runs). `shardings` (leaf
     name -> Sharding) makes each leaf born sharded: jax's partitionable threefry gives the same values either way."""
     expected = shapes(cfg)
-    dtype = jnp.dtype(cfg.dtype)
-
-    def init(key):
-        keys = jax.random.split(key, len(expected))
-        out = {}
-        for k, (name, shape) in zip(keys, expected.items()):
-            if LEAF[name].init == "ones":
-                out[name] = jnp.ones(shape, dtype)
-            else:
-                fan_in = shape[-2] if len(shape) >= 2 and name != "embed" else shape[-1]
-                out[name] = (jax.random.normal(k, shape, jnp.float32) * (fan_in ** -0.5)).astype(dtype)
-        return out
-
+    init = functools.partial(_draw, names=tuple(expected), shape_of=expected.__getitem__, dtype=jnp.dtype(cfg.dtype))
     arrays = jax.jit(init, out_shardings=None if shardings is None else dict(shardings))(jax.random.PRNGKey(seed))
     layer_names = {f.name for f in dataclasses.fields(LayerWeights)}
     layers = LayerWeights(**{k: v for k, v in arrays.items() if k in layer_names})

@@ -59,11 +59,17 @@ def _specs(engine):
     return layers.we_gate.sharding.spec, layers.we_down.sharding.spec
 
 
-@pytest.mark.parametrize("tp_size,ep_size", [(2, 1), (2, 2), (4, 4)])
-def test_expert_parallel_matches_one_device(checkpoints, tp_size, ep_size):
+@pytest.fixture(scope="module")
+def one_device(checkpoints):
     _, cfg, weights = checkpoints["qwen3-moe"]
     with Engine.from_weights(cfg, weights, None, **ENGINE) as one:
-        want = _run(one)
+        return _run(one)
+
+
+@pytest.mark.parametrize("tp_size,ep_size", [(2, 1), (2, 2), (4, 4)])
+def test_expert_parallel_matches_one_device(checkpoints, one_device, tp_size, ep_size):
+    _, cfg, weights = checkpoints["qwen3-moe"]
+    want = one_device
     with Engine.from_weights(cfg, weights, None, **ENGINE, tp_size=tp_size, ep_size=ep_size) as engine:
         got = _run(engine)
         gate, down = _specs(engine)
