@@ -1,6 +1,7 @@
 """Tensor parallelism's step time and memory per device: the jitted step (engine/runner.py) at TP=1/2/4.
 
-Per TP size (and, with --shard-vocab, TP>1 with the embedding and lm_head vocab-sharded too): the weights placed on a
+Per TP size (with --shard-vocab, also TP>1 with the embedding and lm_head vocab-sharded; with --ep and a mixture of
+experts, also TP>1 with expert parallelism, ep = tp: whole experts per device): the weights placed on a
 (data=1, tensor=N) mesh (engine/mesh.py), a KV pool of --pool-tokens, then two step shapes timed on the runner's
 dummy buffer (`Runner.run_dummy`: the compiled program of that shape, every padded row computed):
 
@@ -14,6 +15,7 @@ On CPU the devices are host "devices" sharing the same cores (--devices sets jax
 are plumbing (the collectives' and shard_map's overhead), not a speed-up. On a GPU host:
 
     python scripts/perf/bench_tp.py --model llama8b-dummy --tp 1,2 --out $OUT/bench_tp.jsonl
+    python scripts/perf/bench_tp.py --model mixtral-8x7b --tp 2,4 --ep --out $OUT/bench_tp_moe.jsonl  # MoE, sharded
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ import time
 
 def parse():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", choices=["tiny", "small", "llama8b-dummy"],
-                    help="tiny: TINY_SMOLLM2_VOCAB; small: a 4-layer 512-wide Llama; llama8b-dummy: random "
-                         "Llama-3-8B weights (bf16)")
+    ap.add_argument("--model", default="tiny", choices=["tiny", "tiny-moe", "small", "llama8b-dummy",
+                                                       "mixtral-8x7b", "qwen3-30b-a3b"],
+                    help="tiny: TINY_SMOLLM2_VOCAB; tiny-moe: a 2-layer Qwen3-MoE of 8 experts; small: a 4-layer "
+                         "512-wide Llama; llama8b-dummy, mixtral-8x7b, qwen3-30b-a3b: random weights of those shapes "
+                         "(bf16)")
     ap.add_argument("--tp", default="1,2,4", help="comma-separated TP sizes")
     ap.add_argument("--devices", type=int, default=4, help="CPU host devices (CPU only)")
     ap.add_argument("--shard-vocab", action="store_true", help="also time TP>1 with a vocab-sharded embed/lm_head")
+    ap.add_argument("--ep", action="store_true", help="a mixture of experts: also time TP>1 with ep_size = tp")
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=512, help="page-table width of the decode step, in tokens")
     ap.add_argument("--prefill-tokens", type=int, default=256)
@@ -45,11 +50,17 @@ def parse():
 def model(name: str):
     import jax
 
-    from sgjax.model.config import ModelConfig, llama3_8b_config
+    from sgjax.model.config import BENCH_CONFIGS, ModelConfig, llama3_8b_config
     from sgjax.model.presets import TINY_SMOLLM2_VOCAB
 
     if name == "tiny":
         return TINY_SMOLLM2_VOCAB
+    if name == "tiny-moe":
+        return ModelConfig(architecture="qwen3_moe", vocab_size=4096, hidden_size=128, intermediate_size=256,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, num_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    if name in BENCH_CONFIGS:
+        return BENCH_CONFIGS[name]("bfloat16")
     if name == "small":
         dtype = "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
         return ModelConfig(architecture="llama", vocab_size=32000, hidden_size=512, intermediate_size=1536,
@@ -58,7 +69,7 @@ def model(name: str):
     return llama3_8b_config("bfloat16")
 
 
-def run_one(cfg, tp_size: int, shard_vocab: bool, args):
+def run_one(cfg, tp_size: int, shard_vocab: bool, ep_size: int, args):
     import jax
 
     from sgjax.engine import mesh as tp
@@ -70,12 +81,12 @@ def run_one(cfg, tp_size: int, shard_vocab: bool, args):
 
     platform = jax.devices()[0].platform
     mesh = tp.make_mesh(tp_size) if tp_size > 1 else None
-    tp.check_model(cfg, tp_size)
-    run_cfg = tp.tp_config(cfg, tp_size)
+    tp.check_model(cfg, tp_size, ep_size)
+    run_cfg = tp.ep_config(tp.tp_config(cfg, tp_size), ep_size)
     if mesh is None:
         weights = dummy_weights(cfg)
     else:
-        weights = tp.dummy_weights(cfg, mesh, shard_vocab=shard_vocab)
+        weights = tp.dummy_weights(tp.ep_config(cfg, ep_size), mesh, shard_vocab=shard_vocab)
     runner = Runner(run_cfg, weights, num_pages=1 + args.pool_tokens // args.page_size, page_size=args.page_size,
                     max_context=max(args.context, args.prefill_tokens), attention=default_backend(platform),
                     max_top_logprobs=0, coarse=False, max_reqs=max(args.decode_batch, 4), mesh=mesh)
@@ -106,18 +117,20 @@ def main():
     jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts; only the CPU's count
     cfg = model(args.model)
     platform = jax.devices()[0].platform
-    configs = [(t, False) for t in map(int, args.tp.split(","))]
+    configs = [(t, False, 1) for t in map(int, args.tp.split(","))]
     if args.shard_vocab:
-        configs += [(t, True) for t, _ in configs if t > 1]
+        configs += [(t, True, 1) for t, _, _ in configs if t > 1]
+    if args.ep:
+        configs += [(t, False, t) for t, v, _ in configs if t > 1 and not v]
     rows, base = [], {}
-    for tp_size, shard_vocab in configs:
-        res, wbytes, pbytes, state_ok, traces = run_one(cfg, tp_size, shard_vocab, args)
-        label = f"tp{tp_size}" + ("-vocab" if shard_vocab else "")
+    for tp_size, shard_vocab, ep_size in configs:
+        res, wbytes, pbytes, state_ok, traces = run_one(cfg, tp_size, shard_vocab, ep_size, args)
+        label = f"tp{tp_size}" + ("-vocab" if shard_vocab else "") + (f"-ep{ep_size}" if ep_size > 1 else "")
         for workload, (sec, tokens) in res.items():
             base.setdefault(workload, sec if tp_size == 1 else None)
             ratio = base[workload] / sec if base.get(workload) else None
             rows.append(dict(bench="bench_tp", workload=workload, model=args.model, platform=platform,
-                             configuration=label, tp_size=tp_size, shard_vocab=shard_vocab,
+                             configuration=label, tp_size=tp_size, shard_vocab=shard_vocab, ep_size=ep_size,
                              latency_ms=sec * 1e3, throughput_tok_s=tokens / sec, ratio_to_tp1=ratio,
                              weight_bytes_per_device=wbytes, pool_bytes_per_device=pbytes,
                              state_sharding_kept=state_ok, compiles=traces))
