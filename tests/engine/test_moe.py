@@ -1,7 +1,8 @@
 """Mixtures of experts through the whole engine: greedy tokens equal HF transformers' on tiny random Qwen3-MoE,
 Mixtral and OLMoE checkpoints (ragged batches, a cached prefix, chunked prefill); expert parallelism over 2 and 4
 CPU host devices (and tensor-parallel experts) gives the one-device tokens with each device holding its share of
-the experts; the router's per-expert token counts reach the server info and /metrics."""
+the experts; the router's per-expert token counts reach the server info and /metrics; `sgjax serve --ep-size`
+answers the official OpenAI client."""
 
 import jax
 import numpy as np
@@ -112,3 +113,40 @@ def test_ep_size_errors_name_the_setting(checkpoints):
         tp.check_model(cfg.replace(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0), 2, 2)
     with pytest.raises(ValueError, match="must divide the model's 4 experts"):
         tp.check_model(cfg, 8, 8)
+
+
+def test_served_with_ep_size_to_the_openai_client(tmp_path):
+    """`sgjax serve --tp-size 2 --ep-size 2 --load-format dummy` on a Qwen3-MoE config with SmolLM2's tokenizer (a
+    child process with 4 CPU host devices): the official client's completion equals the one-device engine's greedy
+    text, and /metrics counts the routed tokens."""
+    import httpx
+    import openai
+
+    from sgjax.model.config import ModelConfig
+    from sgjax.model.families import hf_config_dict
+    from sgjax.model.paths import default_model_path
+    from sgjax.model.tokenizer import load_tokenizer, save_hf_dir
+    from tests.server.conftest import serving
+
+    cfg = ModelConfig("qwen3_moe", 49152, 64, 128, 2, 4, 2, 16, qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=True)
+    tok = load_tokenizer(default_model_path())
+    save_hf_dir(tok, str(tmp_path), {**hf_config_dict(cfg), "eos_token_id": list(tok.eos_token_ids)})
+    prompt, new = "The capital of France is", 6
+    with Engine(str(tmp_path), load_format="dummy", **ENGINE) as engine:
+        want = engine.generate(prompt, {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True})["text"]
+    flags = ["--model-path", str(tmp_path), "--load-format", "dummy", "--tp-size", "2", "--ep-size", "2",
+             "--enable-metrics", *(x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v)))]
+    srv = serving(*flags, env={"JAX_NUM_CPU_DEVICES": "4"})
+    server = next(srv)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        got = client.completions.create(model="default", prompt=prompt, max_tokens=new, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want
+        metrics = httpx.get(server.url + "/metrics").text
+        routed = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("sgjax:moe_expert_tokens_total{"))
+        assert routed > 0 and routed % (cfg.num_layers * cfg.num_experts_per_tok) == 0
+    finally:
+        next(srv, None)
