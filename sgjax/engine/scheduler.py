@@ -32,7 +32,7 @@ class SchedulerConfig:
     page_size: int = 16
     policy: str = "lpm"
     cache: str = "radix"  # radix | table | none (--disable-radix-cache)
-    chunked_prefill_size: int = 512  # prefill tokens per step (decode rows come on top)
+    chunked_prefill_size: int = 512  # tokens per step: prefill chunks plus the decode rows beside them
     max_running_requests: int = 64
     # Admission reserve for tokens the running requests will still generate (SGLang's new_token_ratio): it starts
     # high, decays while nothing is retracted, and jumps back after a retraction.
@@ -129,7 +129,7 @@ class Scheduler:
         if plan is None:
             return None
         works = []
-        budget = self.cfg.chunked_prefill_size
+        budget = self._prefill_budget(plan)
         for req, n in plan:
             if not req.in_decode:
                 budget -= n
@@ -143,7 +143,8 @@ class Scheduler:
     def _plan_running(self, retract: bool = True) -> list[tuple[Req, int]] | None:
         """Next token counts of the running requests, retracting some until their pages can be found."""
         while True:
-            plan, budget, need = [], self.cfg.chunked_prefill_size, 0
+            plan, need = [], 0
+            budget = self._prefill_budget([(r, 1) for r in self.running if r.in_decode])
             for req in self.running:
                 if req.in_decode:
                     if len(req.output_ids) >= req.params.max_new_tokens:
@@ -161,6 +162,14 @@ class Scheduler:
             if not retract:
                 return None
             self._retract_one()
+
+    def _prefill_budget(self, plan) -> int:
+        """Prefill tokens this step may take: chunked_prefill_size less the step's decode rows, so that a mixed step
+        stays in the chunk's token bucket (512 prefill tokens + 16 decode rows padded to 1024 computed twice the
+        work), but never below a quarter of the chunk, so that prefills move while many requests decode."""
+        decode = sum(1 for req, _ in plan if req.in_decode)
+        chunk = self.cfg.chunked_prefill_size
+        return max(chunk - decode, chunk // 4)
 
     def _retract_one(self) -> None:
         """Retract the running request with the least output (the longest prompt among ties), as SGLang does."""

@@ -170,6 +170,33 @@ def test_chunked_prefill_of_a_long_prompt():
     assert_no_leak(sched)
 
 
+def test_decode_rows_count_against_the_prefill_chunk():
+    """A step that mixes prefill chunks with decode rows stays within chunked_prefill_size tokens (its token
+    bucket), and prefills still move (at least a quarter of the chunk) while many requests decode."""
+    rng = np.random.default_rng(5)
+    decoding = [make_req(i, rng.integers(0, V, 6).tolist(), 40) for i in range(6)]
+    long = [make_req(10 + i, rng.integers(0, V, 200).tolist(), 3) for i in range(2)]
+    sched = Scheduler(SchedulerConfig(num_pages=300, page_size=4, chunked_prefill_size=64, max_running_requests=8))
+    steps = []
+    orig = sched.schedule
+
+    def spy():
+        works = orig()
+        if works:
+            steps.append((sum(len(w.tokens) for w in works), sum(1 for w in works if w.req in long)))
+        return works
+
+    sched.schedule = spy
+    done = drive(sched, FakeRunner(300, 4), decoding + long)
+    mixed = [total for total, prefills in steps if prefills]
+    assert mixed and max(mixed) <= 64  # 6 decode rows + 58 prefill tokens, not 6 + 64
+    for r in decoding + long:
+        assert done[r.rid] == reference(r.input_ids, r.params.max_new_tokens)
+    few = Scheduler(SchedulerConfig(num_pages=10, page_size=4, chunked_prefill_size=64))
+    assert few._prefill_budget([(SimpleNamespace(in_decode=True), 1)] * 60) == 16  # the floor
+    assert_no_leak(sched)
+
+
 def test_500_random_requests_with_random_aborts_leak_nothing():
     rng = np.random.default_rng(3)
     reqs = shared_prefix_workload(rng, 500)
