@@ -445,19 +445,9 @@ class Engine:
                 msg.done.set()
 
     def _precompile(self) -> None:
-        """The step shapes most traffic takes (Runner.start_shapes), at the widest page table, compiled and run
-        once. A step holds at most a prefill chunk plus one decode row per running request."""
-        t0 = time.perf_counter()
-        shapes = self.runner.start_shapes(self.args.chunked_prefill_size + self.args.max_running_requests)
-        threads = 1 if self.runner.platform == "cpu" else max(1, min(len(shapes), (os.cpu_count() or 2) // 2))
-        self.runner.precompile(shapes, threads)
-        t1 = time.perf_counter()
-        if self._follower is not None:  # the warm-up's steps are broadcast: a follower runs them in `follow`
-            log.info("precompiled %d step shapes in %.1f s (%d threads)", len(shapes), t1 - t0, threads)
-            return
-        self.runner.warm(shapes)
-        log.info("precompiled %d step shapes in %.1f s (%d threads), ran each once in %.1f s", len(shapes),
-                 t1 - t0, threads, time.perf_counter() - t1)
+        # a follower runs the warm-up's broadcast steps in `follow`
+        log.info(self.runner.precompile_start(self.args.chunked_prefill_size + self.args.max_running_requests,
+                                              warm=self._follower is None))
 
     def _server_info(self) -> dict:
         return {
@@ -470,11 +460,5 @@ class Engine:
             "overlapped_steps": self._overlapped_steps,
             "generated_tokens": self.outputs.sampled_tokens + self.outputs.jumped_tokens,
             "grammar_cache": dataclasses.asdict(self.requests.grammars.stats),
-            **self._expert_report(),
+            **self.runner.expert_report(),
         }
-
-    def _expert_report(self) -> dict:
-        """A mixture of experts' routing since start: (token, choice) pairs per layer and expert (load imbalance is
-        what MoE users debug). Read off the device between steps."""
-        counts = self.runner.expert_tokens()
-        return {} if counts is None else {"expert_tokens": counts.tolist()}

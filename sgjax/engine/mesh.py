@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sgjax.model.config import ModelConfig
 from sgjax.model import weights as W
+from sgjax.model.moe import experts
 
 AXES = ("data", "tensor")
 try:  # GSPMD ("auto") axes, spelled out where jax has axis types: the placement and shard_map rely on them
@@ -230,8 +231,6 @@ def sharded_experts(mesh: Mesh, cfg: ModelConfig):
     are split over the devices, as in data-parallel attention). Expert parallelism (cfg.expert_parallel) holds
     E / tp whole experts per device (a grouped matmul per device on tp times fewer groups); otherwise every
     device holds every expert's 1 / tp columns."""
-    from sgjax.model.moe import experts
-
     ep = cfg.expert_parallel
     up_spec = P("tensor", None, None) if ep else P(None, None, "tensor")
     down_spec = P("tensor", None, None) if ep else P(None, "tensor", None)

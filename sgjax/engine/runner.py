@@ -25,6 +25,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
+import time
 from dataclasses import dataclass
 
 import jax
@@ -211,13 +213,14 @@ class Runner:
         expert_tokens = place(np.zeros((cfg.num_layers, cfg.num_experts), np.int32)) if cfg.is_moe else None
         self.state = DeviceState(pool=pool, future=future, expert_tokens=expert_tokens)
 
-    def expert_tokens(self) -> np.ndarray | None:
-        """(token, choice) pairs per layer and expert since the pool was made ([L, E]; None for a dense model or a
-        lost state). Waits for the steps in flight: the engine asks between steps."""
+    def expert_report(self) -> dict:
+        """A mixture of experts' routing since the pool was made, for the server info: (token, choice) pairs per
+        layer and expert ({} for a dense model or a lost state). Waits for the steps in flight: the engine asks
+        between steps."""
         state = self.state
         if state is None or state.expert_tokens is None or state.lost():
-            return None
-        return np.asarray(jax.device_get(_local(state.expert_tokens)))
+            return {}
+        return {"expert_tokens": np.asarray(jax.device_get(_local(state.expert_tokens))).tolist()}
 
     def _to_device(self, host: np.ndarray):
         """A step input: replicated over the mesh (what the compiled step expects), else on the default device."""
@@ -475,6 +478,20 @@ class Runner:
         mask = np.full((b.num_logits, shape.mask_words), -1, np.int32) if shape.mask_words else None
         which = np.full(b.num_tokens, -1, np.int32) if shape.image_rows else None
         return pack_step(shape, batch, rows, which, mask)
+
+    def precompile_start(self, max_tokens: int, warm: bool = True) -> str:
+        """The engine's start: the step shapes most traffic takes (start_shapes; a step holds at most max_tokens),
+        compiled (in parallel threads off the CPU) and, with `warm`, run once. Returns the log line."""
+        t0 = time.perf_counter()
+        shapes = self.start_shapes(max_tokens)
+        threads = 1 if self.platform == "cpu" else max(1, min(len(shapes), (os.cpu_count() or 2) // 2))
+        self.precompile(shapes, threads)
+        done = f"precompiled {len(shapes)} step shapes in {time.perf_counter() - t0:.1f} s ({threads} threads)"
+        if not warm:
+            return done
+        t1 = time.perf_counter()
+        self.warm(shapes)
+        return f"{done}, ran each once in {time.perf_counter() - t1:.1f} s"
 
     def warm(self, shapes: list[StepShape]) -> None:
         """Run each shape once on the dummy buffer (it writes only the null page). A GPU loads an executable's

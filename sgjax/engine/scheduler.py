@@ -129,7 +129,7 @@ class Scheduler:
         if plan is None:
             return None
         works = []
-        budget = self._prefill_budget(plan)
+        budget = self._prefill_budget(sum(1 for req, _ in plan if req.in_decode))
         for req, n in plan:
             if not req.in_decode:
                 budget -= n
@@ -144,7 +144,8 @@ class Scheduler:
         """Next token counts of the running requests, retracting some until their pages can be found."""
         while True:
             plan, need = [], 0
-            budget = self._prefill_budget([(r, 1) for r in self.running if r.in_decode])
+            decoding = [r for r in self.running if r.in_decode and len(r.output_ids) < r.params.max_new_tokens]
+            budget = self._prefill_budget(len(decoding))
             for req in self.running:
                 if req.in_decode:
                     if len(req.output_ids) >= req.params.max_new_tokens:
@@ -163,12 +164,12 @@ class Scheduler:
                 return None
             self._retract_one()
 
-    def _prefill_budget(self, plan) -> int:
+    def _prefill_budget(self, decode_rows: int) -> int:
         """Prefill tokens this step may take: chunked_prefill_size less the step's decode rows, so that a mixed step
         stays in the chunk's token bucket (512 prefill tokens + 16 decode rows padded to 1024 computed twice the
         work), but never below a quarter of the chunk, so that prefills move while many requests decode."""
-        decode = sum(1 for req, _ in plan if req.in_decode)
         chunk = self.cfg.chunked_prefill_size
+        decode = decode_rows
         return max(chunk - decode, chunk // 4)
 
     def _retract_one(self) -> None:

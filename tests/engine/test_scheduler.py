@@ -193,7 +193,7 @@ def test_decode_rows_count_against_the_prefill_chunk():
     for r in decoding + long:
         assert done[r.rid] == reference(r.input_ids, r.params.max_new_tokens)
     few = Scheduler(SchedulerConfig(num_pages=10, page_size=4, chunked_prefill_size=64))
-    assert few._prefill_budget([(SimpleNamespace(in_decode=True), 1)] * 60) == 16  # the floor
+    assert few._prefill_budget(60) == 16  # the floor
     assert_no_leak(sched)
 
 
