@@ -15,7 +15,8 @@
 #      over the same weights
 #   f  the families' kernels and shapes: the Mosaic GPU / Triton kernel tests compiled (sliding windows, soft caps,
 #      head_dim 256), then bench_forward on dummy Qwen3-8B and Gemma-3-12B; also keeps stage 2's part a in /tmp
-# Usage: OUT=... bash scripts/lab/h200_engine.sh 1|2|3|f   Optional: S1_TIMEOUT, S2_TIMEOUT, S3_TIMEOUT, WORKLOADS (stage 3)
+# Usage: OUT=... bash scripts/lab/h200_engine.sh 1|2|3|f   Optional: S1_TIMEOUT, S2_TIMEOUT, S3_TIMEOUT, WORKLOADS (stage 3),
+#   MODELS, FORWARD_TIMEOUT, FORWARD_ARGS (stage f)
 set -uo pipefail
 stage=$1
 OUT=${OUT:-/tmp/out}
@@ -37,7 +38,7 @@ if [ "$stage" = f ]; then
     > "$OUT/kernel_tests.log" 2>&1; echo "exit $?" >> "$OUT/kernel_tests.log"); tail -5 "$OUT/kernel_tests.log"
   for m in ${MODELS:-qwen3-8b gemma3-12b}; do
     timeout "${FORWARD_TIMEOUT:-150}" python3 -P "$REPO/scripts/perf/bench_forward.py" --model $m --skip-hf \
-      --attention ${FORWARD_ATTENTION:-pallas} --out "$OUT/forward_$m" > "$OUT/forward_$m.log" 2>&1
+      --attention ${FORWARD_ATTENTION:-pallas} ${FORWARD_ARGS:-} --out "$OUT/forward_$m" > "$OUT/forward_$m.log" 2>&1
     echo "exit $?" >> "$OUT/forward_$m.log"; quiet "$OUT/forward_$m.log" | tail -8
   done
 elif [ "$stage" = 1 ]; then

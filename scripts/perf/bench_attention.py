@@ -1,9 +1,9 @@
 """Benchmark ragged paged attention on a GPU: `pallas` vs `ref` under XLA vs jax's deprecated paged_attention.
 
-Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, page 16, bf16). For each case:
-the median time of one backend call (KV write + attention, as the model pays it; jax's op does no
-write), achieved HBM GB/s over the copy bandwidth measured in this run, and TFLOP/s over the bf16
-matmul rate measured in this run. Inputs are random; each timed call cycles through enough page
+Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, page 16, bf16; `--shape smollm2`: 9, 3,
+64, float32). For each case: the median time of one backend call (KV write + attention, as the model pays it;
+jax's op does no write), achieved HBM GB/s over the copy bandwidth measured in this run, and TFLOP/s over the
+matmul rate in the case's dtype measured in this run. Inputs are random; each timed call cycles through enough page
 tables over disjoint pages that its KV data exceeds 3x the L2 cache.
 
     PYTHONPATH=... python3 scripts/perf/bench_attention.py --out results.json [--sweep] [--cases decode-32x4k,prefill-4k]
@@ -29,7 +29,9 @@ import numpy as np
 
 from sgjax.kernels import AttentionMetadata, pallas_attention, ref_attention
 
-HQ, HKV, D, PAGE, LAYERS, DTYPE = 32, 8, 128, 16, 2, jnp.bfloat16
+HQ, HKV, D, PAGE, LAYERS, DTYPE, ITEM = 32, 8, 128, 16, 2, jnp.bfloat16, 2
+# --shape: the attention shapes of a model (query heads, KV heads, head_dim, dtype); main() sets the globals
+SHAPES = {"llama3-8b": (32, 8, 128, jnp.bfloat16), "smollm2": (9, 3, 64, jnp.float32)}
 L2_BYTES = 60 << 20
 
 
@@ -117,7 +119,7 @@ def build_case(q_lens, kv_lens, seed=0, layers=LAYERS, n_rot=None):
     """Random pool, n_rot metadata/q/k/v sets over disjoint pages, bytes and flops of one call."""
     rng = np.random.default_rng(seed)
     reqs, per_req = len(q_lens), max(-(-k // PAGE) for k in kv_lens)
-    kv_bytes = sum(kv_lens) * HKV * D * 2 * 2
+    kv_bytes = sum(kv_lens) * HKV * D * 2 * ITEM
     # Enough sets that one call's KV exceeds 3x L2, at least 8 to spread the dispatch, at most ~24 GB.
     n_rot = n_rot or int(min(16, max(8, math.ceil(3 * L2_BYTES / kv_bytes)), max(2, (24 << 30) // kv_bytes)))
     num_pages = 1 + n_rot * reqs * per_req
@@ -139,7 +141,7 @@ def build_case(q_lens, kv_lens, seed=0, layers=LAYERS, n_rot=None):
         sets.append((q, k, v, meta))
     causal_keys = sum(kl - ql + (j + 1) for ql, kl in zip(q_lens, kv_lens) for j in range(ql))
     flops = 4 * HQ * D * causal_keys
-    io_bytes = kv_bytes + 2 * t * HQ * D * 2  # KV read once, q read, out written
+    io_bytes = kv_bytes + 2 * t * HQ * D * ITEM  # KV read once, q read, out written
     return pool, sets, io_bytes, flops
 
 
@@ -322,6 +324,7 @@ _SHORT = dict(num_splits="ns", block_k="bk", block_q="bq", num_stages="st", num_
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_attention.json")
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="the model's attention shapes")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--sweep", default="", help="comma-separated cases to sweep pallas configs on")
     ap.add_argument("--reps", type=int, default=30)
@@ -331,6 +334,9 @@ def main():
     ap.add_argument("--mgpu", action="store_true", help="also time the Mosaic GPU prefill kernel (Hopper) on "
                     "prefill and mixed cases, its MGPU_SWEEP configurations, and it alone without the KV write")
     args = ap.parse_args()
+    global HQ, HKV, D, DTYPE, ITEM
+    HQ, HKV, D, DTYPE = SHAPES[args.shape]
+    ITEM = jnp.dtype(DTYPE).itemsize
     if args.tpu_interpret:
         return tpu_interpret_check()
     torch_rates = torch_ceilings()
@@ -384,7 +390,7 @@ def main():
             for label, t in time_dense_baselines(sets, args.reps).items():
                 rows.append(dict(case=name, backend=label, seconds=t, gbps=io_bytes / t / 1e9, bw_frac=io_bytes / t / bw,
                                  tflops=flops / t / 1e12, mm_frac=flops / t / mm))
-        if name.startswith("decode"):
+        if name.startswith("decode") and args.shape == "llama3-8b":  # jax's op: bf16, power-of-two groups
             t, out = time_jax_paged(pool, sets, args.reps)
             outs["jax_paged"] = out
             rows.append(dict(case=name, backend="jax_paged", seconds=t, gbps=io_bytes / t / 1e9,
@@ -411,7 +417,7 @@ def main():
                                   ("kv_write_unique", kv_write_unique_only)):
                 t, pool, _ = time_per_layer(attend, pool, sets[0], args.reps)
                 # a write alone moves the new tokens' K/V twice (read, then written into pages); no FLOPs
-                moved, done = (4 * sum(q_lens) * HKV * D * 2, 0) if label.startswith("kv_write") else (io_bytes, flops)
+                moved, done = (4 * sum(q_lens) * HKV * D * ITEM, 0) if label.startswith("kv_write") else (io_bytes, flops)
                 rows.append(dict(case=name, backend=f"{label} per layer ({args.layers} layers, one batch)", seconds=t,
                                  gbps=moved / t / 1e9, bw_frac=moved / t / bw, tflops=done / t / 1e12,
                                  mm_frac=done / t / mm))
