@@ -203,10 +203,22 @@ def test_abort_all_ends_every_running_request(client, url):
 
 @pytest.fixture(scope="module")
 def locked():
-    """A server with --api-key, one running request at most, one waiting at most, and chunks of 4 tokens."""
-    yield from serving(*SMALL_FLAGS[:4], "--max-running-requests", "1", "--api-key", "sekret",
-                       "--max-queued-requests", "1", "--stream-interval", "4", "--enable-metrics",
-                       "--request-timeout", "8", "--header-timeout", "1")
+    """A server with --api-key, one running request at most, one waiting at most, and chunks of 4 tokens. Its step
+    shapes are compiled before the tests: on a slow CPU the first request's compiles alone passed the 8 s
+    --request-timeout (a 504 that the timeout test, not the streaming one, is about)."""
+    srv = serving(*SMALL_FLAGS[:4], "--max-running-requests", "1", "--api-key", "sekret",
+                  "--max-queued-requests", "1", "--stream-interval", "4", "--enable-metrics",
+                  "--request-timeout", "8", "--header-timeout", "1")
+    server = next(srv)
+    with httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": "Bearer sekret"}) as c:
+        for _ in range(4):  # a timed-out warm-up still leaves its compiled shapes behind
+            r = c.post("/generate", json={"text": "Tell a long story.", "sampling_params": {
+                "max_new_tokens": 30, "temperature": 0, "ignore_eos": True}})
+            wait_idle(c)
+            if r.status_code == 200:
+                break
+    yield server
+    yield from srv
 
 
 def test_api_key_guards_every_route_but_the_probes(locked):

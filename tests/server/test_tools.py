@@ -139,9 +139,10 @@ def test_refusals_name_the_field(tool_server):
 
 
 def test_bfcl_constrained_calls_all_validate(oai, tool_server):
-    """50 BFCL function specs, each with its function named: every call must parse and validate against its schema
-    (the grammar's promise); the AST-match accuracy is the model's (printed, not a gate)."""
-    tasks = bfcl("simple_python")[:50]
+    """24 BFCL function specs, each with its function named: every call must parse and validate against its schema
+    (the grammar's promise); the AST-match accuracy is the model's (printed, not a gate). 24, not 50: on a slow
+    2-core CPU 50 took 215 s of the suite."""
+    tasks = bfcl("simple_python")[:24]
 
     def one(task):
         tools = [_short(t) for t in task["tools"]]
@@ -156,7 +157,7 @@ def test_bfcl_constrained_calls_all_validate(oai, tool_server):
 
     with cf.ThreadPoolExecutor(8) as pool:
         matches = list(pool.map(one, tasks))
-    print(f"\nBFCL simple_python[:50], named tool_choice: 50/50 valid, AST accuracy {sum(matches) / 50:.2f}")
+    print(f"\nBFCL simple_python[:24], named tool_choice: 24/24 valid, AST accuracy {sum(matches) / 24:.2f}")
     assert_no_leak(httpx.Client(base_url=tool_server.url, timeout=60))
 
 
