@@ -206,19 +206,17 @@ def locked():
     """A server with --api-key, one running request at most, one waiting at most, and chunks of 4 tokens. Its step
     shapes are compiled before the tests, and --request-timeout is 20 s: on a slow 2-core CPU (4-5 tokens/s for one
     SmolLM2 stream beside another test worker) the streaming test's 30 tokens passed an 8 s timeout."""
-    srv = serving(*SMALL_FLAGS[:4], "--max-running-requests", "1", "--api-key", "sekret",
-                  "--max-queued-requests", "1", "--stream-interval", "4", "--enable-metrics",
-                  "--request-timeout", "20", "--header-timeout", "1")
-    server = next(srv)
-    with httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": "Bearer sekret"}) as c:
-        for _ in range(4):  # a timed-out warm-up still leaves its compiled shapes behind
-            r = c.post("/generate", json={"text": "Tell a long story.", "sampling_params": {
-                "max_new_tokens": 30, "temperature": 0, "ignore_eos": True}})
-            wait_idle(c)
-            if r.status_code == 200:
-                break
-    yield server
-    yield from srv
+    for server in serving(*SMALL_FLAGS[:4], "--max-running-requests", "1", "--api-key", "sekret",
+                          "--max-queued-requests", "1", "--stream-interval", "4", "--enable-metrics",
+                          "--request-timeout", "20", "--header-timeout", "1"):
+        with httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": "Bearer sekret"}) as c:
+            for _ in range(3):  # a timed-out warm-up still leaves its compiled shapes behind
+                r = c.post("/generate", json={"text": "Tell a long story.", "sampling_params": {
+                    "max_new_tokens": 30, "temperature": 0, "ignore_eos": True}})
+                wait_idle(c)
+                if r.status_code == 200:
+                    break
+        yield server
 
 
 def test_api_key_guards_every_route_but_the_probes(locked):
