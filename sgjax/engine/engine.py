@@ -29,7 +29,7 @@ from sgjax.engine import scoring, sinks
 from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
 from sgjax.engine.outputs import Outputs, abort_reason
 from sgjax.engine.request import Req
-from sgjax.engine.requests import GenerateCall, RequestBuilder, asks_for_grammar
+from sgjax.engine.requests import GenerateCall, LiveIds, RequestBuilder, asks_for_grammar
 from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.engine.steplog import StepRecord, StepWatcher, record_of
@@ -123,7 +123,8 @@ class Engine:
                                        grammar_compile_timeout=args.grammar_compile_timeout,
                                        grammars_on=args.grammar_backend != "none")
         self.outputs = Outputs(self.scheduler, tokenizer, self.eos_ids, jump_forward=not args.disable_jump_forward,
-                               on_finish=self.requests.forget)
+                               on_finish=self._forget)
+        self._live = LiveIds()  # ids of requests made and not finished
         self._overlapped_steps = 0
         self._grammar_workers = ThreadPoolExecutor(2, thread_name_prefix="sgjax-grammar")
         self.on_step = None  # called on the engine thread with each step's seconds (the server's histogram)
@@ -279,21 +280,24 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
     def _make_requests(self, call: GenerateCall) -> tuple[list[Req], bool]:
-        self._refuse_if_closed()
+        if self._closed:
+            raise EngineError(self._fatal_message or "the engine is shut down",
+                              INTERNAL if self._fatal_message else SHUTDOWN)
         reqs, single = self.requests.build(call)
+        self._live.claim([r.rid for r in reqs])
         if self.request_log is not None:
             self.request_log.extend(reqs)
         return reqs, single
 
-    def _refuse_if_closed(self) -> None:
-        if self._closed:
-            raise EngineError(self._fatal_message or "the engine is shut down",
-                              INTERNAL if self._fatal_message else SHUTDOWN)
+    def _forget(self, req: Req) -> None:
+        self._live.release(req.rid)
 
     # -- the loop ---------------------------------------------------------------------------------------
     def _call(self, fn):
         """Run `fn` on the engine thread between steps and return its result."""
-        self._refuse_if_closed()
+        if self._closed:
+            raise EngineError(self._fatal_message or "the engine is shut down",
+                              INTERNAL if self._fatal_message else SHUTDOWN)
         done, box = threading.Event(), {}
         self._inbox.put(Call(fn, done, box))
         done.wait()
@@ -352,7 +356,8 @@ class Engine:
                     return
                 ahead = None
                 for req in list(sched.running):
-                    self.outputs.abort(req.rid, abort_reason(f"internal error: {e}", INTERNAL))
+                    sched.abort(req.rid)
+                    self.outputs.finish(req, abort_reason(f"internal error: {e}", INTERNAL), release=False)
                 if self.runner.pool_lost():  # the donated pool died with the step: its KV is gone
                     self.runner.reset_pool()
                     sched.cache.reset()
@@ -369,7 +374,9 @@ class Engine:
                 raise
             log.exception("building a step failed for %d of its %d requests; aborting those", len(bad), len(works))
             for w in bad:
-                self.outputs.abort(w.req.rid, abort_reason(f"internal error: {type(e).__name__}: {e}", INTERNAL))
+                self.scheduler.abort(w.req.rid)
+                self.outputs.finish(w.req, abort_reason(f"internal error: {type(e).__name__}: {e}", INTERNAL),
+                                    release=False)
             works = [w for w in works if w not in bad]
             return works, ((works, self.runner.dispatch(works), t0) if works else None)
 
@@ -414,7 +421,8 @@ class Engine:
             block = False
             if isinstance(msg, Stop):
                 for req in list(self.scheduler.waiting) + list(self.scheduler.running):
-                    self.outputs.abort(req.rid, abort_reason("engine shut down", SHUTDOWN))
+                    self.scheduler.abort(req.rid)
+                    self.outputs.finish(req, abort_reason("engine shut down", SHUTDOWN), release=False)
                 return False
             if isinstance(msg, Add):
                 if not self.outputs.start(msg.req):  # forced text before the first token may finish it
@@ -423,7 +431,9 @@ class Engine:
                 rids = [msg.rid] if msg.rid is not None else [r.rid for r in self.scheduler.waiting +
                                                               list(self.scheduler.running)]
                 for rid in rids:
-                    self.outputs.abort(rid)
+                    req = self.scheduler.abort(rid)
+                    if req is not None:
+                        self.outputs.finish(req, abort_reason(), release=False)
             elif isinstance(msg, Call):
                 self._in_call = msg
                 try:
