@@ -195,12 +195,21 @@ def test_stopped_follower_fails_requests_naming_the_rank(model_dir, smollm2_path
                 box["r"] = c.post("/generate", json={"text": PROMPT, "sampling_params": {
                     "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}})
 
+        # The same request's first steps once before, so that no step before the SIGSTOP compiles: a follower
+        # compiling a new shape on a loaded machine can take longer than the 4 s to join the next broadcast
+        with httpx.Client(base_url=url, timeout=120) as c:
+            warm = c.post("/generate", json={"text": PROMPT, "sampling_params": {
+                "max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}})
+        assert warm.status_code == 200, (warm.text, ranks[0].text())
+        before = httpx.get(url + "/get_server_info", timeout=10).json()["generated_tokens"]
         t = threading.Thread(target=ask)
         t.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # decoding, past its first steps
-            info = httpx.get(url + "/get_server_info", timeout=10).json()
-            if info["running_requests"] == 1 and info["generated_tokens"] >= 8:
+            got = httpx.get(url + "/get_server_info", timeout=10)
+            assert got.status_code == 200, (got.text, ranks[0].text())  # not lost before it was stopped
+            info = got.json()
+            if info["running_requests"] == 1 and info["generated_tokens"] >= before + 8:
                 break
             time.sleep(0.05)
         t0 = time.monotonic()
