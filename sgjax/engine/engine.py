@@ -29,7 +29,7 @@ from sgjax.engine import scoring, sinks
 from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
 from sgjax.engine.outputs import Outputs, abort_reason
 from sgjax.engine.request import Req
-from sgjax.engine.requests import GenerateCall, LiveIds, RequestBuilder, asks_for_grammar
+from sgjax.engine.requests import GenerateCall, RequestBuilder, asks_for_grammar
 from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.engine.steplog import StepRecord, StepWatcher, record_of
@@ -123,8 +123,7 @@ class Engine:
                                        grammar_compile_timeout=args.grammar_compile_timeout,
                                        grammars_on=args.grammar_backend != "none")
         self.outputs = Outputs(self.scheduler, tokenizer, self.eos_ids, jump_forward=not args.disable_jump_forward,
-                               on_finish=self._forget)
-        self._live = LiveIds()  # ids of requests made and not finished
+                               on_finish=self.requests.forget)
         self._overlapped_steps = 0
         self._grammar_workers = ThreadPoolExecutor(2, thread_name_prefix="sgjax-grammar")
         self.on_step = None  # called on the engine thread with each step's seconds (the server's histogram)
@@ -280,24 +279,21 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
     def _make_requests(self, call: GenerateCall) -> tuple[list[Req], bool]:
-        if self._closed:
-            raise EngineError(self._fatal_message or "the engine is shut down",
-                              INTERNAL if self._fatal_message else SHUTDOWN)
+        self._refuse_if_closed()
         reqs, single = self.requests.build(call)
-        self._live.claim([r.rid for r in reqs])
         if self.request_log is not None:
             self.request_log.extend(reqs)
         return reqs, single
 
-    def _forget(self, req: Req) -> None:
-        self._live.release(req.rid)
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise EngineError(self._fatal_message or "the engine is shut down",
+                              INTERNAL if self._fatal_message else SHUTDOWN)
 
     # -- the loop ---------------------------------------------------------------------------------------
     def _call(self, fn):
         """Run `fn` on the engine thread between steps and return its result."""
-        if self._closed:
-            raise EngineError(self._fatal_message or "the engine is shut down",
-                              INTERNAL if self._fatal_message else SHUTDOWN)
+        self._refuse_if_closed()
         done, box = threading.Event(), {}
         self._inbox.put(Call(fn, done, box))
         done.wait()
@@ -356,8 +352,7 @@ class Engine:
                     return
                 ahead = None
                 for req in list(sched.running):
-                    sched.abort(req.rid)
-                    self.outputs.finish(req, abort_reason(f"internal error: {e}", INTERNAL), release=False)
+                    self.outputs.abort(req.rid, abort_reason(f"internal error: {e}", INTERNAL))
                 if self.runner.pool_lost():  # the donated pool died with the step: its KV is gone
                     self.runner.reset_pool()
                     sched.cache.reset()
@@ -374,9 +369,7 @@ class Engine:
                 raise
             log.exception("building a step failed for %d of its %d requests; aborting those", len(bad), len(works))
             for w in bad:
-                self.scheduler.abort(w.req.rid)
-                self.outputs.finish(w.req, abort_reason(f"internal error: {type(e).__name__}: {e}", INTERNAL),
-                                    release=False)
+                self.outputs.abort(w.req.rid, abort_reason(f"internal error: {type(e).__name__}: {e}", INTERNAL))
             works = [w for w in works if w not in bad]
             return works, ((works, self.runner.dispatch(works), t0) if works else None)
 
@@ -421,8 +414,7 @@ class Engine:
             block = False
             if isinstance(msg, Stop):
                 for req in list(self.scheduler.waiting) + list(self.scheduler.running):
-                    self.scheduler.abort(req.rid)
-                    self.outputs.finish(req, abort_reason("engine shut down", SHUTDOWN), release=False)
+                    self.outputs.abort(req.rid, abort_reason("engine shut down", SHUTDOWN))
                 return False
             if isinstance(msg, Add):
                 if not self.outputs.start(msg.req):  # forced text before the first token may finish it
@@ -431,9 +423,7 @@ class Engine:
                 rids = [msg.rid] if msg.rid is not None else [r.rid for r in self.scheduler.waiting +
                                                               list(self.scheduler.running)]
                 for rid in rids:
-                    req = self.scheduler.abort(rid)
-                    if req is not None:
-                        self.outputs.finish(req, abort_reason(), release=False)
+                    self.outputs.abort(rid)
             elif isinstance(msg, Call):
                 self._in_call = msg
                 try:

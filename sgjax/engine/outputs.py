@@ -110,6 +110,14 @@ class Outputs:
         req.prefill_done = False  # the forced tokens run as an extend; the next token comes from its last row
         return self.check_stop(req, tokens)
 
+    def abort(self, rid: str, reason: dict | None = None) -> Req | None:
+        """Take a waiting or running request out of the scheduler (a running one frees its pages unkept) and finish
+        it with `reason` (a client abort by default). None when no such request is there."""
+        req = self.scheduler.abort(rid)
+        if req is not None:
+            self.finish(req, reason or abort_reason(), release=False)
+        return req
+
     def finish(self, req: Req, reason: dict, release: bool = True) -> None:
         req.finish_reason = reason
         if release:

@@ -96,9 +96,11 @@ class RequestBuilder:
         self._seeds = np.random.default_rng(seed)
         self._vocabulary = None
         self.grammars_on = grammars_on
+        self.live = LiveIds()  # ids of the requests built and not yet finished
 
     def build(self, call: GenerateCall) -> tuple[list[Req], bool]:
-        """The requests of a call (prompts x n copies) and whether it was a single prompt."""
+        """The requests of a call (prompts x n copies) and whether it was a single prompt. Their ids are live from
+        here until `forget`: an id already live (or twice in the call) is refused."""
         prompt, input_ids = call.prompt, call.input_ids
         items, single = _prompt_list(prompt, input_ids)
         prompts, ids_list = (items, None) if prompt is not None else (None, items)
@@ -132,7 +134,12 @@ class RequestBuilder:
                                 min_tokens_stops=self.min_tokens_stops(params)))
         if call.stream and len(reqs) != 1:
             raise RequestError("stream=True takes one prompt with n == 1", "stream")
+        self.live.claim([r.rid for r in reqs])
         return reqs, single
+
+    def forget(self, req: Req) -> None:
+        """A request finished: its id may be used again."""
+        self.live.release(req.rid)
 
     def _images_per_prompt(self, image_data, single: bool, count: int):
         if image_data is None:
