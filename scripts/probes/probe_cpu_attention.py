@@ -51,7 +51,7 @@ def main():
         row = {"device": jax.devices()[0].device_kind, "T": t, "R": r, "real_requests": real, "context": ctx, "P": p,
                "auto": ref.choose_strategy(r, HQ, HKV, D, t)}
         outs = {}
-        for strategy in ("segment", "gather", "blocked"):
+        for strategy in ("segment", "gather", "blocked", "paged"):
             attend = functools.partial(ref.ref_attention, sm_scale=D ** -0.5, strategy=strategy)
             # the output alone: returning the (undonated) pool would copy it every call
             fn = jax.jit(lambda q, k, v, pool, meta, attend=attend: attend(q, k, v, pool, 0, meta)[0])

@@ -77,7 +77,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "gqa8"])
-@pytest.mark.parametrize("strategy", ["gather", "segment", "blocked"])
+@pytest.mark.parametrize("strategy", ["gather", "segment", "blocked", "paged"])
 def test_ref_matches_per_request_attention(case, heads, strategy):
     rng = np.random.default_rng(sorted(CASES).index(case))
     args, expected, total = make_case(rng, num_heads=heads[0], num_kv_heads=heads[1], **CASES[case])
@@ -125,7 +125,7 @@ def windowed_args(spec):
 
 
 @pytest.mark.parametrize("case", sorted(WINDOWED))
-@pytest.mark.parametrize("strategy", ["gather", "segment", "blocked"])
+@pytest.mark.parametrize("strategy", ["gather", "segment", "blocked", "paged"])
 @pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
 def test_ref_sliding_window_and_softcap(case, strategy, traced):
     rng = np.random.default_rng(sorted(WINDOWED).index(case))
@@ -145,16 +145,18 @@ def test_ref_sliding_window_and_softcap(case, strategy, traced):
 
 
 def test_cpu_strategy_follows_rows_per_request(monkeypatch):
-    """On a CPU: one row per request (decode) gathers per row; otherwise the blocked path, whose work does not grow
-    with padded rows and requests (a row count that is not a multiple of a block keeps the cost rule)."""
+    """On a CPU: one row per request (decode) reads its pages in place ("paged"); otherwise the blocked path, whose
+    work does not grow with padded rows and requests (a row count that is not a multiple of a block keeps the cost
+    rule)."""
     from sgjax.kernels import ref
 
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert ref.choose_strategy(16, 9, 3, 64, num_rows=16) == "gather"
+    assert ref.choose_strategy(16, 9, 3, 64, num_rows=16) == "paged"
     assert ref.choose_strategy(4, 9, 3, 64, num_rows=16) == "blocked"
     assert ref.choose_strategy(4, 9, 3, 64, num_rows=512) == "blocked"
     assert ref.choose_strategy(4, 9, 3, 64, num_rows=19) == "segment"
-    assert ref.choose_strategy(1, 9, 3, 64, num_rows=256) == "segment"  # one request: no padding to skip
+    assert ref.choose_strategy(1, 9, 3, 64, num_rows=256) == "blocked"  # one request: blocks skip the causal half
+    assert ref.choose_strategy(1, 9, 3, 64, num_rows=1) == "segment"
     assert ref.choose_strategy(16, 9, 3, 64, num_rows=64) == "blocked"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert ref.choose_strategy(4, 9, 3, 64, num_rows=512) == "segment"
