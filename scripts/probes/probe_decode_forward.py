@@ -1,0 +1,64 @@
+"""The jitted 30-layer forward of the default SmolLM2 (fp32) on one decode step of --rows rows, each at a context
+that fills --pages pages of 16 but the last 20 slots (264 tokens at most), per `ref` attention strategy: what the
+attention strategy costs inside the scanned layer loop, where the one-layer probe (probe_cpu_attention.py) cannot
+see the loop's own costs. Prints the median and best of --repeats calls per strategy (the pool donated).
+
+    python scripts/probes/probe_decode_forward.py --pages 32 --strategies gather paged
+"""
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sgjax.engine.args import ServerArgs
+from sgjax.engine.loading import default_dtype, load_model_cached
+from sgjax.kernels import allocate_pool, ref
+from sgjax.kernels.metadata import AttentionMetadata
+from sgjax.model import llama
+from sgjax.model.batch import StepBatch
+
+PAGE = 16
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--pages", type=int, default=32, help="pages per request of the step's bucket")
+    ap.add_argument("--strategies", nargs="+", default=["gather", "paged"])
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    cfg, weights = load_model_cached(None, default_dtype(ServerArgs()))
+    b, p = args.rows, args.pages
+    ctx = min(264, p * PAGE - 20)
+    pool = allocate_pool(cfg.num_layers, b * p + 1, PAGE, cfg.num_kv_heads, cfg.head_dim)
+    table = (1 + np.arange(b * p).reshape(b, p)).astype(np.int32)  # contiguous, as a fresh pool hands them out
+    slots = table[:, (ctx - 1) // PAGE] * PAGE + (ctx - 1) % PAGE
+    batch = StepBatch(input_ids=jnp.asarray(np.arange(b, dtype=np.int32) * 37),
+                      logits_idx=jnp.arange(b, dtype=jnp.int32), positions=jnp.full((b,), ctx - 1, jnp.int32),
+                      attn=AttentionMetadata(slot_mapping=jnp.asarray(slots.astype(np.int32)),
+                                             cu_q_lens=jnp.arange(b + 1, dtype=jnp.int32),
+                                             kv_lens=jnp.full((b,), ctx, jnp.int32), page_table=jnp.asarray(table)))
+    for strategy in args.strategies:
+        attention = functools.partial(ref.ref_attention, strategy=strategy)
+        step = jax.jit(lambda w, pool, batch, attention=attention: llama.forward(w, pool, batch, cfg=cfg,
+                                                                                  attention=attention),
+                       donate_argnums=1)
+        logits, pool = step(weights, pool, batch)
+        logits.block_until_ready()
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            logits, pool = step(weights, pool, batch)
+            logits.block_until_ready()
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        print(f"{strategy:8s} rows {b} pages {p} context {ctx}: median {1e3 * times[len(times) // 2]:.1f} ms, "
+              f"best {1e3 * times[0]:.1f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
