@@ -160,7 +160,7 @@ class Engine:
             self._fatal_message = message
         self._closed = True
         try:
-            reqs = list(self.scheduler.waiting) + list(self.scheduler.running) + drain_failing(self._inbox, message)
+            reqs = self.scheduler.live() + drain_failing(self._inbox, message)
             for req in reqs:
                 if not req.finished:
                     self.outputs.finish(req, abort_reason(message, INTERNAL), release=False)
@@ -413,17 +413,16 @@ class Engine:
                 return True
             block = False
             if isinstance(msg, Stop):
-                for req in list(self.scheduler.waiting) + list(self.scheduler.running):
-                    self.outputs.abort(req.rid, abort_reason("engine shut down", SHUTDOWN))
+                self.outputs.abort_all(abort_reason("engine shut down", SHUTDOWN))
                 return False
             if isinstance(msg, Add):
                 if not self.outputs.start(msg.req):  # forced text before the first token may finish it
                     self.scheduler.add(msg.req)
             elif isinstance(msg, Abort):
-                rids = [msg.rid] if msg.rid is not None else [r.rid for r in self.scheduler.waiting +
-                                                              list(self.scheduler.running)]
-                for rid in rids:
-                    self.outputs.abort(rid)
+                if msg.rid is None:
+                    self.outputs.abort_all()
+                else:
+                    self.outputs.abort(msg.rid)
             elif isinstance(msg, Call):
                 self._in_call = msg
                 try:

@@ -118,6 +118,11 @@ class Outputs:
             self.finish(req, reason or abort_reason(), release=False)
         return req
 
+    def abort_all(self, reason: dict | None = None) -> None:
+        """`abort` every waiting and running request."""
+        for req in self.scheduler.live():
+            self.abort(req.rid, reason)
+
     def finish(self, req: Req, reason: dict, release: bool = True) -> None:
         req.finish_reason = reason
         if release:

@@ -98,6 +98,10 @@ class Scheduler:
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
+    def live(self) -> list[Req]:
+        """Every waiting and running request (a copy: aborting them changes the queues)."""
+        return list(self.waiting) + list(self.running)
+
     def abort(self, rid: str) -> Req | None:
         """Drop a request at once: a waiting one leaves the queue, a running one frees its pages now."""
         for queue in (self.waiting, self.running):
