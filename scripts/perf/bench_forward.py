@@ -73,6 +73,7 @@ def run_sgjax(args):
     from sgjax.model.batch import build_batch
     from sgjax.engine.runner import bucket
     from sgjax.model.llama import forward
+    from sgjax.model.moe import experts
     from sgjax.model.weights import dummy_layer_weights, dummy_weights, layer_loop_for
 
     small = args.small
@@ -88,13 +89,18 @@ def run_sgjax(args):
     workloads = SMALL_WORKLOADS if small else WORKLOADS
     max_pages = max(b * -(-c // page) for _, b, c, _ in workloads) + 1
     first_logits = {}  # workload -> logits of the first backend, to compare the others against
-    for backend in args.attention:
-        # "pallas:triton" / "pallas:mgpu": the pallas backend with that prefill kernel (kernels/pallas_gpu.py)
+    # "pallas:triton" / "pallas:mgpu": the pallas backend with that prefill kernel (kernels/pallas_gpu.py); a
+    # mixture of experts runs each attention backend with each --moe-kernel
+    moe_kernels = args.moe_kernel if cfg.is_moe else [None]
+    for backend, moe_kernel in [(b, m) for b in args.attention for m in moe_kernels]:
         name_, _, prefill = backend.partition(":")
         attend = get_backend(name_)
         if prefill:
             attend = functools.partial(attend, prefill_kernel=prefill)
-        step = jax.jit(functools.partial(forward, cfg=cfg, attention=attend), donate_argnames=("pool",))
+        experts_fn = functools.partial(experts, activation=cfg.activation, kernel=moe_kernel) if moe_kernel else None
+        step = jax.jit(functools.partial(forward, cfg=cfg, attention=attend, experts_fn=experts_fn),
+                       donate_argnames=("pool",))
+        impl = f"sgjax-{backend}" + (f"+moe-{moe_kernel}" if moe_kernel and moe_kernel != "xla" else "")
         pool = allocate_pool(cfg.num_layers, max_pages, page, cfg.num_kv_heads, cfg.head_dim, dtype=jnp.bfloat16)
         pool = jax.jit(lambda p: jax.random.normal(jax.random.PRNGKey(3), p.shape, p.dtype),
                        donate_argnums=0)(pool)  # random, never zeros: zeros can run faster than real data
@@ -121,7 +127,7 @@ def run_sgjax(args):
             seconds = time_fn(call, warmup=2, iters=5 if name == "prefill" else 20)
             pool = state["pool"]
             nbytes, flops = cost(cfg, batch, context, new)
-            rows.append({"kind": "step", "impl": f"sgjax-{backend}", "workload": name, "batch": batch,
+            rows.append({"kind": "step", "impl": impl, "workload": name, "batch": batch,
                          "context": context, "tokens": batch * new, "logits_rel_err_vs_first_backend": err,
                          **roofline(seconds, nbytes, flops, bw, rate)})
             print(json.dumps(rows[-1]), flush=True)
@@ -183,6 +189,9 @@ def main():
                              "are mixtures of experts)")
     parser.add_argument("--out", default="out")
     parser.add_argument("--attention", nargs="+", default=["ref"], help="attention backends to time")
+    parser.add_argument("--moe-kernel", nargs="+", default=["xla"], choices=["xla", "pallas"],
+                        help="a mixture of experts' grouped matmuls: xla (ragged_dot) and/or pallas "
+                             "(kernels/grouped_matmul_gpu.py)")
     parser.add_argument("--part", choices=["sgjax", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--workloads", nargs="*", default=[], help="only these workloads (decode, prefill)")
@@ -193,7 +202,8 @@ def main():
             json.dump(rows, f)
         return
     os.makedirs(args.out, exist_ok=True)
-    base = ([sys.executable, __file__, "--out", args.out, "--model", args.model, "--attention", *args.attention]
+    base = ([sys.executable, __file__, "--out", args.out, "--model", args.model, "--attention", *args.attention,
+             "--moe-kernel", *args.moe_kernel]
             + (["--small"] * args.small)
             + (["--workloads", *args.workloads] if args.workloads else []))
     subprocess.run(base + ["--part", "sgjax"], check=True)

@@ -65,6 +65,9 @@ class ServerArgs:
     # Expert parallelism for mixtures of experts (engine/mesh.py sharded_experts): 1 splits every expert's columns
     # over the tp_size devices, tp_size gives each device whole experts (SGLang's --ep-size = --tp-size).
     ep_size: int = 1
+    # A mixture of experts' grouped matmuls: xla (jax.lax.ragged_dot) or pallas (kernels/grouped_matmul_gpu, reads
+    # only the routed experts); None: pallas on CUDA GPUs, xla elsewhere (model/moe.default_kernel).
+    moe_kernel: str | None = None
     # Multi-host (engine/distributed.py): nnodes processes, one per host, each running `sgjax serve` with its
     # node_rank; rank 0 serves HTTP and broadcasts every step, the others follow. dist_init_addr is jax.distributed's
     # coordinator (host:port on rank 0's host); port + 1 carries the followers' liveness connections.
@@ -122,6 +125,9 @@ ENGINE_FLAGS = [
                    help="prefix cache: radix tree, flat table (the no-tree ablation) or none")),
     ("attention_backend", dict(choices=["ref", "pallas", "pallas:triton", "pallas:mgpu"],
                                help="attention implementation (default: ref on CPU, pallas on GPU and TPU)")),
+    ("moe_kernel", dict(choices=["xla", "pallas"],
+                        help="a mixture of experts' grouped matmuls: xla (ragged_dot) or pallas (the Triton "
+                             "kernel; default on CUDA GPUs)")),
     ("context_length", dict(type=int, help="longest prompt plus output (default: the model's)")),
     ("max_top_logprobs_num", dict(type=int, help="largest top_logprobs_num (logprobs, top_logprobs) a request "
                                                  "may ask for")),

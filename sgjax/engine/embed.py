@@ -24,14 +24,13 @@ READOUTS = ("embedding", "logprobs")
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_readout(cfg: ModelConfig, attention: str, readout: str, mesh=None):
+def jitted_readout(cfg: ModelConfig, attention: str, readout: str, mesh=None, moe_kernel: str = "xla"):
     """With a mesh: attention under shard_map over the heads as in the step (a Pallas kernel cannot be split by
     GSPMD), and a replicated output, so each process reads its own copy."""
     attend = get_backend(attention)
-    experts_fn = None
     if mesh is not None:
         attend = tp.sharded_attention(attend, mesh)
-        experts_fn = tp.sharded_experts(mesh, cfg) if cfg.is_moe else None
+    experts_fn = tp.experts_for(cfg, mesh, moe_kernel)
 
     def run(weights, pool, batch):
         if readout == "logprobs":
@@ -49,7 +48,7 @@ def jitted_readout(cfg: ModelConfig, attention: str, readout: str, mesh=None):
 
 
 def readout(cfg: ModelConfig, weights, attention: str, page_size: int, prompts: list[list[int]], kind: str,
-            mesh=None, to_device=jnp.asarray) -> np.ndarray:
+            mesh=None, to_device=jnp.asarray, moe_kernel: str = "xla") -> np.ndarray:
     """[len(prompts), hidden] float32 unit vectors (kind "embedding") or [len(prompts), vocab] float32
     log p(next token | prompt) ("logprobs"). `to_device` places a host input (across hosts: each process its own
     devices' copies, Runner._to_device). Shapes are bucketed (tokens, requests, pages) as steps are."""
@@ -65,6 +64,6 @@ def readout(cfg: ModelConfig, weights, attention: str, page_size: int, prompts: 
                         bucket(sum(map(len, prompts)), 16), num_reqs, width)
     pool = allocate_pool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                          dtype=jnp.dtype(cfg.dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
-    out = jitted_readout(cfg, attention, kind, mesh)(weights, pool, jax.tree.map(to_device, batch))
+    out = jitted_readout(cfg, attention, kind, mesh, moe_kernel)(weights, pool, jax.tree.map(to_device, batch))
     local = out if out.is_fully_addressable else out.addressable_data(0)
     return np.asarray(local)[:len(prompts)]

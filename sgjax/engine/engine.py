@@ -37,6 +37,7 @@ from sgjax.errors import INTERNAL, SHUTDOWN, EngineError
 from sgjax.kernels import default_backend
 from sgjax.model import chat_templates
 from sgjax.model.config import ModelConfig
+from sgjax.model.moe import default_kernel as default_moe_kernel
 from sgjax.model.tokenizer import Tokenizer, load_tokenizer
 from sgjax.model.weights import Weights
 
@@ -111,7 +112,8 @@ class Engine:
                              attention=args.attention_backend or default_backend(platform),
                              max_top_logprobs=args.max_top_logprobs_num,
                              coarse=None if args.step_buckets is None else args.step_buckets == "coarse",
-                             max_reqs=args.max_running_requests, mesh=run_mesh)
+                             max_reqs=args.max_running_requests, mesh=run_mesh,
+                             moe_kernel=args.moe_kernel or default_moe_kernel(platform))
         self.runner.leader = leader
         self._follower = follower
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
@@ -443,6 +445,7 @@ class Engine:
             "model_path": self.args.model_path, "page_size": self.args.page_size,
             "max_total_tokens": self.max_total_tokens, "context_length": self.context_length,
             "attention_backend": self.runner.attention, **self.scheduler.report(),
+            **({"moe_kernel": self.runner.moe_kernel} if self.runner.cfg.is_moe else {}),
             "step_seconds": self._step_seconds, "detokenize_seconds": self.outputs.detokenize_seconds,
             "compiled_shapes": len(self.runner.shapes_seen),
             "traces": self.runner.traces, "jump_forward_tokens": self.outputs.jumped_tokens,

@@ -18,6 +18,7 @@ so every device holds exactly the one KV head its q heads read (`tp_config`, `ex
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -223,7 +224,17 @@ def sharded_attention(attend, mesh: Mesh):
 
 
 # -- experts: expert parallelism or tensor-parallel experts, under shard_map ------------------------------------
-def sharded_experts(mesh: Mesh, cfg: ModelConfig):
+def experts_for(cfg: ModelConfig, mesh: Mesh | None, kernel: str):
+    """The forward's experts_fn: None for a dense model, model/moe.experts with `kernel` (xla | pallas) on one
+    device, sharded_experts over a mesh."""
+    if not cfg.is_moe:
+        return None
+    if mesh is not None:
+        return sharded_experts(mesh, cfg, kernel)
+    return functools.partial(experts, activation=cfg.activation, kernel=kernel)
+
+
+def sharded_experts(mesh: Mesh, cfg: ModelConfig, kernel: str = "xla"):
     """model/moe.experts over the mesh. The residual stream is replicated (attention is tensor-parallel), so every
     device already holds every token: it routes them all (the same on every device), runs the (token, expert)
     pairs of the experts it holds, and one psum adds the devices' partial outputs: the same single all-reduce of
@@ -238,7 +249,7 @@ def sharded_experts(mesh: Mesh, cfg: ModelConfig):
     def local(h, top_w, top_i, w_gate, w_up, w_down):
         first = jax.lax.axis_index("tensor") * w_gate.shape[0] if ep else 0
         part = experts(h, top_w, top_i, w_gate, w_up, w_down, first=first, activation=cfg.activation,
-                       out_dtype=jnp.float32)
+                       out_dtype=jnp.float32, kernel=kernel)
         return jax.lax.psum(part, "tensor").astype(h.dtype)
 
     return shard_map(local, mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec), out_specs=P())

@@ -119,7 +119,7 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None = None):
+def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None = None, moe_kernel: str = "xla"):
     """The jitted (weights, state, buffer, shape, image_features) -> (SampleOutput, state); one per (model,
     backend, mesh) per process, so every engine in a process shares its compiled executables. The DeviceState (pool
     and future tokens) is donated. `compiles(fn)` counts the executables it got (tests, benchmarks).
@@ -127,10 +127,9 @@ def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None
     With a mesh (tensor parallelism, engine/mesh.py) attention runs under shard_map over the heads, the logits are
     gathered to every device before the sampler (which runs replicated), and the state keeps its sharding."""
     attend = get_backend(attention)
-    experts_fn = None
     if mesh is not None:
         attend = tp.sharded_attention(attend, mesh)
-        experts_fn = tp.sharded_experts(mesh, cfg) if cfg.is_moe else None
+    experts_fn = tp.experts_for(cfg, mesh, moe_kernel)
 
     def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None):
         batch, rows, image_rows, mask_words = unpack(buffer, shape)
@@ -174,10 +173,11 @@ def compiles(fn) -> int:
 class Runner:
     def __init__(self, cfg: ModelConfig, weights: Weights, *, num_pages: int, page_size: int, max_context: int,
                  attention: str, max_top_logprobs: int = 20, coarse: bool | None = None, max_reqs: int = 64,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, moe_kernel: str = "xla"):
         """`mesh`: tensor parallelism (engine/mesh.py); then cfg is the sharded model's (mesh.tp_config) and the
         weights are placed (mesh.place_weights), stacked."""
         self.cfg, self.page_size, self.attention, self.mesh = cfg, page_size, attention, mesh
+        self.moe_kernel = moe_kernel  # a mixture of experts' grouped matmuls (model/moe.experts): xla | pallas
         self.platform = jax.devices()[0].platform
         coarse = self.platform != "cpu" if coarse is None else coarse
         self.buckets = Buckets(coarse=coarse, max_reqs=max_reqs, max_top_logprobs=max_top_logprobs)
@@ -197,7 +197,7 @@ class Runner:
         self.multiprocess = mesh is not None and not all(d.process_index == jax.process_index()
                                                          for d in mesh.devices.flat)
         self.reset_pool()
-        self.step = jitted_step(cfg, attention, mesh)
+        self.step = jitted_step(cfg, attention, mesh, moe_kernel)
         self.shapes_seen: set[StepShape] = set()
 
     def reset_pool(self) -> None:
@@ -249,7 +249,7 @@ class Runner:
         if self.leader is not None:
             self.leader.readout(READOUTS.index(kind), prompts)
         return readout(self.cfg, self.weights, self.attention, self.page_size, prompts, kind, self.mesh,
-                       self._to_device)
+                       self._to_device, self.moe_kernel)
 
     def release(self) -> None:
         """Drop the device state (shutdown): the pool's memory goes back to the device."""

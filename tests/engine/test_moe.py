@@ -11,6 +11,7 @@ import pytest
 from sgjax.engine import mesh as tp
 from sgjax.engine.engine import Engine
 from sgjax.model.loader import load_hf_dir
+from sgjax.model.moe import _pallas_fits, default_kernel
 from sgjax.server.metrics import Metrics
 from tests.model.hf_tiny import MOE_VARIANTS, hf_logits, write_tiny
 
@@ -45,11 +46,17 @@ def _run(engine):
     return first + rest
 
 
-@pytest.mark.parametrize("name", MOE_VARIANTS)
-def test_greedy_matches_hf(checkpoints, name):
+@pytest.mark.parametrize("name,moe_kernel", [(name, None) for name in MOE_VARIANTS] + [("qwen3-moe", "pallas")])
+def test_greedy_matches_hf(checkpoints, name, moe_kernel):
+    """moe_kernel "pallas": the grouped-matmul kernel (kernels/grouped_matmul_gpu.py; interpret mode on the CPU,
+    compiled where the tests run on a GPU, whose default it is)."""
     hf, cfg, weights = checkpoints[name]
-    with Engine.from_weights(cfg, weights, None, **ENGINE) as engine:
+    with Engine.from_weights(cfg, weights, None, **ENGINE, moe_kernel=moe_kernel) as engine:
         outs = _run(engine)
+        assert engine.get_server_info()["moe_kernel"] == (moe_kernel or default_kernel(jax.default_backend()))
+    if moe_kernel == "pallas":  # the kernel, not the ragged_dot fallback for block sizes that do not divide
+        layers = weights.layers
+        assert _pallas_fits(np.zeros((16, cfg.hidden_size), np.float32), layers.we_gate[0], layers.we_down[0])
     assert outs[1]["meta_info"]["cached_tokens"] >= 32  # the second round's first prompt hit the cache
     for prompt, out in zip([LONG] + ROUND2, outs):
         assert out["output_ids"] == _hf_greedy(hf, prompt)
