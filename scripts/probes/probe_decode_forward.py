@@ -2,8 +2,11 @@
 that fills --pages pages of 16 but the last 20 slots (264 tokens at most), per `ref` attention strategy: what the
 attention strategy costs inside the scanned layer loop, where the one-layer probe (probe_cpu_attention.py) cannot
 see the loop's own costs. Prints the median and best of --repeats calls per strategy (the pool donated).
+--weight-dtype runs each strategy once per matrices' dtype (config.weight_dtype: bf16 matrices under float32
+activations), with the logits' largest difference from the first's.
 
     python scripts/probes/probe_decode_forward.py --pages 32 --strategies gather paged
+    python scripts/probes/probe_decode_forward.py --strategies paged --weight-dtype float32 bfloat16
 """
 
 import argparse
@@ -20,6 +23,7 @@ from sgjax.kernels import allocate_pool, ref
 from sgjax.kernels.metadata import AttentionMetadata
 from sgjax.model import llama
 from sgjax.model.batch import StepBatch
+from sgjax.model.weights import unstack_layers, with_weight_dtype
 
 PAGE = 16
 
@@ -30,8 +34,12 @@ def main():
     ap.add_argument("--pages", type=int, default=32, help="pages per request of the step's bucket")
     ap.add_argument("--strategies", nargs="+", default=["gather", "paged"])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--weight-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--layers", nargs="+", default=["scan"], choices=["scan", "unrolled"],
+                    help="the layer loop (model/weights.layer_loop_for): scanned stacked weights or unrolled")
     args = ap.parse_args()
-    cfg, weights = load_model_cached(None, default_dtype(ServerArgs()))
+    base_cfg, base_weights = load_model_cached(None, default_dtype(ServerArgs()))
+    cfg = base_cfg
     b, p = args.rows, args.pages
     ctx = min(264, p * PAGE - 20)
     pool = allocate_pool(cfg.num_layers, b * p + 1, PAGE, cfg.num_kv_heads, cfg.head_dim)
@@ -42,13 +50,20 @@ def main():
                       attn=AttentionMetadata(slot_mapping=jnp.asarray(slots.astype(np.int32)),
                                              cu_q_lens=jnp.arange(b + 1, dtype=jnp.int32),
                                              kv_lens=jnp.full((b,), ctx, jnp.int32), page_table=jnp.asarray(table)))
-    for strategy in args.strategies:
+    first = None
+    for strategy, weight_dtype, layers in [(s, d, lp) for s in args.strategies for d in args.weight_dtype
+                                           for lp in args.layers]:
+        cfg, weights = with_weight_dtype(base_cfg, base_weights, weight_dtype)
+        weights = unstack_layers(weights) if layers == "unrolled" else weights
         attention = functools.partial(ref.ref_attention, strategy=strategy)
         step = jax.jit(lambda w, pool, batch, attention=attention: llama.forward(w, pool, batch, cfg=cfg,
                                                                                   attention=attention),
                        donate_argnums=1)
+        t0 = time.perf_counter()
         logits, pool = step(weights, pool, batch)
-        logits.block_until_ready()
+        compile_s = time.perf_counter() - t0
+        first = np.asarray(logits) if first is None else first
+        diff = float(np.abs(np.asarray(logits) - first).max())
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
@@ -56,8 +71,9 @@ def main():
             logits.block_until_ready()
             times.append(time.perf_counter() - t0)
         times.sort()
-        print(f"{strategy:8s} rows {b} pages {p} context {ctx}: median {1e3 * times[len(times) // 2]:.1f} ms, "
-              f"best {1e3 * times[0]:.1f} ms", flush=True)
+        print(f"{strategy:8s} {weight_dtype:8s} {layers:8s} (first call {compile_s:.1f} s) rows {b} pages {p} context {ctx}: median "
+              f"{1e3 * times[len(times) // 2]:.1f} ms, best {1e3 * times[0]:.1f} ms, max |logits - first's| "
+              f"{diff:.3g}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ import jax
 
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.images import ImageEncoder
-from sgjax.engine.loading import VISION, check_args, default_dtype, load_model_cached, pool_pages
+from sgjax.engine.loading import (VISION, check_args, default_dtype, default_weight_dtype, load_model_cached,
+                                  pool_pages)
 from sgjax.engine import distributed, mesh as tp
 from sgjax.engine import scoring, sinks
 from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
@@ -39,7 +40,7 @@ from sgjax.model import chat_templates
 from sgjax.model.config import ModelConfig
 from sgjax.model.moe import default_kernel as default_moe_kernel
 from sgjax.model.tokenizer import Tokenizer, load_tokenizer
-from sgjax.model.weights import Weights
+from sgjax.model.weights import Weights, with_weight_dtype
 
 log = logging.getLogger("sgjax.engine")
 
@@ -56,7 +57,8 @@ class Engine:
         check_args(args, dtype)
         mesh = tp.make_mesh(args.tp_size)  # before loading: a tp_size the host cannot give fails at once
         cfg, weights = load_model_cached(args.model_path, dtype, args.load_format,
-                                         mesh=mesh if args.tp_size > 1 else None, ep_size=args.ep_size)
+                                         mesh=mesh if args.tp_size > 1 else None, ep_size=args.ep_size,
+                                         weight_dtype=default_weight_dtype(args, dtype))
         tokenizer = None
         if not args.skip_tokenizer_init:
             tokenizer = chat_templates.with_template(load_tokenizer(args.tokenizer_path or args.model_path),
@@ -68,6 +70,8 @@ class Engine:
         """An engine over weights already in memory (dummy weights for benchmarks, tiny models in tests).
         Without a tokenizer the engine takes input_ids and returns output_ids only (skip_tokenizer_init)."""
         args = ServerArgs.from_kwargs(None, {**kwargs, "skip_tokenizer_init": tokenizer is None})
+        if args.weight_dtype != "auto":  # auto: the weights as given
+            cfg, weights = with_weight_dtype(cfg, weights, default_weight_dtype(args, cfg.dtype))
         engine = cls.__new__(cls)
         engine._start(args, cfg, weights, tokenizer)
         return engine
@@ -444,7 +448,8 @@ class Engine:
         return {
             "model_path": self.args.model_path, "page_size": self.args.page_size,
             "max_total_tokens": self.max_total_tokens, "context_length": self.context_length,
-            "attention_backend": self.runner.attention, **self.scheduler.report(),
+            "attention_backend": self.runner.attention, "dtype": self.runner.cfg.dtype,
+            "weight_dtype": self.runner.cfg.weight_dtype or self.runner.cfg.dtype, **self.scheduler.report(),
             **({"moe_kernel": self.runner.moe_kernel} if self.runner.cfg.is_moe else {}),
             "step_seconds": self._step_seconds, "detokenize_seconds": self.outputs.detokenize_seconds,
             "compiled_shapes": len(self.runner.shapes_seen),

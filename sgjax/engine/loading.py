@@ -11,7 +11,7 @@ import jax
 from sgjax.model.config import ModelConfig, config_from_hf_dir
 from sgjax.model.loader import load_model
 from sgjax.model.vision import load_llava_dir
-from sgjax.model.weights import dummy_weights
+from sgjax.model.weights import dummy_weights, with_weight_dtype
 
 if TYPE_CHECKING:
     from sgjax.engine.args import ServerArgs
@@ -32,6 +32,15 @@ def default_dtype(args: ServerArgs) -> str:
     return dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
 
 
+def default_weight_dtype(args: ServerArgs, model_dtype: str) -> str:
+    """--weight-dtype resolved: auto is the model's dtype. bfloat16 under a float32 model is opt-in: on a CPU with
+    AVX512-BF16 it took batch-16 decode from 1.7x to 2.4x HF's, but its unrolled layers cost 3-4 s of compilation
+    (or of loading from the persistent cache) per step shape, which doubled `make run` (docs/engine.md)."""
+    if args.weight_dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"weight_dtype must be auto, float32 or bfloat16, got {args.weight_dtype!r}")
+    return model_dtype if args.weight_dtype == "auto" else args.weight_dtype
+
+
 def check_args(args: ServerArgs, model_dtype: str) -> None:
     """The settings that name something sgjax does not have: a one-line error naming the setting, before loading."""
     if args.load_format not in ("auto", "dummy"):
@@ -44,12 +53,21 @@ def check_args(args: ServerArgs, model_dtype: str) -> None:
                          f"schemas with its own compressed FSM (grammar_backend 'sgjax', or 'none' to refuse them)")
 
 
-def load_model_cached(path, dtype, load_format="auto", mesh=None, ep_size=1):
+def load_model_cached(path, dtype, load_format="auto", mesh=None, ep_size=1, weight_dtype=None):
     """Weights are immutable arrays: engines in one process (tests, ablation sweeps) share one copy. With a mesh
     (tensor parallelism) they are placed on it as they are made: dummy weights generated sharded, a GGUF or HF
     checkpoint read into host memory and each device given its slice (engine/mesh.py), so no device holds the whole
-    model. LLaVA and orbax checkpoints load onto the default device and are placed by the engine."""
+    model. LLaVA and orbax checkpoints load onto the default device and are placed by the engine. `weight_dtype`
+    (None: the model's) casts the matrices (model/weights.with_weight_dtype); only the cast copy is kept then."""
     key = (path, dtype, load_format) if mesh is None else (path, dtype, load_format, mesh, ep_size)
+    if weight_dtype not in (None, dtype):
+        wkey = key + ("weight_dtype", weight_dtype)
+        if wkey not in MODELS:
+            had = key in MODELS
+            MODELS[wkey] = with_weight_dtype(*load_model_cached(path, dtype, load_format, mesh, ep_size), weight_dtype)
+            if not had:
+                del MODELS[key]
+        return MODELS[wkey]
     if key not in MODELS:
         if load_format == "dummy":
             if path is None or not os.path.isdir(path):

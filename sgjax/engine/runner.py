@@ -181,11 +181,11 @@ class Runner:
         self.platform = jax.devices()[0].platform
         coarse = self.platform != "cpu" if coarse is None else coarse
         self.buckets = Buckets(coarse=coarse, max_reqs=max_reqs, max_top_logprobs=max_top_logprobs)
-        if mesh is not None and layer_loop_for(self.platform) == "unrolled":
+        if mesh is not None and layer_loop_for(self.platform, cfg) == "unrolled":
             self.weights = tp.unstack_placed(weights, mesh, shard_vocab=_vocab_sharded(weights),
                                              expert_parallel=cfg.expert_parallel)
         else:
-            self.weights = for_platform(weights, self.platform)
+            self.weights = for_platform(weights, self.platform, cfg)
         self.max_pages = -(-max_context // page_size)
         self.max_top_logprobs = max_top_logprobs
         self.num_pages = num_pages

@@ -42,6 +42,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     dtype: str = "float32"  # parameter and activation dtype: float32 | bfloat16
+    # The matrices' dtype when it is not `dtype`'s (weights.MATMUL_LEAVES): "bfloat16" under float32 activations
+    # runs each dot as bf16 x bf16 with float32 accumulation and keeps the rest (norms, attention, residual,
+    # sampler) in float32; a run setting (engine/loading.py), not the checkpoint's.
+    weight_dtype: str | None = None
     # The few blocks a family changes (their defaults are Llama's).
     qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's q and k before RoPE
     sandwich_norms: bool = False  # Gemma 2/3: the attention and MLP outputs are normed too, before the residual
@@ -71,6 +75,8 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.weight_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"weight_dtype must be float32 or bfloat16, got {self.weight_dtype!r}")
         if self.rope_scaling.kind not in ("default", "linear", "llama3"):
             raise UnsupportedModelError(f"rope scaling {self.rope_scaling.kind!r} is not supported")
         if self.activation not in ("silu", "gelu_tanh"):

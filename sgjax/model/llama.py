@@ -54,6 +54,14 @@ def apply_rope(x, positions, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def dot(h, w):
+    """h @ w in h's dtype; a matrix of another dtype (config.weight_dtype: bf16 under float32 activations) takes h in
+    its dtype, with float32 accumulation."""
+    if w.dtype == h.dtype:
+        return h @ w
+    return jnp.dot(h.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(h.dtype)
+
+
 def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, experts_fn=None):
     """One transformer block on the ragged rows; writes its K/V into the pool at `layer` = (index, window, inv_freq):
     the layer's index, sliding window (0: none) and RoPE frequencies (Gemma 3's local and global layers differ).
@@ -62,7 +70,7 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
     num_rows = x.shape[0]
     with jax.named_scope("qkv"):
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        q, k, v = h @ w.wq, h @ w.wk, h @ w.wv
+        q, k, v = dot(h, w.wq), dot(h, w.wk), dot(h, w.wv)
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         if cfg.qk_norm and not cfg.qk_norm_per_head:  # OLMoE: over the whole projections
@@ -81,7 +89,7 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
         if cfg.attn_softcap:
             extra["softcap"] = cfg.attn_softcap
         attn, pool = attention(q, k, v, pool, index, batch.attn, sm_scale=cfg.sm_scale, **extra)
-        out = attn.reshape(num_rows, cfg.q_size).astype(x.dtype) @ w.wo
+        out = dot(attn.reshape(num_rows, cfg.q_size).astype(x.dtype), w.wo)
         if cfg.sandwich_norms:
             out = rms_norm(out, w.post_attn_norm, cfg.rms_norm_eps)
         x = x + out
@@ -93,7 +101,7 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
             out, counts = moe_mlp(h, w, cfg, valid, experts_fn)
         else:
             act = jax.nn.silu if cfg.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-            out = (act(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
+            out = dot(act(dot(h, w.w_gate)) * dot(h, w.w_up), w.w_down)
         if cfg.sandwich_norms:
             out = rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps)
         return (x + out, pool), counts
@@ -174,9 +182,10 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"
         if output == "hidden":
             return x.astype(jnp.float32), pool, stats
         if weights.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
-            logits = jnp.einsum("bd,vd->bv", x, weights.embed, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("bd,vd->bv", x.astype(weights.embed.dtype), weights.embed,
+                                preferred_element_type=jnp.float32)
         else:
-            logits = jnp.dot(x, weights.lm_head, preferred_element_type=jnp.float32)
+            logits = jnp.dot(x.astype(weights.lm_head.dtype), weights.lm_head, preferred_element_type=jnp.float32)
         if cfg.final_softcap:
             logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return logits, pool, stats

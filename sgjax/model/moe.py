@@ -53,7 +53,7 @@ def experts(h, top_w, top_i, w_gate, w_up, w_down, *, first=0, activation: str =
     token_of = order // k
     sizes = jnp.bincount(local, length=here + 1)[:here].astype(jnp.int32)
     with jax.named_scope("experts"):
-        xs = h[token_of]
+        xs = h[token_of].astype(w_gate.dtype)  # bf16 experts under float32 activations (config.weight_dtype)
         if kernel == "pallas" and _pallas_fits(xs, w_gate, w_down):
             from sgjax.kernels import grouped_matmul_gpu as gmm
 
@@ -64,7 +64,7 @@ def experts(h, top_w, top_i, w_gate, w_up, w_down, *, first=0, activation: str =
             act = jax.nn.silu if activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
             gate = jax.lax.ragged_dot(xs, w_gate, sizes, preferred_element_type=jnp.float32)
             up = jax.lax.ragged_dot(xs, w_up, sizes, preferred_element_type=jnp.float32)
-            inner = (act(gate) * up).astype(h.dtype)
+            inner = (act(gate) * up).astype(w_down.dtype)
             ys = jax.lax.ragged_dot(inner, w_down, sizes, preferred_element_type=jnp.float32)
         else:
             raise ValueError(f"moe kernel must be 'xla' or 'pallas', got {kernel!r}")

@@ -137,6 +137,29 @@ LEAVES: tuple[Leaf, ...] = (
     _expert("we_down", _FE, _D, ("expert_mlp", "embed"), "mlp.experts.{e}.down_proj.weight"),
 )
 LEAF = {leaf.name: leaf for leaf in LEAVES}
+# The matrices a dot reads (config.weight_dtype applies to these): every transposed leaf and the embedding (the tied
+# LM head), not the router, whose float32 logits pick the experts.
+MATMUL_LEAVES = frozenset({"embed"} | {leaf.name for leaf in LEAVES if leaf.transposed and leaf.name != "router"})
+
+
+def leaf_dtype(cfg: ModelConfig, name: str):
+    return jnp.dtype(cfg.weight_dtype if cfg.weight_dtype and name in MATMUL_LEAVES else cfg.dtype)
+
+
+def with_weight_dtype(cfg: ModelConfig, weights: Weights, weight_dtype: str | None) -> tuple[ModelConfig, Weights]:
+    """(cfg, weights) with the matrices in weight_dtype (None or the model's dtype: unchanged); numpy leaves (host
+    weights for a mesh) stay numpy. Stacked and unrolled layers alike."""
+    if weight_dtype in (None, cfg.dtype) and cfg.weight_dtype is None:
+        return cfg, weights
+    cfg = cfg.replace(weight_dtype=None if weight_dtype == cfg.dtype else weight_dtype)
+
+    def cast(obj):
+        changes = {f.name: getattr(obj, f.name).astype(leaf_dtype(cfg, f.name)) for f in dataclasses.fields(obj)
+                   if f.name in MATMUL_LEAVES and getattr(obj, f.name) is not None}
+        return dataclasses.replace(obj, **changes)
+
+    layers = tuple(map(cast, weights.layers)) if isinstance(weights.layers, (tuple, list)) else cast(weights.layers)
+    return cfg, dataclasses.replace(cast(weights), layers=layers)
 
 
 def hf_name(cfg: ModelConfig, leaf: Leaf) -> str:
@@ -176,13 +199,17 @@ def unstack_layers(weights: Weights) -> Weights:
     return dataclasses.replace(weights, layers=layers)
 
 
-def layer_loop_for(platform: str) -> str:
-    """'unrolled' on accelerators (weight traffic), 'scan' on CPU (compile time in tests and CI)."""
-    return "scan" if platform == "cpu" else "unrolled"
+def layer_loop_for(platform: str, cfg: ModelConfig | None = None) -> str:
+    """'unrolled' on accelerators (weight traffic), 'scan' on CPU (compile time in tests and CI), but unrolled for
+    bf16 matrices under float32 activations there too: XLA's CPU runs a bf16 dot inside the scan's loop body 4-6x
+    slower than the float32 one (the fast bf16 dot is not used in a while loop; docs/engine.md)."""
+    if platform == "cpu" and not (cfg is not None and cfg.weight_dtype == "bfloat16" and cfg.dtype == "float32"):
+        return "scan"
+    return "unrolled"
 
 
-def for_platform(weights: Weights, platform: str) -> Weights:
-    return unstack_layers(weights) if layer_loop_for(platform) == "unrolled" else weights
+def for_platform(weights: Weights, platform: str, cfg: ModelConfig | None = None) -> Weights:
+    return unstack_layers(weights) if layer_loop_for(platform, cfg) == "unrolled" else weights
 
 
 def shardings(weights: Weights, mesh: jax.sharding.Mesh, rules: Mapping[str, str | None]) -> Weights:
@@ -211,12 +238,12 @@ def assemble(cfg: ModelConfig, arrays: Mapping[str, Any], host: bool = False) ->
     missing = sorted(set(expected) - set(arrays))
     if missing:
         raise ValueError(f"checkpoint is missing tensors for {missing}")
-    dtype = jnp.dtype(cfg.dtype)
     out = {}
     for name, shape in expected.items():
         a = arrays[name]
         if tuple(a.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)}, the config expects {shape}")
+        dtype = leaf_dtype(cfg, name)
         out[name] = np.asarray(a, dtype=dtype) if host else jnp.asarray(a, dtype=dtype)
     layer_names = {f.name for f in dataclasses.fields(LayerWeights)}
     layers = LayerWeights(**{k: v for k, v in out.items() if k in layer_names})

@@ -1,0 +1,88 @@
+"""bf16 matrices under float32 activations (--weight-dtype, model/config.weight_dtype): which leaves are cast, the
+unrolled layer loop they take on the CPU, the tiny model's logprobs against float32, the setting's values, and the
+real SmolLM2's greedy text against its float32 run."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgjax.cli import build_parser, split_args
+from sgjax.engine import loading
+from sgjax.engine.args import ServerArgs
+from sgjax.engine.engine import Engine
+from sgjax.model.config import ModelConfig
+from sgjax.model.weights import MATMUL_LEAVES, LayerWeights, layer_loop_for, unstack_layers, with_weight_dtype
+from tests.conftest import SMALL
+from tests.engine.conftest import tiny_engine
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+def _leaves(weights):
+    top = {f.name: getattr(weights, f.name) for f in dataclasses.fields(weights) if f.name != "layers"}
+    layers = weights.layers if isinstance(weights.layers, LayerWeights) else weights.layers[0]
+    return {**top, **{f.name: getattr(layers, f.name) for f in dataclasses.fields(layers)}}
+
+
+@pytest.mark.parametrize("unrolled", [False, True], ids=["stacked", "unrolled"])
+def test_only_the_matrices_are_cast(tiny, unrolled):
+    cfg, weights, _ = tiny
+    weights = unstack_layers(weights) if unrolled else weights
+    cast_cfg, cast = with_weight_dtype(cfg, weights, "bfloat16")
+    assert cast_cfg.weight_dtype == "bfloat16" and cast_cfg.dtype == "float32"
+    for name, leaf in _leaves(cast).items():
+        if leaf is not None:
+            assert leaf.dtype == (jnp.bfloat16 if name in MATMUL_LEAVES else jnp.float32), name
+    assert {"embed", "wq", "w_down"} <= MATMUL_LEAVES and "attn_norm" not in MATMUL_LEAVES
+    assert "router" not in MATMUL_LEAVES  # the experts' choice stays a float32 dot
+    assert with_weight_dtype(cfg, weights, "float32") == (cfg, weights)  # the model's dtype: unchanged
+    assert layer_loop_for("cpu", cast_cfg) == "unrolled" and layer_loop_for("cpu", cfg) == "scan"
+    with pytest.raises(ValueError, match="weight_dtype"):
+        cfg.replace(weight_dtype="float16")
+
+
+def test_tiny_model_logprobs_close_to_float32(tiny):
+    prompts = [[5, 9, 27, 101, 3], list(range(200, 231))]
+    runs = {}
+    for weight_dtype in ("float32", "bfloat16"):
+        with tiny_engine(tiny, weight_dtype=weight_dtype) as eng:
+            outs = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+            info = eng.get_server_info()
+            unrolled = isinstance(eng.runner.weights.layers, tuple)
+        assert info["weight_dtype"] == weight_dtype and info["dtype"] == "float32"
+        assert unrolled == (weight_dtype == "bfloat16")  # the CPU's bf16 dots are fast only outside a scan
+        runs[weight_dtype] = outs
+    for a, b in zip(runs["float32"], runs["bfloat16"]):
+        # the first token comes from the same prompt in both runs: its logprob differs by bf16 rounding only
+        first_a, first_b = a["meta_info"]["output_token_logprobs"][0], b["meta_info"]["output_token_logprobs"][0]
+        if first_a[1] == first_b[1]:
+            assert abs(first_a[0] - first_b[0]) < 0.05
+        assert sum(x == y for x, y in zip(a["output_ids"], b["output_ids"])) >= 4
+
+
+def test_auto_is_the_models_dtype_and_the_setting_is_checked(tiny):
+    assert loading.default_weight_dtype(ServerArgs(), "float32") == "float32"
+    assert loading.default_weight_dtype(ServerArgs(), "bfloat16") == "bfloat16"
+    assert loading.default_weight_dtype(ServerArgs(weight_dtype="bfloat16"), "float32") == "bfloat16"
+    with pytest.raises(ValueError, match="weight_dtype"):
+        loading.default_weight_dtype(ServerArgs(weight_dtype="int8"), "float32")
+    args, _ = split_args(build_parser().parse_args(["serve", "--weight-dtype", "bfloat16"]))
+    assert args.weight_dtype == "bfloat16"
+    cfg, weights, _ = tiny
+    cast_cfg, cast = with_weight_dtype(cfg, weights, "bfloat16")
+    with Engine.from_weights(cast_cfg, cast, None, **SMALL) as eng:  # auto: the weights as given
+        assert eng.get_server_info()["weight_dtype"] == "bfloat16"
+
+
+def test_real_smollm2_bf16_greedy_text_equals_float32(smollm2, smollm2_tokenizer):
+    cfg, weights, tok = smollm2
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = {"max_new_tokens": 16, "temperature": 0.0}
+    texts = {}
+    for weight_dtype in ("float32", "bfloat16"):
+        with Engine.from_weights(cfg, weights, tok, **{**SMALL, "weight_dtype": weight_dtype}) as eng:
+            texts[weight_dtype] = [o["text"] for o in eng.generate(prompts, sampling_params=params)]
+    assert texts["bfloat16"] == texts["float32"]
+    assert isinstance(cfg, ModelConfig) and np.asarray(weights.embed).dtype == np.float32  # the shared copy kept
