@@ -10,6 +10,7 @@ activations), with the logits' largest difference from the first's.
 """
 
 import argparse
+import dataclasses
 import functools
 import time
 
@@ -35,8 +36,9 @@ def main():
     ap.add_argument("--strategies", nargs="+", default=["gather", "paged"])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--weight-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
-    ap.add_argument("--layers", nargs="+", default=["scan"], choices=["scan", "unrolled"],
-                    help="the layer loop (model/weights.layer_loop_for): scanned stacked weights or unrolled")
+    ap.add_argument("--layers", nargs="+", default=["scan"], choices=["scan", "unrolled", "calls"],
+                    help="the layer loop: scanned stacked weights, unrolled (model/weights.layer_loop_for), or "
+                         "calls: L host calls of one jitted layer (a candidate; not in the engine)")
     args = ap.parse_args()
     base_cfg, base_weights = load_model_cached(None, default_dtype(ServerArgs()))
     cfg = base_cfg
@@ -54,11 +56,13 @@ def main():
     for strategy, weight_dtype, layers in [(s, d, lp) for s in args.strategies for d in args.weight_dtype
                                            for lp in args.layers]:
         cfg, weights = with_weight_dtype(base_cfg, base_weights, weight_dtype)
-        weights = unstack_layers(weights) if layers == "unrolled" else weights
+        weights = unstack_layers(weights) if layers != "scan" else weights
         attention = functools.partial(ref.ref_attention, strategy=strategy)
-        step = jax.jit(lambda w, pool, batch, attention=attention: llama.forward(w, pool, batch, cfg=cfg,
-                                                                                  attention=attention),
-                       donate_argnums=1)
+        if layers == "calls":
+            step = _layer_calls(cfg, attention)
+        else:
+            step = jax.jit(lambda w, pool, batch, attention=attention, cfg=cfg: llama.forward(
+                w, pool, batch, cfg=cfg, attention=attention), donate_argnums=1)
         t0 = time.perf_counter()
         logits, pool = step(weights, pool, batch)
         compile_s = time.perf_counter() - t0
@@ -74,6 +78,36 @@ def main():
         print(f"{strategy:8s} {weight_dtype:8s} {layers:8s} (first call {compile_s:.1f} s) rows {b} pages {p} context {ctx}: median "
               f"{1e3 * times[len(times) // 2]:.1f} ms, best {1e3 * times[0]:.1f} ms, max |logits - first's| "
               f"{diff:.3g}", flush=True)
+
+
+def _layer_calls(cfg, attention):
+    """The forward as host calls: an embedding program, one jitted layer called L times (its weights whole
+    buffers, the pool donated), the final norm and LM head. One layer's program compiles once per shape."""
+    rope = llama.layer_rope(cfg)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def layer(x, pool, w, i, inv, batch):
+        with llama.matmul_precision(cfg.dtype):
+            (x, pool), _ = llama._block(x, pool, w, (i, 0, inv), batch, cfg, attention)
+        return x, pool
+
+    @jax.jit
+    def head(x, weights, batch):
+        with llama.matmul_precision(cfg.dtype):
+            x = llama.rms_norm(x[batch.logits_idx], weights.final_norm, cfg.rms_norm_eps)
+            return jnp.einsum("bd,vd->bv", x.astype(weights.embed.dtype), weights.embed,
+                              preferred_element_type=jnp.float32)
+
+    embed = jax.jit(lambda table, ids: table[ids].astype(jnp.dtype(cfg.dtype)))
+
+    def step(weights, pool, batch):
+        x = embed(weights.embed, batch.input_ids)
+        for i, w in enumerate(weights.layers):
+            x, pool = layer(x, pool, w, jnp.int32(i), jnp.asarray(rope[i]), batch)
+        top = dataclasses.replace(weights, layers=())
+        return head(x, top, batch), pool
+
+    return step
 
 
 if __name__ == "__main__":
