@@ -111,14 +111,17 @@ def _kernel(tiles_ref, x_ref, *refs, block_m, block_n, block_k, k_dim, activatio
     plgpu.store(o_ref.at[rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
-def _call(x, weights, sizes, *, activation, out_dtype, interpret, config):
+def _call(x, weights, sizes, *, activation, out_dtype, interpret, config, tiles):
     num_rows, k_dim = x.shape
     num_groups, _, n_dim = weights[0].shape
     cfg = default_config(num_rows, num_groups, x.dtype)
     cfg = fit(dict(cfg, **(config or {})), k_dim, n_dim)
     if not supported(k_dim, n_dim, cfg):
         raise ValueError(f"block_k {cfg['block_k']} / block_n {cfg['block_n']} must divide K {k_dim} / N {n_dim}")
-    tiles = tile_table(sizes, num_rows, cfg["block_m"])
+    if tiles is None:
+        tiles = tile_table(sizes, num_rows, cfg["block_m"])
+    elif tiles.shape[0] != -(-num_rows // cfg["block_m"]) + min(num_groups, num_rows):
+        raise ValueError(f"tiles were cut for another block_m than {cfg['block_m']}")
     kernel = functools.partial(_kernel, block_m=cfg["block_m"], block_n=cfg["block_n"], block_k=cfg["block_k"],
                                k_dim=k_dim, activation=activation)
     return pl.pallas_call(
@@ -131,14 +134,17 @@ def _call(x, weights, sizes, *, activation, out_dtype, interpret, config):
     )(tiles, x, *(w.reshape(num_groups * k_dim, n_dim) for w in weights))
 
 
-def grouped_matmul(x, w, sizes, *, out_dtype=None, interpret: bool = False, config: dict | None = None):
+def grouped_matmul(x, w, sizes, *, out_dtype=None, interpret: bool = False, config: dict | None = None,
+                   tiles=None):
     """ragged_dot(x [M, K], w [E, K, N], sizes i32[E]) -> [M, N] in out_dtype (x's by default), f32-accumulated;
-    rows past sum(sizes) are unwritten."""
-    return _call(x, [w], sizes, activation=None, out_dtype=out_dtype, interpret=interpret, config=config)
+    rows past sum(sizes) are unwritten. `tiles`: tile_table(sizes, M, block_m) when the caller has it already
+    (an MoE layer's two kernels share it)."""
+    return _call(x, [w], sizes, activation=None, out_dtype=out_dtype, interpret=interpret, config=config,
+                 tiles=tiles)
 
 
 def gate_up(x, w_gate, w_up, sizes, *, activation: str = "silu", interpret: bool = False,
-            config: dict | None = None):
+            config: dict | None = None, tiles=None):
     """act(x @ w_gate[g]) * (x @ w_up[g]) per group, [M, F] in x's dtype; rows past sum(sizes) are unwritten."""
     return _call(x, [w_gate, w_up], sizes, activation=activation, out_dtype=None, interpret=interpret,
-                 config=config)
+                 config=config, tiles=tiles)

@@ -77,10 +77,8 @@ def main():
             for label, config in variants:
                 if config and not (gmm.supported(d, f, config) and gmm.supported(f, d, config)):
                     continue
-                if label == "pallas" and config is not None:
-                    fn = functools.partial(_pallas_experts, config=config, interpret=small)
-                else:
-                    fn = functools.partial(moe.experts, kernel="xla" if label == "ragged_dot" else "pallas")
+                fn = functools.partial(moe.experts, kernel="xla" if label == "ragged_dot" else "pallas",
+                                       kernel_config=config)
                 call = jax.jit(fn)
                 try:
                     y = np.asarray(call(h, top_w, top_i, w_gate, w_up, w_down), np.float32)
@@ -105,22 +103,6 @@ def main():
     with open(args.out, "a") as fh:
         for r in out:
             fh.write(json.dumps(r) + "\n")
-
-
-def _pallas_experts(h, top_w, top_i, w_gate, w_up, w_down, *, config, interpret):
-    """model/moe.experts with the Pallas kernels at one block config (the same for both kernels)."""
-    from sgjax.kernels import grouped_matmul_gpu as gmm
-
-    num_tokens, k = top_i.shape
-    e = w_gate.shape[0]
-    ids = top_i.reshape(-1)
-    order = jnp.argsort(ids, stable=True)
-    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
-    xs = h[order // k]
-    inner = gmm.gate_up(xs, w_gate, w_up, sizes, interpret=interpret, config=config)
-    ys = gmm.grouped_matmul(inner, w_down, sizes, out_dtype=jnp.float32, interpret=interpret, config=config)
-    ys = ys * top_w.reshape(-1)[order].astype(jnp.float32)[:, None]
-    return jnp.zeros((num_tokens, h.shape[1]), jnp.float32).at[order // k].add(ys).astype(h.dtype)
 
 
 if __name__ == "__main__":

@@ -33,12 +33,13 @@ def route(h, router, cfg):
 
 
 def experts(h, top_w, top_i, w_gate, w_up, w_down, *, first=0, activation: str = "silu", out_dtype=None,
-            kernel: str = "xla"):
+            kernel: str = "xla", kernel_config: dict | None = None):
     """sum_k top_w[t, k] * expert_{top_i[t, k]}(h[t]) over the experts held here, f32-accumulated, in h's dtype
     (or out_dtype: float32 for partial sums that a psum adds up).
 
     kernel "xla": jax.lax.ragged_dot; "pallas": kernels/grouped_matmul_gpu (interpret mode off the GPU), which
-    reads only the routed experts' weights, with ragged_dot where its block sizes do not divide the shapes.
+    reads only the routed experts' weights, with ragged_dot where its block sizes do not divide the shapes;
+    kernel_config overrides its block sizes (probes).
 
     h [T, D]; w_gate, w_up [E_here, D, F]; w_down [E_here, F, D] are experts first .. first + E_here - 1. Each
     (token, choice) pair becomes one row; rows are sorted by expert (the pairs routed elsewhere sort last, in a group
@@ -54,12 +55,15 @@ def experts(h, top_w, top_i, w_gate, w_up, w_down, *, first=0, activation: str =
     sizes = jnp.bincount(local, length=here + 1)[:here].astype(jnp.int32)
     with jax.named_scope("experts"):
         xs = h[token_of].astype(w_gate.dtype)  # bf16 experts under float32 activations (config.weight_dtype)
-        if kernel == "pallas" and _pallas_fits(xs, w_gate, w_down):
+        if kernel == "pallas" and _pallas_fits(xs, w_gate, w_down, kernel_config):
             from sgjax.kernels import grouped_matmul_gpu as gmm
 
             interpret = jax.default_backend() not in ("gpu", "cuda")
-            inner = gmm.gate_up(xs, w_gate, w_up, sizes, activation=activation, interpret=interpret)
-            ys = gmm.grouped_matmul(inner, w_down, sizes, out_dtype=jnp.float32, interpret=interpret)
+            block_m = dict(gmm.default_config(xs.shape[0], here, xs.dtype), **(kernel_config or {}))["block_m"]
+            tiles = gmm.tile_table(sizes, xs.shape[0], block_m)  # one table for both kernels
+            run = dict(interpret=interpret, config=kernel_config, tiles=tiles)
+            inner = gmm.gate_up(xs, w_gate, w_up, sizes, activation=activation, **run)
+            ys = gmm.grouped_matmul(inner, w_down, sizes, out_dtype=jnp.float32, **run)
         elif kernel in ("xla", "pallas"):
             act = jax.nn.silu if activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
             gate = jax.lax.ragged_dot(xs, w_gate, sizes, preferred_element_type=jnp.float32)
@@ -74,12 +78,12 @@ def experts(h, top_w, top_i, w_gate, w_up, w_down, *, first=0, activation: str =
     return jnp.zeros((num_tokens, h.shape[1]), jnp.float32).at[token_of].add(ys).astype(out_dtype or h.dtype)
 
 
-def _pallas_fits(xs, w_gate, w_down) -> bool:
+def _pallas_fits(xs, w_gate, w_down, kernel_config=None) -> bool:
     from sgjax.kernels import grouped_matmul_gpu as gmm
 
     (d, f), num_rows, num_groups = w_gate.shape[1:], xs.shape[0], w_gate.shape[0]
-    return (gmm.supported(d, f, gmm.default_config(num_rows, num_groups, xs.dtype))
-            and gmm.supported(f, d, gmm.default_config(num_rows, num_groups, xs.dtype)))
+    config = dict(gmm.default_config(num_rows, num_groups, xs.dtype), **(kernel_config or {}))
+    return gmm.supported(d, f, config) and gmm.supported(f, d, config)
 
 
 def expert_counts(top_i, num_experts: int, valid):

@@ -75,6 +75,10 @@ def test_blocks_shrink_to_small_experts_and_must_divide():
     with pytest.raises(ValueError, match="must divide"):
         gmm.grouped_matmul(jnp.zeros((4, 64)), jnp.zeros((2, 64, 96)), jnp.asarray([2, 2]), interpret=True,
                            config=dict(block_n=64))
+    sizes = jnp.asarray([2, 2])
+    with pytest.raises(ValueError, match="another block_m"):  # a shared tile table must match the kernel's tiles
+        gmm.grouped_matmul(jnp.zeros((40, 64)), jnp.zeros((2, 64, 64)), sizes, interpret=True,
+                           config=dict(block_m=32), tiles=gmm.tile_table(sizes, 40, 16))
 
 
 @pytest.mark.parametrize("first,here", [(0, 6), (2, 3)], ids=["all-experts", "expert-shard"])
