@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +22,8 @@ import jax
 
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.images import ImageEncoder
-from sgjax.engine.loading import (VISION, check_args, default_dtype, default_weight_dtype, load_model_cached,
-                                  pool_pages)
+from sgjax.engine.loading import (VISION, apply_process_settings, check_args, default_dtype, default_weight_dtype,
+                                  load_model_cached, pool_pages)
 from sgjax.engine import distributed, mesh as tp
 from sgjax.engine import scoring, sinks
 from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
@@ -91,14 +90,7 @@ class Engine:
         run_mesh = self.mesh if args.tp_size > 1 else None
         if run_mesh is not None:
             weights = tp.place_weights(tp.ep_config(cfg, args.ep_size), weights, run_mesh)
-        if args.step_buckets not in (None, "fine", "coarse"):
-            raise ValueError(f"step_buckets must be 'fine' or 'coarse', got {args.step_buckets!r}")
-        if args.gil_switch_interval_ms is not None:
-            if not args.gil_switch_interval_ms > 0:
-                raise ValueError(f"gil_switch_interval_ms must be positive or None, got {args.gil_switch_interval_ms}")
-            sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
-        if args.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
+        apply_process_settings(args)
         self.args, self.model_config, self.tokenizer = args, cfg, tokenizer
         self.context_length = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         num_pages = 1 + pool_pages(args, run_cfg, platform)
@@ -448,14 +440,10 @@ class Engine:
         return {
             "model_path": self.args.model_path, "page_size": self.args.page_size,
             "max_total_tokens": self.max_total_tokens, "context_length": self.context_length,
-            "attention_backend": self.runner.attention, "dtype": self.runner.cfg.dtype,
-            "weight_dtype": self.runner.cfg.weight_dtype or self.runner.cfg.dtype, **self.scheduler.report(),
-            **({"moe_kernel": self.runner.moe_kernel} if self.runner.cfg.is_moe else {}),
+            **self.runner.report(), **self.scheduler.report(),
             "step_seconds": self._step_seconds, "detokenize_seconds": self.outputs.detokenize_seconds,
-            "compiled_shapes": len(self.runner.shapes_seen),
-            "traces": self.runner.traces, "jump_forward_tokens": self.outputs.jumped_tokens,
+            "jump_forward_tokens": self.outputs.jumped_tokens,
             "overlapped_steps": self._overlapped_steps,
             "generated_tokens": self.outputs.sampled_tokens + self.outputs.jumped_tokens,
             "grammar_cache": dataclasses.asdict(self.requests.grammars.stats),
-            **self.runner.expert_report(),
         }

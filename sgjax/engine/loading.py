@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import jax
@@ -39,6 +40,19 @@ def default_weight_dtype(args: ServerArgs, model_dtype: str) -> str:
     if args.weight_dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"weight_dtype must be auto, float32 or bfloat16, got {args.weight_dtype!r}")
     return model_dtype if args.weight_dtype == "auto" else args.weight_dtype
+
+
+def apply_process_settings(args: ServerArgs) -> None:
+    """The settings an engine applies to its process (checked first): the GIL's switch interval and JAX's
+    persistent compilation cache (unless the environment set one); step_buckets is checked here too."""
+    if args.step_buckets not in (None, "fine", "coarse"):
+        raise ValueError(f"step_buckets must be 'fine' or 'coarse', got {args.step_buckets!r}")
+    if args.gil_switch_interval_ms is not None:
+        if not args.gil_switch_interval_ms > 0:
+            raise ValueError(f"gil_switch_interval_ms must be positive or None, got {args.gil_switch_interval_ms}")
+        sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
+    if args.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
 
 
 def check_args(args: ServerArgs, model_dtype: str) -> None:

@@ -213,14 +213,19 @@ class Runner:
         expert_tokens = place(np.zeros((cfg.num_layers, cfg.num_experts), np.int32)) if cfg.is_moe else None
         self.state = DeviceState(pool=pool, future=future, expert_tokens=expert_tokens)
 
-    def expert_report(self) -> dict:
-        """A mixture of experts' routing since the pool was made, for the server info: (token, choice) pairs per
-        layer and expert ({} for a dense model or a lost state). Waits for the steps in flight: the engine asks
-        between steps."""
+    def report(self) -> dict:
+        """The runner's part of the server info: its kernels and dtypes, the shapes it compiled, and a mixture of
+        experts' kernel and routing since the pool was made ((token, choice) pairs per layer and expert; none for a
+        lost state). Waits for the steps in flight: the engine asks between steps."""
+        cfg = self.cfg
+        out = {"attention_backend": self.attention, "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype or cfg.dtype,
+               "compiled_shapes": len(self.shapes_seen), "traces": self.traces}
+        if cfg.is_moe:
+            out["moe_kernel"] = self.moe_kernel
         state = self.state
-        if state is None or state.expert_tokens is None or state.lost():
-            return {}
-        return {"expert_tokens": np.asarray(jax.device_get(_local(state.expert_tokens))).tolist()}
+        if state is not None and state.expert_tokens is not None and not state.lost():
+            out["expert_tokens"] = np.asarray(jax.device_get(_local(state.expert_tokens))).tolist()
+        return out
 
     def _to_device(self, host: np.ndarray):
         """A step input: replicated over the mesh (what the compiled step expects), else on the default device."""
