@@ -212,6 +212,7 @@ class Runner:
         future = place(np.zeros(self.max_reqs, np.int32))
         expert_tokens = place(np.zeros((cfg.num_layers, cfg.num_experts), np.int32)) if cfg.is_moe else None
         self.state = DeviceState(pool=pool, future=future, expert_tokens=expert_tokens)
+        self._expert_base = None  # the warm-up's routing (host), left out of the report
 
     def report(self) -> dict:
         """The runner's part of the server info: its kernels and dtypes, the shapes it compiled, and a mixture of
@@ -224,7 +225,8 @@ class Runner:
             out["moe_kernel"] = self.moe_kernel
         state = self.state
         if state is not None and state.expert_tokens is not None and not state.lost():
-            out["expert_tokens"] = np.asarray(jax.device_get(_local(state.expert_tokens))).tolist()
+            counts = np.asarray(jax.device_get(_local(state.expert_tokens)))
+            out["expert_tokens"] = (counts - (0 if self._expert_base is None else self._expert_base)).tolist()
         return out
 
     def _to_device(self, host: np.ndarray):
@@ -508,6 +510,8 @@ class Runner:
             out = self.run_dummy(shape)
         if out is not None:
             jax.block_until_ready(out)
+        if self.state.expert_tokens is not None:  # the dummy rows routed too: not traffic (the GPU warms, the CPU not)
+            self._expert_base = np.asarray(jax.device_get(_local(self.state.expert_tokens)))
 
     def run_dummy(self, shape: StepShape):
         """One step of `shape` on the dummy buffer (compiles it the first time); returns the sampled tokens."""
