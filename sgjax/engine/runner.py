@@ -67,9 +67,10 @@ class Buckets:
     max_top_logprobs: int
 
     def tokens(self, num_tokens: int) -> int:
-        """T. Fine (CPU) from 4 rows: a CPU step pays for its padded rows' matmuls (one stream's decode,
+        """T. Fine (CPU) from 1 row: a CPU step pays for its padded rows' matmuls, and XLA's CPU runs a one-row
+        float32 product as a matrix-vector kernel at about twice the speed of a 4-row one (one stream's decode,
         docs/engine.md "CPU attention and step sizes")."""
-        return bucket(num_tokens, 16 if self.coarse else 4)
+        return bucket(num_tokens, 16 if self.coarse else 1)
 
     def reqs(self, num_tokens: int, num_reqs: int) -> int:
         if not self.coarse:
@@ -77,8 +78,8 @@ class Buckets:
         return max(min(num_tokens, bucket(self.max_reqs, 4)), bucket(num_reqs, 4))
 
     def logits(self, num_rows: int, num_reqs: int, num_tokens: int) -> int:
-        if not self.coarse:
-            return bucket(max(num_rows, 1), num_reqs)
+        if not self.coarse:  # from 1 row, as T: one stream's LM head is a matrix-vector product too
+            return bucket(max(num_rows, 1), 1)
         return num_reqs if num_rows <= num_reqs else num_tokens
 
     def top(self, wanted: int) -> int:
@@ -433,16 +434,18 @@ class Runner:
         step's most tokens) the shapes without penalties, top logprobs or filters (L = R or T, with and without a
         mask), and L = R with the filters. The rest (K > 0, filters with a mask or L = T) compile at first use:
         the top-K and the filters' sort cost too much to carry in every step (docs/bench.md, "H200 (2026-12-02)").
-        Fine: the decode buckets (one token per request) up to the most requests."""
+        Fine: the decode buckets (one token per request: 1, 4, 8, ... requests) up to the most requests."""
         width = self._width(self.max_pages)
         b = self.buckets
         if not b.coarse:
-            out, r = [], 4
+            out, r = [], 1
             while True:
-                out.append(StepShape(BatchShape(b.tokens(r), r, width, r), 0, 0))
+                t = b.tokens(r)
+                reqs = b.reqs(t, r)
+                out.append(StepShape(BatchShape(t, reqs, width, b.logits(r, reqs, t)), 0, 0))
                 if r >= b.max_reqs:
                     return out
-                r *= 2
+                r = 4 if r == 1 else 2 * r
         words = -(-self.cfg.vocab_size // 32)
         out = []
         for t in b.tokens_ladder(max_tokens):
