@@ -1,6 +1,7 @@
 """Attention backends over the paged KV pool (installed as `sgjax.kernels`).
 
-Every backend has the signature
+Backends: `ref` (pure jnp, exact, everywhere), `cpu` (kernels/cpu_attention.cc through XLA's FFI, the CPU's
+default when it builds), `pallas` (GPU and TPU kernels). Every backend has the signature
     attend(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale) -> (out, pool)
 with q [T, Hq, D], k/v [T, Hkv, D] of the new tokens; it writes k/v into the pool and attends each
 row to its request's cached and new tokens, causally.
@@ -30,6 +31,7 @@ def _hand_the_name_over() -> None:
 if __name__ == "kernels":
     _hand_the_name_over()
 
+from sgjax.kernels.cpu import cpu_attention  # noqa: E402
 from sgjax.kernels.kv_pool import allocate_pool, pool_shape  # noqa: E402
 from sgjax.kernels.metadata import AttentionMetadata  # noqa: E402
 from sgjax.kernels.pallas import default_backend, pallas_attention  # noqa: E402
@@ -37,7 +39,7 @@ from sgjax.kernels.ref import ref_attention  # noqa: E402
 
 import functools  # noqa: E402
 
-BACKENDS = {"ref": ref_attention, "pallas": pallas_attention,
+BACKENDS = {"ref": ref_attention, "pallas": pallas_attention, "cpu": cpu_attention,
             # the pallas backend with its prefill kernel pinned (kernels/pallas_gpu.py): "auto" is mgpu on Hopper
             "pallas:triton": functools.partial(pallas_attention, prefill_kernel="triton"),
             "pallas:mgpu": functools.partial(pallas_attention, prefill_kernel="mgpu")}
@@ -50,5 +52,5 @@ def get_backend(name: str):
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}") from None
 
 
-__all__ = ["AttentionMetadata", "BACKENDS", "allocate_pool", "default_backend", "get_backend", "pallas_attention",
-           "pool_shape", "ref_attention"]
+__all__ = ["AttentionMetadata", "BACKENDS", "allocate_pool", "cpu_attention", "default_backend", "get_backend",
+           "pallas_attention", "pool_shape", "ref_attention"]

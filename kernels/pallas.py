@@ -2,7 +2,8 @@
 
 Chosen when the step is traced, from the default backend: the Triton kernel (pallas_gpu) on CUDA,
 jax's ragged paged attention (pallas_tpu) on TPU. On CPU it runs the GPU kernel in interpret mode,
-which is exact but slow: meant for tests, while CPU serving uses `ref` (see default_backend).
+which is exact but slow: meant for tests, while CPU serving uses `cpu` (kernels/cpu.py) or `ref` (see
+default_backend).
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from sgjax.kernels.metadata import AttentionMetadata
 def default_backend(platform: str | None = None) -> str:
     """The attention backend the runner should use on `platform` ("cpu", "gpu"/"cuda", "tpu")."""
     platform = platform or jax.default_backend()
-    return "pallas" if platform in ("gpu", "cuda", "tpu") else "ref"
+    if platform in ("gpu", "cuda", "tpu"):
+        return "pallas"
+    from sgjax.kernels.cpu import available  # the native kernel, where it builds (kernels/cpu.py)
+
+    return "cpu" if available() else "ref"
 
 
 def pallas_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float, platform: str | None = None,

@@ -37,7 +37,7 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0  # scales the admission reserve for future tokens; 0: admit greedily
     disable_radix_cache: bool = False
     cache: str = "radix"  # radix | table (the "no tree" ablation) | none
-    attention_backend: str | None = None  # ref | pallas; default by platform
+    attention_backend: str | None = None  # ref | cpu | pallas; default by platform (kernels/pallas.default_backend)
     context_length: int | None = None
     max_top_logprobs_num: int = 20
     precompile: bool | None = None  # compile the common step shapes at start; default: on accelerators only
@@ -130,8 +130,9 @@ ENGINE_FLAGS = [
     ("disable_radix_cache", dict(action="store_true", help="no prefix reuse (the paper's no-cache ablation)")),
     ("cache", dict(choices=["radix", "table", "none"],
                    help="prefix cache: radix tree, flat table (the no-tree ablation) or none")),
-    ("attention_backend", dict(choices=["ref", "pallas", "pallas:triton", "pallas:mgpu"],
-                               help="attention implementation (default: ref on CPU, pallas on GPU and TPU)")),
+    ("attention_backend", dict(choices=["ref", "cpu", "pallas", "pallas:triton", "pallas:mgpu"],
+                               help="attention implementation (default: cpu, the native kernel, on CPU where it "
+                                    "builds, else ref; pallas on GPU and TPU)")),
     ("moe_kernel", dict(choices=["xla", "pallas"],
                         help="a mixture of experts' grouped matmuls: xla (ragged_dot) or pallas (the Triton "
                              "kernel; default on CUDA GPUs)")),

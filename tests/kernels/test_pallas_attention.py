@@ -110,7 +110,7 @@ def test_block_table_covers_each_row_once():
 
 
 def test_default_backend_and_registry():
-    assert default_backend("cpu") == "ref"
+    assert default_backend("cpu") == "cpu"  # the native kernel (tests/kernels/test_cpu_attention.py)
     assert default_backend("gpu") == "pallas" and default_backend("tpu") == "pallas"
     assert get_backend("pallas") is pallas_attention and BACKENDS["ref"] is ref_attention
 

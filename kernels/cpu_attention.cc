@@ -1,0 +1,472 @@
+// Paged attention for the CPU, called from XLA through its FFI (kernels/cpu.py builds and registers it).
+//
+// Each query row attends to keys [first, seen) of its request's pages in the pool, with an online softmax, one
+// page at a time: no gathered copy of the context and no work past a row's last key (or before its window). Rows
+// go in blocks of up to kBlockRows consecutive rows of one request (a prefill chunk's rows, or one decode row);
+// a block reads each of its pages once, transposed into a [head_dim][page_size] tile so that the scores of a
+// page are one vector per query head. Work items are (block, kv head) pairs, shared with XLA's intra-op threads.
+//
+// Layouts (kernels/kv_pool.py): pool [L, N, page_size, 2 * Hkv, D] with K of head h at 2h and V at 2h + 1;
+// q and out [T, Hq, D] float32, query head h * G + g reads KV head h (G = Hq / Hkv).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlockRows = 16;
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+struct Problem {
+  const float* q;
+  float* out;
+  const int32_t* table;  // [R, P]
+  const int32_t* row_req;
+  const int32_t* row_first;
+  const int32_t* row_seen;
+  int64_t layer, num_pages, page_size, num_kv_heads, group, head_dim, pages_per_req, num_reqs;
+  float sm_scale, softcap;
+};
+
+// sum_i a[i] * b[i]: one vector accumulator, reduced once.
+inline float Dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float out = 0.0f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  out = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  out = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+#endif
+  for (; i < n; ++i) out += a[i] * b[i];
+  return out;
+}
+
+// exp(x[i] - shift) in place, for x[i] <= shift (scores less their maximum); -inf (a masked key) gives 0.
+// Vectorized: Cephes' single-precision polynomial after a Cody-Waite reduction (about 1 ulp); std::exp is a scalar
+// call, a fifth of a decode step's kernel time before.
+#if defined(__AVX512F__)
+inline __m512 ExpVec(__m512 v) {
+  const __m512 c = _mm512_max_ps(v, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), c);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  const __m512 out = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), out);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 ExpVec(__m256 v) {
+  const __m256 c = _mm256_max_ps(v, _mm256_set1_ps(-87.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), c);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  const __m256 out = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(out, _mm256_cmp_ps(v, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+}
+#endif
+
+inline void ExpShifted(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(x + i, ExpVec(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(shift))));
+  }
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), _mm512_set1_ps(shift));
+    _mm512_mask_storeu_ps(x + i, tail, ExpVec(v));
+    i = n;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(x + i, ExpVec(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(shift))));
+  }
+#endif
+  for (; i < n; ++i) x[i] = x[i] == -INFINITY ? 0.0f : std::exp(x[i] - shift);
+}
+
+inline float Sum(const float* x, int64_t n) {
+  float out = 0.0f;
+  for (int64_t i = 0; i < n; ++i) out += x[i];
+  return out;
+}
+
+// Scores of four query vectors against a page's keys, transposed as kt [d][ps]: out [4][ps].
+inline void TileScores(const float* const q[4], const float* kt, int64_t d, int64_t ps, float* out) {
+#if defined(__AVX512F__)
+  if (ps == 16) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < d; ++i) {
+      const __m512 k = _mm512_loadu_ps(kt + i * 16);
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[0][i]), k, a0);
+      a1 = _mm512_fmadd_ps(_mm512_set1_ps(q[1][i]), k, a1);
+      a2 = _mm512_fmadd_ps(_mm512_set1_ps(q[2][i]), k, a2);
+      a3 = _mm512_fmadd_ps(_mm512_set1_ps(q[3][i]), k, a3);
+    }
+    _mm512_storeu_ps(out, a0);
+    _mm512_storeu_ps(out + 16, a1);
+    _mm512_storeu_ps(out + 32, a2);
+    _mm512_storeu_ps(out + 48, a3);
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < 4; ++t) {
+    float* o = out + t * ps;
+    std::fill(o, o + ps, 0.0f);
+    for (int64_t i = 0; i < d; ++i) {
+      const float qi = q[t][i];
+      for (int64_t s = 0; s < ps; ++s) o[s] += qi * kt[i * ps + s];
+    }
+  }
+}
+
+// acc [d] = acc * rescale + sum_s e[s] * v[s * stride .. + d] over the `count` keys of a page.
+inline void AccumulateValues(float* acc, float rescale, const float* e, const float* v, int64_t stride,
+                             int64_t count, int64_t d) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(rescale);
+  for (; i + 64 <= d; i += 64) {
+    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + i), scale);
+    __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 16), scale);
+    __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 32), scale);
+    __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 48), scale);
+    for (int64_t s = 0; s < count; ++s) {
+      const __m512 w = _mm512_set1_ps(e[s]);
+      const float* vs = v + s * stride + i;
+      a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vs), a0);
+      a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vs + 16), a1);
+      a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vs + 32), a2);
+      a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vs + 48), a3);
+    }
+    _mm512_storeu_ps(acc + i, a0);
+    _mm512_storeu_ps(acc + i + 16, a1);
+    _mm512_storeu_ps(acc + i + 32, a2);
+    _mm512_storeu_ps(acc + i + 48, a3);
+  }
+#endif
+  for (; i < d; ++i) {
+    float a = acc[i] * rescale;
+    for (int64_t s = 0; s < count; ++s) a += e[s] * v[s * stride + i];
+    acc[i] = a;
+  }
+}
+
+inline const float* AsFloat(const float* x, int64_t, float*) { return x; }
+inline const float* AsFloat(const uint16_t* x, int64_t n, float* buf) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = ToFloat(x[i]);
+  return buf;
+}
+
+// `count` rows of d values at `stride` apart, as float32: in place for a float32 pool, converted into buf [count, d]
+// (stride d) for bfloat16.
+inline const float* AsFloatRows(const float* x, int64_t, int64_t, int64_t, float*) { return x; }
+inline const float* AsFloatRows(const uint16_t* x, int64_t count, int64_t stride, int64_t d, float* buf) {
+  for (int64_t s = 0; s < count; ++s) {
+    for (int64_t i = 0; i < d; ++i) buf[s * d + i] = ToFloat(x[s * stride + i]);
+  }
+  return buf;
+}
+
+// One row against KV heads [h0, h1) (a decode row, or a block of one): each slot's K and V are read in place,
+// once for all of the row's query heads, and a page's heads are contiguous, so a row that takes every head streams
+// its pages.
+template <typename KV>
+void AttendRow(const Problem& p, const KV* pool, int64_t r, int64_t h0, int64_t h1) {
+  const int64_t ps = p.page_size, d = p.head_dim, g_count = p.group, heads = (h1 - h0) * g_count;
+  const int64_t kv_width = 2 * p.num_kv_heads * d;
+  const int64_t q_stride = p.num_kv_heads * g_count * d;
+  const int64_t first = p.row_first[r];
+  const int64_t seen = std::min<int64_t>(p.row_seen[r], p.pages_per_req * ps);
+  const int64_t req = std::clamp<int64_t>(p.row_req[r], 0, p.num_reqs - 1);
+  thread_local std::vector<float> buf;
+  buf.resize(heads * (d + ps + 3) + d + ps * d);
+  float* acc = buf.data();            // [heads, D]
+  float* sc = acc + heads * d;        // [heads, ps]
+  float* m = sc + heads * ps;         // [heads]
+  float* l = m + heads;               // [heads]
+  float* rescale = l + heads;         // [heads]
+  float* kbuf = rescale + heads;      // a bf16 key in float32
+  float* vbuf = kbuf + d;             // a page's bf16 values of one head in float32, [ps, d]
+  std::fill(acc, acc + heads * d, 0.0f);
+  std::fill(m, m + heads, -INFINITY);
+  std::fill(l, l + heads, 0.0f);
+  const float* q = p.q + r * q_stride + h0 * g_count * d;  // query heads h0 * G .. h1 * G - 1, contiguous
+  for (int64_t page = first / ps; page * ps < seen; ++page) {
+    const int64_t id = std::clamp<int64_t>(p.table[req * p.pages_per_req + page], 0, p.num_pages - 1);
+    const KV* base = pool + ((p.layer * p.num_pages + id) * ps) * kv_width;
+    const int64_t s0 = std::max<int64_t>(first - page * ps, 0), s1 = std::min<int64_t>(seen - page * ps, ps);
+    for (int64_t s = s0; s < s1; ++s) {
+      for (int64_t h = h0; h < h1; ++h) {
+        const float* k = AsFloat(base + s * kv_width + 2 * h * d, d, kbuf);
+        for (int64_t g = 0; g < g_count; ++g) {
+          const int64_t u = (h - h0) * g_count + g;
+          float x = Dot(q + u * d, k, d) * p.sm_scale;
+          if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
+          sc[u * ps + s] = x;
+        }
+      }
+    }
+    for (int64_t u = 0; u < heads; ++u) {
+      float* x = sc + u * ps + s0;
+      float page_max = -INFINITY;
+      for (int64_t s = 0; s < s1 - s0; ++s) page_max = std::max(page_max, x[s]);
+      const float m_new = std::max(m[u], page_max);
+      rescale[u] = std::exp(m[u] - m_new);  // exp(-inf) = 0 before the first key
+      ExpShifted(x, s1 - s0, m_new);
+      l[u] = l[u] * rescale[u] + Sum(x, s1 - s0);
+      m[u] = m_new;
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const KV* v = base + s0 * kv_width + (2 * h + 1) * d;
+      const float* vf = AsFloatRows(v, s1 - s0, kv_width, d, vbuf);
+      const int64_t stride = std::is_same<KV, float>::value ? kv_width : d;
+      for (int64_t g = 0; g < g_count; ++g) {
+        const int64_t u = (h - h0) * g_count + g;
+        AccumulateValues(acc + u * d, rescale[u], sc + u * ps + s0, vf, stride, s1 - s0, d);
+      }
+    }
+  }
+  for (int64_t u = 0; u < heads; ++u) {
+    float* o = p.out + r * q_stride + h0 * g_count * d + u * d;
+    const float inv = l[u] > 0.0f ? 1.0f / l[u] : 0.0f;  // a row that sees nothing (padding) gives zeros
+    for (int64_t i = 0; i < d; ++i) o[i] = acc[u * d + i] * inv;
+  }
+}
+
+// Rows [r0, r1) of one request against KV head h.
+template <typename KV>
+void AttendBlock(const Problem& p, const KV* pool, int64_t r0, int64_t r1, int64_t h) {
+  const int64_t ps = p.page_size, d = p.head_dim, g_count = p.group, rows = r1 - r0;
+  const int64_t kv_width = 2 * p.num_kv_heads * d;  // one slot's K and V of every head
+  const int64_t q_stride = p.num_kv_heads * g_count * d;
+  int64_t lo = INT64_MAX, hi = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    if (p.row_seen[r] > p.row_first[r]) {
+      lo = std::min<int64_t>(lo, p.row_first[r]);
+      hi = std::max<int64_t>(hi, p.row_seen[r]);
+    }
+  }
+  const int64_t units = rows * g_count;  // (row, query head) pairs of this block
+  std::vector<float> acc(units * d, 0.0f), m(units, -INFINITY), l(units, 0.0f);
+  std::vector<float> kt(d * ps), vs(ps * d), sc(4 * ps);
+  std::vector<int64_t> unit(units);
+  const int64_t req = std::clamp<int64_t>(p.row_req[r0], 0, p.num_reqs - 1);
+  hi = std::min<int64_t>(hi, p.pages_per_req * ps);
+  for (int64_t page = (lo == INT64_MAX ? 0 : lo / ps); lo != INT64_MAX && page * ps < hi; ++page) {
+    const int64_t id = std::clamp<int64_t>(p.table[req * p.pages_per_req + page], 0, p.num_pages - 1);
+    const KV* base = pool + ((p.layer * p.num_pages + id) * ps) * kv_width;
+    for (int64_t s = 0; s < ps; ++s) {
+      const KV* k = base + s * kv_width + (2 * h) * d;
+      const KV* v = k + d;
+      for (int64_t i = 0; i < d; ++i) {
+        kt[i * ps + s] = ToFloat(k[i]);
+        vs[s * d + i] = ToFloat(v[i]);
+      }
+    }
+    const int64_t key0 = page * ps;
+    // The (row, query head) units that see a key of this page, scored together (they share the tile's loads).
+    int64_t live = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t first = p.row_first[r], seen = p.row_seen[r];
+      if (seen <= first || key0 >= seen || key0 + ps <= first) continue;
+      for (int64_t g = 0; g < g_count; ++g) unit[live++] = (r - r0) * g_count + g;
+    }
+    for (int64_t j = 0; j < live; j += 4) {
+      const int64_t n = std::min<int64_t>(4, live - j);
+      const float* qs[4];
+      for (int64_t t = 0; t < 4; ++t) {
+        const int64_t u = unit[j + std::min(t, n - 1)];
+        qs[t] = p.q + (r0 + u / g_count) * q_stride + (h * g_count + u % g_count) * d;
+      }
+      TileScores(qs, kt.data(), d, ps, sc.data());
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t u = unit[j + t], r = r0 + u / g_count;
+        float* x = sc.data() + t * ps;
+        const int64_t first = p.row_first[r], seen = p.row_seen[r];
+        float page_max = -INFINITY;
+        for (int64_t s = 0; s < ps; ++s) {
+          const int64_t key = key0 + s;
+          float v = x[s] * p.sm_scale;
+          if (p.softcap > 0.0f) v = p.softcap * std::tanh(v / p.softcap);
+          x[s] = (key >= first && key < seen) ? v : -INFINITY;
+          page_max = std::max(page_max, x[s]);
+        }
+        const float m_new = std::max(m[u], page_max);
+        const float rescale = std::exp(m[u] - m_new);  // exp(-inf) = 0 before the first key
+        ExpShifted(x, ps, m_new);
+        l[u] = l[u] * rescale + Sum(x, ps);
+        m[u] = m_new;
+        AccumulateValues(acc.data() + u * d, rescale, x, vs.data(), d, ps, d);
+      }
+    }
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t g = 0; g < g_count; ++g) {
+      const int64_t u = (r - r0) * g_count + g;
+      float* o = p.out + r * q_stride + (h * g_count + g) * d;
+      const float inv = l[u] > 0.0f ? 1.0f / l[u] : 0.0f;  // a row that sees nothing (padding) gives zeros
+      for (int64_t i = 0; i < d; ++i) o[i] = acc[u * d + i] * inv;
+    }
+  }
+}
+
+// Runs fn(0 .. n-1) on the calling thread and XLA's intra-op pool. Items are claimed from a shared counter; the
+// caller waits only for helpers that claimed one, so a helper that starts late finds nothing left and touches
+// nothing but the shared state it holds.
+template <typename Fn>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> active{0};
+    std::mutex mu;
+    std::condition_variable done;
+  };
+  auto shared = std::make_shared<Shared>();
+  // Holds `shared` by value; reaches `fn` only while an item is unclaimed, i.e. before this function returns.
+  auto drain = [shared, n, fnp = &fn]() {
+    shared->active.fetch_add(1);
+    for (int64_t i = shared->next.fetch_add(1); i < n; i = shared->next.fetch_add(1)) (*fnp)(i);
+    if (shared->active.fetch_sub(1) == 1) {
+      std::lock_guard<std::mutex> lock(shared->mu);
+      shared->done.notify_all();
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(drain)(drain));
+  drain();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->done.wait(lock, [&] { return shared->active.load() == 0; });
+}
+
+template <typename KV>
+ffi::Error Run(ffi::ThreadPool thread_pool, const Problem& p, const KV* pool, int64_t num_rows) {
+  // Blocks: runs of consecutive rows of one request, at most kBlockRows long.
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  for (int64_t r = 0; r < num_rows;) {
+    int64_t end = r + 1;
+    while (end < num_rows && end - r < kBlockRows && p.row_req[end] == p.row_req[r]) ++end;
+    blocks.emplace_back(r, end);
+    r = end;
+  }
+  // A block of one row takes all its KV heads in one item (its pages stream), unless there are too few blocks to
+  // keep the threads busy; a block of several rows goes head by head (its per-head tiles).
+  const int64_t split = (static_cast<int64_t>(blocks.size()) >= 2 * (thread_pool.num_threads() + 1))
+                            ? 1 : p.num_kv_heads;
+  std::vector<std::pair<int64_t, int64_t>> work;  // (block, first head); each item spans heads / split heads
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
+    const bool one = blocks[b].second - blocks[b].first == 1;
+    const int64_t step = one ? p.num_kv_heads / split : 1;
+    for (int64_t h = 0; h < p.num_kv_heads; h += step) work.emplace_back(b, h);
+  }
+  auto fn = [&](int64_t i) {
+    const auto& b = blocks[work[i].first];
+    const int64_t h = work[i].second;
+    if (b.second - b.first == 1) {
+      AttendRow<KV>(p, pool, b.first, h, std::min(h + p.num_kv_heads / split, p.num_kv_heads));
+    } else {
+      AttendBlock<KV>(p, pool, b.first, b.second, h);
+    }
+  };
+  ParallelFor(thread_pool, static_cast<int64_t>(work.size()), fn);
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> row_req,
+                          ffi::Buffer<ffi::S32> row_first, ffi::Buffer<ffi::S32> row_seen, float sm_scale,
+                          float softcap, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), pd = pool.dimensions(), td = table.dimensions();
+  if (qd.size() != 3 || pd.size() != 5 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("paged attention: q [T, Hq, D], pool [L, N, S, 2Hkv, D], table [R, P]");
+  }
+  Problem p;
+  p.q = q.typed_data();
+  p.out = out->typed_data();
+  p.table = table.typed_data();
+  p.row_req = row_req.typed_data();
+  p.row_first = row_first.typed_data();
+  p.row_seen = row_seen.typed_data();
+  p.num_pages = pd[1];
+  p.page_size = pd[2];
+  p.num_kv_heads = pd[3] / 2;
+  p.head_dim = pd[4];
+  p.group = qd[1] / p.num_kv_heads;
+  p.num_reqs = td[0];
+  p.pages_per_req = td[1];
+  p.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, pd[0] - 1);
+  p.sm_scale = sm_scale;
+  p.softcap = softcap;
+  if (qd[2] != p.head_dim || p.group * p.num_kv_heads != qd[1] || p.num_reqs == 0) {
+    return ffi::Error::InvalidArgument("paged attention: q's heads and head_dim do not match the pool's");
+  }
+  if (pool.element_type() == ffi::DataType::F32) {
+    return Run(thread_pool, p, reinterpret_cast<const float*>(pool.untyped_data()), qd[0]);
+  }
+  if (pool.element_type() == ffi::DataType::BF16) {
+    return Run(thread_pool, p, reinterpret_cast<const uint16_t*>(pool.untyped_data()), qd[0]);
+  }
+  return ffi::Error::InvalidArgument("paged attention: the pool must be float32 or bfloat16");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SgjaxPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page table
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_req
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_first
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_seen
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
