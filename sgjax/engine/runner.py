@@ -44,7 +44,7 @@ from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import BatchShape, build_batch
 from sgjax.model.config import ModelConfig
 from sgjax.model.llama import forward
-from sgjax.model.weights import Weights, for_platform, layer_loop_for
+from sgjax.model.weights import Weights, layer_loop_for, prepare
 
 
 # A sampling row's temperature is float32: far above any logit range, larger values change nothing.
@@ -186,7 +186,8 @@ class Runner:
             self.weights = tp.unstack_placed(weights, mesh, shard_vocab=_vocab_sharded(weights),
                                              expert_parallel=cfg.expert_parallel)
         else:
-            self.weights = for_platform(weights, self.platform, cfg)
+            cfg, self.weights = prepare(cfg, weights, self.platform)
+            self.cfg = cfg
         self.max_pages = -(-max_context // page_size)
         self.max_top_logprobs = max_top_logprobs
         self.num_pages = num_pages

@@ -54,12 +54,19 @@ def apply_rope(x, positions, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def dot(h, w):
-    """h @ w in h's dtype; a matrix of another dtype (config.weight_dtype: bf16 under float32 activations) takes h in
-    its dtype, with float32 accumulation."""
-    if w.dtype == h.dtype:
-        return h @ w
-    return jnp.dot(h.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(h.dtype)
+def dot(h, w, nk: bool = False, out_dtype=None):
+    """h @ w (w [in, out]; nk: w [out, in], config.matrix_layout) in h's dtype or out_dtype. A matrix of another
+    dtype (config.weight_dtype: bf16 under float32 activations) takes h in its dtype, with float32 accumulation;
+    one row of such a product is computed as two (XLA's CPU runs a one-row bf16 product ~8x slower than a two-row
+    one, docs/engine.md)."""
+    out_dtype = out_dtype or h.dtype
+    if w.dtype == h.dtype and not nk:
+        return (h @ w).astype(out_dtype)
+    rows, x = h.shape[0], h.astype(w.dtype)
+    if rows == 1 and w.dtype != h.dtype:
+        x = jnp.concatenate([x, jnp.zeros_like(x)])
+    out = jax.lax.dot_general(x, w, (((1,), (1 if nk else 0,)), ((), ())), preferred_element_type=jnp.float32)
+    return out[:rows].astype(out_dtype)
 
 
 def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, experts_fn=None):
@@ -70,7 +77,8 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
     num_rows = x.shape[0]
     with jax.named_scope("qkv"):
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        q, k, v = dot(h, w.wq), dot(h, w.wk), dot(h, w.wv)
+        nk = cfg.matrix_layout == "nk"
+        q, k, v = dot(h, w.wq, nk), dot(h, w.wk, nk), dot(h, w.wv, nk)
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         if cfg.qk_norm and not cfg.qk_norm_per_head:  # OLMoE: over the whole projections
@@ -89,7 +97,7 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
         if cfg.attn_softcap:
             extra["softcap"] = cfg.attn_softcap
         attn, pool = attention(q, k, v, pool, index, batch.attn, sm_scale=cfg.sm_scale, **extra)
-        out = dot(attn.reshape(num_rows, cfg.q_size).astype(x.dtype), w.wo)
+        out = dot(attn.reshape(num_rows, cfg.q_size).astype(x.dtype), w.wo, nk)
         if cfg.sandwich_norms:
             out = rms_norm(out, w.post_attn_norm, cfg.rms_norm_eps)
         x = x + out
@@ -101,7 +109,8 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
             out, counts = moe_mlp(h, w, cfg, valid, experts_fn)
         else:
             act = jax.nn.silu if cfg.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-            out = dot(act(dot(h, w.w_gate)) * dot(h, w.w_up), w.w_down)
+            nk = cfg.matrix_layout == "nk"
+            out = dot(act(dot(h, w.w_gate, nk)) * dot(h, w.w_up, nk), w.w_down, nk)
         if cfg.sandwich_norms:
             out = rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps)
         return (x + out, pool), counts
@@ -182,10 +191,9 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"
         if output == "hidden":
             return x.astype(jnp.float32), pool, stats
         if weights.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
-            logits = jnp.einsum("bd,vd->bv", x.astype(weights.embed.dtype), weights.embed,
-                                preferred_element_type=jnp.float32)
+            logits = dot(x, weights.embed, nk=True, out_dtype=jnp.float32)
         else:
-            logits = jnp.dot(x.astype(weights.lm_head.dtype), weights.lm_head, preferred_element_type=jnp.float32)
+            logits = dot(x, weights.lm_head, nk=cfg.matrix_layout == "nk", out_dtype=jnp.float32)
         if cfg.final_softcap:
             logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return logits, pool, stats

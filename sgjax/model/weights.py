@@ -142,6 +142,12 @@ LEAF = {leaf.name: leaf for leaf in LEAVES}
 MATMUL_LEAVES = frozenset({"embed"} | {leaf.name for leaf in LEAVES if leaf.transposed and leaf.name != "router"})
 
 
+# The dense matrices config.matrix_layout "nk" stores as [out, in]: not the router or the experts (ragged_dot and the
+# grouped-matmul kernel take [E, in, out]).
+NK_LEAVES = frozenset(leaf.name for leaf in LEAVES
+                      if leaf.transposed and leaf.name != "router" and "expert" not in leaf.axes)
+
+
 def leaf_dtype(cfg: ModelConfig, name: str):
     return jnp.dtype(cfg.weight_dtype if cfg.weight_dtype and name in MATMUL_LEAVES else cfg.dtype)
 
@@ -199,17 +205,44 @@ def unstack_layers(weights: Weights) -> Weights:
     return dataclasses.replace(weights, layers=layers)
 
 
+def with_matrix_layout(cfg: ModelConfig, weights: Weights, layout: str) -> tuple[ModelConfig, Weights]:
+    """(cfg, weights) with NK_LEAVES stored in `layout` ("kn" [in, out] or "nk" [out, in]); stacked or unrolled
+    layers alike."""
+    if layout == cfg.matrix_layout:
+        return cfg, weights
+
+    def flip(obj):
+        changes = {f.name: jnp.swapaxes(getattr(obj, f.name), -1, -2) for f in dataclasses.fields(obj)
+                   if f.name in NK_LEAVES and getattr(obj, f.name) is not None}
+        return dataclasses.replace(obj, **changes)
+
+    layers = tuple(map(flip, weights.layers)) if isinstance(weights.layers, (tuple, list)) else flip(weights.layers)
+    return cfg.replace(matrix_layout=layout), dataclasses.replace(flip(weights), layers=layers)
+
+
+def cpu_bf16_matrices(platform: str, cfg: ModelConfig | None) -> bool:
+    """bf16 matrices under float32 activations on a CPU (config.weight_dtype), which run unrolled and [out, in]."""
+    return platform == "cpu" and cfg is not None and cfg.weight_dtype == "bfloat16" and cfg.dtype == "float32"
+
+
 def layer_loop_for(platform: str, cfg: ModelConfig | None = None) -> str:
     """'unrolled' on accelerators (weight traffic), 'scan' on CPU (compile time in tests and CI), but unrolled for
     bf16 matrices under float32 activations there too: XLA's CPU runs a bf16 dot inside the scan's loop body 4-6x
     slower than the float32 one (the fast bf16 dot is not used in a while loop; docs/engine.md)."""
-    if platform == "cpu" and not (cfg is not None and cfg.weight_dtype == "bfloat16" and cfg.dtype == "float32"):
-        return "scan"
-    return "unrolled"
+    return "unrolled" if platform != "cpu" or cpu_bf16_matrices(platform, cfg) else "scan"
 
 
 def for_platform(weights: Weights, platform: str, cfg: ModelConfig | None = None) -> Weights:
     return unstack_layers(weights) if layer_loop_for(platform, cfg) == "unrolled" else weights
+
+
+def prepare(cfg: ModelConfig, weights: Weights, platform: str) -> tuple[ModelConfig, Weights]:
+    """The (cfg, weights) a single-device forward runs on `platform`: layers unrolled or stacked (layer_loop_for),
+    bf16 matrices on a CPU [out, in] (config.matrix_layout)."""
+    weights = for_platform(weights, platform, cfg)
+    if cpu_bf16_matrices(platform, cfg):
+        return with_matrix_layout(cfg, weights, "nk")
+    return cfg, weights
 
 
 def shardings(weights: Weights, mesh: jax.sharding.Mesh, rules: Mapping[str, str | None]) -> Weights:

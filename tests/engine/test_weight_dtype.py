@@ -4,6 +4,7 @@ real SmolLM2's greedy text against its float32 run."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +14,12 @@ from sgjax.engine import loading
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.engine import Engine
 from sgjax.model.config import ModelConfig
-from sgjax.model.weights import MATMUL_LEAVES, LayerWeights, layer_loop_for, unstack_layers, with_weight_dtype
+from sgjax.kernels import allocate_pool, get_backend
+from sgjax.model.batch import build_batch
+from sgjax.model.llama import forward
+from sgjax.model.presets import TINY_LLAMA
+from sgjax.model.weights import (MATMUL_LEAVES, NK_LEAVES, LayerWeights, dummy_weights, layer_loop_for, prepare,
+                                 unstack_layers, with_matrix_layout, with_weight_dtype)
 from tests.conftest import SMALL
 from tests.engine.conftest import tiny_engine
 
@@ -43,6 +49,47 @@ def test_only_the_matrices_are_cast(tiny, unrolled):
         cfg.replace(weight_dtype="float16")
 
 
+@pytest.mark.parametrize("unrolled", [False, True], ids=["stacked", "unrolled"])
+def test_matrix_layout_transposes_the_dense_matrices_only(tiny, unrolled):
+    cfg, weights, _ = tiny
+    weights = unstack_layers(weights) if unrolled else weights
+    nk_cfg, nk = with_matrix_layout(cfg, weights, "nk")
+    assert nk_cfg.matrix_layout == "nk" and {"wq", "wo", "w_gate", "w_down", "lm_head"} <= NK_LEAVES
+    assert not {"embed", "router", "we_gate", "attn_norm"} & NK_LEAVES  # embed is [V, D] already
+    for name, leaf in _leaves(nk).items():
+        before = _leaves(weights)[name]
+        if leaf is not None:
+            expected = before.shape[:-2] + before.shape[-2:][::-1] if name in NK_LEAVES else before.shape
+            assert leaf.shape == expected, name
+    back_cfg, back = with_matrix_layout(nk_cfg, nk, "kn")
+    assert back_cfg == cfg and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), back, weights))
+    with pytest.raises(ValueError, match="matrix_layout"):
+        cfg.replace(matrix_layout="mn")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
+def test_bf16_matrices_stored_out_in_give_the_same_logits(rows, tied):
+    """What a CPU runs for bf16 matrices (model/weights.prepare: unrolled, [out, in]; one row computed as two)
+    against the same bf16 matrices as [in, out]: the same products up to float32 summation order."""
+    cfg = TINY_LLAMA.replace(tie_word_embeddings=tied)
+    cast_cfg, cast = with_weight_dtype(cfg, dummy_weights(cfg, seed=3), "bfloat16")
+    run_cfg, run_weights = prepare(cast_cfg, cast, "cpu")
+    assert run_cfg.matrix_layout == "nk" and isinstance(run_weights.layers, tuple)
+    assert prepare(cfg, dummy_weights(cfg), "cpu")[0].matrix_layout == "kn"  # float32 matrices stay [in, out]
+    batch = build_batch([list(range(3, 3 + rows))], [rows], [[1, 2]], 16, rows, 1, 2, logits_rows=list(range(rows)),
+                        num_logits=rows)
+    attend = get_backend("ref")
+    logits = {}
+    for name, (c, w) in {"kn": (cast_cfg, unstack_layers(cast)), "nk": (run_cfg, run_weights)}.items():
+        pool = allocate_pool(c.num_layers, 3, 16, c.num_kv_heads, c.head_dim)
+        out, _ = jax.jit(lambda w, pool, b, c=c: forward(w, pool, b, cfg=c, attention=attend))(
+            w, pool, jax.tree.map(jnp.asarray, batch))
+        logits[name] = np.asarray(out)
+    assert logits["nk"].shape == (rows, cfg.vocab_size)
+    np.testing.assert_allclose(logits["nk"], logits["kn"], rtol=1e-4, atol=1e-4)
+
+
 def test_tiny_model_logprobs_close_to_float32(tiny):
     prompts = [[5, 9, 27, 101, 3], list(range(200, 231))]
     runs = {}
@@ -51,7 +98,9 @@ def test_tiny_model_logprobs_close_to_float32(tiny):
             outs = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
             info = eng.get_server_info()
             unrolled = isinstance(eng.runner.weights.layers, tuple)
+            layout = eng.runner.cfg.matrix_layout
         assert info["weight_dtype"] == weight_dtype and info["dtype"] == "float32"
+        assert layout == ("nk" if weight_dtype == "bfloat16" else "kn")
         assert unrolled == (weight_dtype == "bfloat16")  # the CPU's bf16 dots are fast only outside a scan
         runs[weight_dtype] = outs
     for a, b in zip(runs["float32"], runs["bfloat16"]):
