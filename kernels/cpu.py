@@ -42,12 +42,15 @@ class NativeBuildError(RuntimeError):
     """The kernel could not be compiled or loaded (no compiler, a compile error, an unloadable library)."""
 
 
-def _cpu_flags() -> str:
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return platform.processor()
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
 
 
 def cache_dir() -> str:
@@ -65,7 +68,8 @@ def library_path(arch: str = "native") -> str:
     with open(SOURCE, "rb") as f:
         source = f.read()
     key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
-        source, " ".join(FLAGS), arch, compiler, importlib.metadata.version("jaxlib"), platform.machine(), _cpu_flags()
+        source, " ".join(FLAGS), arch, compiler, importlib.metadata.version("jaxlib"), platform.machine(),
+        " ".join(sorted(cpu_flags()))
     ))).hexdigest()[:16]
     out_dir = os.path.join(cache_dir(), "kernels")
     path = os.path.join(out_dir, f"cpu_attention-{arch}-{key}.so")

@@ -5,6 +5,9 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A float32 model keeps float32 matrices on every CPU (engine/loading.default_weight_dtype): HF parity, and the same
+# numbers whichever CI machine runs the suite; tests/engine/test_weight_dtype.py runs the bf16 matrices themselves.
+os.environ.setdefault("SGJAX_AUTO_BF16", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

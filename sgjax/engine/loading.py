@@ -33,13 +33,32 @@ def default_dtype(args: ServerArgs) -> str:
     return dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
 
 
-def default_weight_dtype(args: ServerArgs, model_dtype: str) -> str:
-    """--weight-dtype resolved: auto is the model's dtype. bfloat16 under a float32 model is opt-in: on a CPU with
-    AVX512-BF16 it took batch-16 decode from 1.7x to 2.4x HF's, but its unrolled layers cost 3-4 s of compilation
-    (or of loading from the persistent cache) per step shape, which doubled `make run` (docs/engine.md)."""
+# Set to 0, auto keeps a float32 model's matrices float32 on every CPU (the test suite does: HF parity, and the same
+# numbers on every CI machine).
+AUTO_BF16_ENV = "SGJAX_AUTO_BF16"
+
+
+def cpu_has_bf16_dots() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16), which XLA's CPU dots use."""
+    from sgjax.kernels.cpu import cpu_flags
+
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def default_weight_dtype(args: ServerArgs, model_dtype: str, platform: str | None = None) -> str:
+    """--weight-dtype resolved. auto is the model's dtype, except for a float32 model on one CPU with bf16 dot
+    instructions: bf16 matrices there (float32 activations, accumulation, norms and attention), which decode about
+    twice as fast (docs/engine.md), as SGLang's and vLLM's `--dtype auto` run a float32 checkpoint in half
+    precision. `SGJAX_AUTO_BF16=0` or `--weight-dtype float32` keeps float32."""
     if args.weight_dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"weight_dtype must be auto, float32 or bfloat16, got {args.weight_dtype!r}")
-    return model_dtype if args.weight_dtype == "auto" else args.weight_dtype
+    if args.weight_dtype != "auto":
+        return args.weight_dtype
+    platform = platform or jax.devices()[0].platform
+    if (platform == "cpu" and model_dtype == "float32" and args.tp_size == 1 and args.nnodes == 1
+            and os.environ.get(AUTO_BF16_ENV, "1") != "0" and cpu_has_bf16_dots()):
+        return "bfloat16"
+    return model_dtype
 
 
 def apply_process_settings(args: ServerArgs) -> None:

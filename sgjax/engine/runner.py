@@ -43,7 +43,7 @@ from sgjax.fsm.device import unpack_bits
 from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import BatchShape, build_batch
 from sgjax.model.config import ModelConfig
-from sgjax.model.llama import forward
+from sgjax.model.llama import LayerCalls, embed_rows, forward, head, matmul_precision
 from sgjax.model.weights import Weights, layer_loop_for, prepare
 
 
@@ -119,40 +119,58 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
+def _step_inputs(embed, future, buffer, shape: StepShape, image_features, cfg: ModelConfig):
+    """Inside a step: the batch and sampling rows from the buffer, the overlap loop's placeholders resolved from
+    `future`, and the image rows' embeddings (None without images)."""
+    batch, rows, image_rows, mask_words = unpack(buffer, shape)
+    batch = dataclasses.replace(batch, input_ids=resolve_future(batch.input_ids, future, future_input(0)))
+    if shape.history:
+        rows = dataclasses.replace(rows, history=resolve_future(rows.history, future, future_history(0)))
+    embeds = None
+    if shape.image_rows:  # image tokens take their feature rows instead of the (pad id) embeddings
+        embeds = embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
+        picked = image_features[jnp.clip(image_rows, 0, shape.image_rows - 1)].astype(embeds.dtype)
+        embeds = jnp.where((image_rows >= 0)[:, None], picked, embeds)
+    return batch, rows, mask_words, embeds
+
+
+def _step_outputs(logits, rows, mask_words, future, shape: StepShape, cfg: ModelConfig):
+    """Inside a step: the sampled rows, and `future` with each running request's new token at its slot."""
+    mask = None if mask_words is None else unpack_bits(mask_words, cfg.vocab_size)
+    with jax.named_scope("sampler"):
+        out = sample(logits, rows, num_top_logprobs=shape.top_logprobs, mask=mask, branches=shape.branches)
+    slots = future.shape[0]
+    return out, future.at[jnp.where(rows.slot >= 0, rows.slot, slots)].set(out.tokens, mode="drop")
+
+
 @functools.lru_cache(maxsize=None)
-def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None = None, moe_kernel: str = "xla"):
+def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None = None, moe_kernel: str = "xla",
+                calls: bool = False):
     """The jitted (weights, state, buffer, shape, image_features) -> (SampleOutput, state); one per (model,
     backend, mesh) per process, so every engine in a process shares its compiled executables. The DeviceState (pool
     and future tokens) is donated. `compiles(fn)` counts the executables it got (tests, benchmarks).
 
     With a mesh (tensor parallelism, engine/mesh.py) attention runs under shard_map over the heads, the logits are
-    gathered to every device before the sampler (which runs replicated), and the state keeps its sharding."""
+    gathered to every device before the sampler (which runs replicated), and the state keeps its sharding.
+    `calls`: the same step as a CallsStep (the layers as host calls; model/weights.layer_loop_for)."""
     attend = get_backend(attention)
     if mesh is not None:
         attend = tp.sharded_attention(attend, mesh)
     experts_fn = tp.experts_for(cfg, mesh, moe_kernel)
+    name = f"sgjax_step_{len(_COMPILES)}"  # its compile events' fun_name
+    _COMPILES[name] = 0
+    if calls:
+        return CallsStep(cfg, attend, experts_fn, name)
 
     def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None):
-        batch, rows, image_rows, mask_words = unpack(buffer, shape)
         future = state.future
-        batch = dataclasses.replace(batch, input_ids=resolve_future(batch.input_ids, future, future_input(0)))
-        if shape.history:
-            rows = dataclasses.replace(rows, history=resolve_future(rows.history, future, future_history(0)))
-        embeds = None
-        if shape.image_rows:  # image tokens take their feature rows instead of the (pad id) embeddings
-            embeds = weights.embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
-            picked = image_features[jnp.clip(image_rows, 0, shape.image_rows - 1)].astype(embeds.dtype)
-            embeds = jnp.where((image_rows >= 0)[:, None], picked, embeds)
+        batch, rows, mask_words, embeds = _step_inputs(weights.embed, future, buffer, shape, image_features, cfg)
         logits, pool, stats = forward(weights, state.pool, batch, cfg=cfg, attention=attend, input_embeds=embeds,
                                       experts_fn=experts_fn, with_stats=True)
         expert_tokens = None if stats is None else state.expert_tokens + stats
         if mesh is not None:  # full-vocabulary logits for the sampler (a gather when the lm_head is vocab-sharded)
             logits = jax.lax.with_sharding_constraint(logits, tp.replicated(mesh))
-        mask = None if mask_words is None else unpack_bits(mask_words, cfg.vocab_size)
-        with jax.named_scope("sampler"):
-            out = sample(logits, rows, num_top_logprobs=shape.top_logprobs, mask=mask, branches=shape.branches)
-        slots = future.shape[0]
-        future = future.at[jnp.where(rows.slot >= 0, rows.slot, slots)].set(out.tokens, mode="drop")
+        out, future = _step_outputs(logits, rows, mask_words, future, shape, cfg)
         if mesh is not None:  # the donated state comes back as it went in, so the next step neither moves nor compiles
             pool = jax.lax.with_sharding_constraint(pool, tp.pool_sharding(mesh))
             future = jax.lax.with_sharding_constraint(future, tp.replicated(mesh))
@@ -160,11 +178,55 @@ def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None
                 expert_tokens = jax.lax.with_sharding_constraint(expert_tokens, tp.replicated(mesh))
         return out, DeviceState(pool=pool, future=future, expert_tokens=expert_tokens)
 
-    step.__name__ = step.__qualname__ = f"sgjax_step_{len(_COMPILES)}"  # its compile events' fun_name
-    _COMPILES[step.__name__] = 0
+    step.__name__ = step.__qualname__ = name
     fn = jax.jit(step, donate_argnames=("state",), static_argnames=("shape",))
-    fn.step_name = step.__name__
+    fn.step_name = name
+    fn.precompile = lambda weights, state, buffer, shape: fn.lower(weights, state, buffer, shape).compile()
     return fn
+
+
+class CallsStep:
+    """The step of jitted_step as three jitted parts and host calls between them, for one device: the head (the
+    buffer unpacked, placeholders resolved, embeddings), the layers (model/llama.LayerCalls), the tail (final norm,
+    LM head, sampler, future tokens, expert counts). The same inputs, outputs and donation as the one program."""
+
+    def __init__(self, cfg: ModelConfig, attend, experts_fn, name: str):
+        self.cfg, self.step_name = cfg, name
+        self.layers = LayerCalls(cfg, attend, experts_fn, name=f"{name}_layer")
+
+        def first(embed, future, buffer, image_features, *, shape):
+            batch, _, _, embeds = _step_inputs(embed, future, buffer, shape, image_features, cfg)
+            return embed_rows(embed, batch, cfg, embeds), batch
+
+        def last(top, x, future, expert_tokens, stats, buffer, *, shape):
+            with matmul_precision(cfg.dtype):
+                batch, rows, mask_words, _ = _step_inputs(top.embed, future, buffer, shape, None, cfg)
+                out, future = _step_outputs(head(top, x, batch, cfg), rows, mask_words, future, shape, cfg)
+            return out, future, (None if stats is None else expert_tokens + stats)
+
+        first.__name__ = first.__qualname__ = f"{name}_first"
+        last.__name__ = last.__qualname__ = name  # one executable per step shape: what compiles(step) counts
+        self.first = jax.jit(first, static_argnames=("shape",))
+        self.last = jax.jit(last, static_argnames=("shape",), donate_argnames=("future", "expert_tokens"))
+
+    def __call__(self, weights, state: DeviceState, buffer, shape: StepShape, image_features=None):
+        x, batch = self.first(weights.embed, state.future, buffer, image_features, shape=shape)
+        x, pool, stats = self.layers(weights.layers, x, state.pool, batch)
+        top = dataclasses.replace(weights, layers=())
+        out, future, expert_tokens = self.last(top, x, state.future, state.expert_tokens, stats, buffer, shape=shape)
+        return out, DeviceState(pool=pool, future=future, expert_tokens=expert_tokens)
+
+    def precompile(self, weights, state: DeviceState, buffer, shape: StepShape) -> None:
+        """Compile the three parts for `shape` (abstract buffer), as jit's lower().compile() does the one program."""
+        first = self.first.lower(weights.embed, state.future, buffer, None, shape=shape)
+        first.compile()
+        x, batch = jax.eval_shape(lambda *a: self.first(*a, shape=shape), weights.embed, state.future, buffer, None)
+        for lowered in self.layers.lower_all(weights.layers, x, state.pool, batch):
+            lowered.compile()
+        stats = (jax.ShapeDtypeStruct((self.cfg.num_layers, self.cfg.num_experts), jnp.int32)
+                 if self.cfg.is_moe else None)
+        top = dataclasses.replace(weights, layers=())
+        self.last.lower(top, x, state.future, state.expert_tokens, stats, buffer, shape=shape).compile()
 
 
 def compiles(fn) -> int:
@@ -182,7 +244,7 @@ class Runner:
         self.platform = jax.devices()[0].platform
         coarse = self.platform != "cpu" if coarse is None else coarse
         self.buckets = Buckets(coarse=coarse, max_reqs=max_reqs, max_top_logprobs=max_top_logprobs)
-        if mesh is not None and layer_loop_for(self.platform, cfg) == "unrolled":
+        if mesh is not None and layer_loop_for(self.platform, cfg) != "scan":
             self.weights = tp.unstack_placed(weights, mesh, shard_vocab=_vocab_sharded(weights),
                                              expert_parallel=cfg.expert_parallel)
         else:
@@ -199,7 +261,8 @@ class Runner:
         self.multiprocess = mesh is not None and not all(d.process_index == jax.process_index()
                                                          for d in mesh.devices.flat)
         self.reset_pool()
-        self.step = jitted_step(cfg, attention, mesh, moe_kernel)
+        self.step = jitted_step(cfg, attention, mesh, moe_kernel, calls=layer_loop_for(self.platform, cfg) == "calls"
+                                and mesh is None)
         self.shapes_seen: set[StepShape] = set()
 
     def reset_pool(self) -> None:
@@ -233,8 +296,8 @@ class Runner:
 
     def _to_device(self, host: np.ndarray):
         """A step input: replicated over the mesh (what the compiled step expects), else on the default device."""
-        if self.mesh is None:
-            return jnp.asarray(host)
+        if self.mesh is None:  # device_put, not jnp.asarray: that compiles a `stage` program per new buffer size
+            return jax.device_put(host)
         if self.multiprocess:  # each process gives its own devices' copies (device_put needs addressable devices)
             return jax.make_array_from_callback(host.shape, tp.replicated(self.mesh), lambda idx: host[idx])
         return jax.device_put(host, tp.replicated(self.mesh))
@@ -468,7 +531,7 @@ class Runner:
         def compile_one(shape):
             buffer = jax.ShapeDtypeStruct((shape.size,), jnp.int32,
                                           sharding=None if self.mesh is None else tp.replicated(self.mesh))
-            self.step.lower(self.weights, self.state, buffer, shape).compile()
+            self.step.precompile(self.weights, self.state, buffer, shape)
             return shape
 
         if threads <= 1:

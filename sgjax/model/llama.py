@@ -153,14 +153,36 @@ def matmul_precision(dtype: str):
     return jax.default_matmul_precision("highest") if dtype == "float32" else contextlib.nullcontext()
 
 
+def embed_rows(embed, batch: StepBatch, cfg: ModelConfig, input_embeds=None):
+    """The residual stream's first value: the tokens' rows of `embed` (scaled where the family does), or
+    input_embeds."""
+    if input_embeds is not None:
+        return input_embeds.astype(jnp.dtype(cfg.dtype))
+    x = embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
+    if cfg.embed_scale:  # in the model's dtype, as HF's Gemma rounds it
+        x = x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.dtype(cfg.dtype))
+    return x
+
+
+def head(weights, x, batch: StepBatch, cfg: ModelConfig, output: str = "logits"):
+    """The final norm on the batch.logits_idx rows, then their logits f32[B, V] (or, output="hidden", the normed
+    hidden states f32[B, D])."""
+    with jax.named_scope("lm_head"):
+        x = rms_norm(x[batch.logits_idx], weights.final_norm, cfg.rms_norm_eps)
+        if output == "hidden":
+            return x.astype(jnp.float32)
+        if weights.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
+            logits = dot(x, weights.embed, nk=True, out_dtype=jnp.float32)
+        else:
+            logits = dot(x, weights.lm_head, nk=cfg.matrix_layout == "nk", out_dtype=jnp.float32)
+        if cfg.final_softcap:
+            logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits
+
+
 def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits", experts_fn=None):
     rope = layer_rope(cfg)
-    if input_embeds is None:
-        x = weights.embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
-        if cfg.embed_scale:  # in the model's dtype, as HF's Gemma rounds it
-            x = x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.dtype(cfg.dtype))
-    else:
-        x = input_embeds.astype(jnp.dtype(cfg.dtype))
+    x = embed_rows(weights.embed, batch, cfg, input_embeds)
     block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, experts_fn=experts_fn)
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
     stats = []
@@ -186,14 +208,47 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"
         scanned = (weights.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(windows, jnp.int32),
                    jnp.asarray(rope))
         (x, pool), stats = jax.lax.scan(body, (x, pool), scanned)
-    with jax.named_scope("lm_head"):
-        x = rms_norm(x[batch.logits_idx], weights.final_norm, cfg.rms_norm_eps)
-        if output == "hidden":
-            return x.astype(jnp.float32), pool, stats
-        if weights.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
-            logits = dot(x, weights.embed, nk=True, out_dtype=jnp.float32)
-        else:
-            logits = dot(x, weights.lm_head, nk=cfg.matrix_layout == "nk", out_dtype=jnp.float32)
-        if cfg.final_softcap:
-            logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-    return logits, pool, stats
+    return head(weights, x, batch, cfg, output), pool, stats
+
+
+class LayerCalls:
+    """The layers as host calls: one jitted block per distinct window, called once per layer with that layer's
+    weights as whole buffers and the pool donated (model/weights.layer_loop_for "calls"). XLA's CPU runs a bf16
+    product fast only on a whole buffer outside a loop, so a scan is slow for bf16 matrices, and an unrolled
+    program costs ~1 s of compilation per step shape, where a block compiles like a scan body. The step runs
+    ~10-25% slower than the same layers unrolled in one program, whatever the layers per call (docs/engine.md).
+    Call it outside jit, between the step's jitted head and tail."""
+
+    def __init__(self, cfg: ModelConfig, attention, experts_fn=None, name: str = "sgjax_layer"):
+        self.cfg, self.windows = cfg, [cfg.window(i) for i in range(cfg.num_layers)]
+
+        def run(x, pool, w, index, inv, batch, *, window):
+            with matmul_precision(cfg.dtype):
+                (x, pool), counts = _block(x, pool, w, (index, window, inv), batch, cfg, attention, experts_fn)
+            return x, pool, counts
+
+        run.__name__ = run.__qualname__ = name  # its compile events' fun_name
+        self.blocks = {win: jax.jit(functools.partial(run, window=win), donate_argnums=1)
+                       for win in set(self.windows)}
+        self._consts = None
+
+    def consts(self):
+        """Each layer's (index, RoPE frequencies) as device arrays, made once (a per-call transfer otherwise)."""
+        if self._consts is None:
+            rope = layer_rope(self.cfg)
+            self._consts = [(jnp.int32(i), jnp.asarray(rope[i])) for i in range(self.cfg.num_layers)]
+        return self._consts
+
+    def __call__(self, layers, x, pool, batch):
+        """(x, pool, stats i32[L, E] or None) after every layer."""
+        stats = []
+        for w, win, (index, inv) in zip(layers, self.windows, self.consts()):
+            x, pool, counts = self.blocks[win](x, pool, w, index, inv, batch)
+            stats.append(counts)
+        return x, pool, (jnp.stack(stats) if self.cfg.is_moe else None)
+
+    def lower_all(self, layers, x, pool, batch) -> list:
+        """The blocks lowered for these (abstract) inputs, one per window, for ahead-of-time compilation."""
+        index, inv = self.consts()[0]
+        first = {win: layers[self.windows.index(win)] for win in self.blocks}
+        return [self.blocks[win].lower(x, pool, first[win], index, inv, batch) for win in self.blocks]

@@ -226,14 +226,18 @@ def cpu_bf16_matrices(platform: str, cfg: ModelConfig | None) -> bool:
 
 
 def layer_loop_for(platform: str, cfg: ModelConfig | None = None) -> str:
-    """'unrolled' on accelerators (weight traffic), 'scan' on CPU (compile time in tests and CI), but unrolled for
-    bf16 matrices under float32 activations there too: XLA's CPU runs a bf16 dot inside the scan's loop body 4-6x
-    slower than the float32 one (the fast bf16 dot is not used in a while loop; docs/engine.md)."""
-    return "unrolled" if platform != "cpu" or cpu_bf16_matrices(platform, cfg) else "scan"
+    """'unrolled' on accelerators (weight traffic), 'scan' on CPU (compile time in tests and CI), but 'calls' for
+    bf16 matrices under float32 activations there: XLA's CPU runs a bf16 dot inside the scan's loop body 4-6x
+    slower than the float32 one (the fast bf16 dot is not used in a while loop), and an unrolled program compiles
+    for ~1 s per step shape, so the layers are host calls of one jitted block (model/llama.LayerCalls; a
+    tensor-parallel engine unrolls them instead, engine/runner.py; docs/engine.md)."""
+    if platform != "cpu":
+        return "unrolled"
+    return "calls" if cpu_bf16_matrices(platform, cfg) else "scan"
 
 
 def for_platform(weights: Weights, platform: str, cfg: ModelConfig | None = None) -> Weights:
-    return unstack_layers(weights) if layer_loop_for(platform, cfg) == "unrolled" else weights
+    return weights if layer_loop_for(platform, cfg) == "scan" else unstack_layers(weights)
 
 
 def prepare(cfg: ModelConfig, weights: Weights, platform: str) -> tuple[ModelConfig, Weights]:

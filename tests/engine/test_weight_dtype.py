@@ -13,6 +13,7 @@ from sgjax.cli import build_parser, split_args
 from sgjax.engine import loading
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.engine import Engine
+from sgjax.engine.runner import CallsStep, jitted_step
 from sgjax.model.config import ModelConfig
 from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import build_batch
@@ -44,7 +45,8 @@ def test_only_the_matrices_are_cast(tiny, unrolled):
     assert {"embed", "wq", "w_down"} <= MATMUL_LEAVES and "attn_norm" not in MATMUL_LEAVES
     assert "router" not in MATMUL_LEAVES  # the experts' choice stays a float32 dot
     assert with_weight_dtype(cfg, weights, "float32") == (cfg, weights)  # the model's dtype: unchanged
-    assert layer_loop_for("cpu", cast_cfg) == "unrolled" and layer_loop_for("cpu", cfg) == "scan"
+    assert layer_loop_for("cpu", cast_cfg) == "calls" and layer_loop_for("cpu", cfg) == "scan"
+    assert layer_loop_for("gpu", cast_cfg) == layer_loop_for("gpu", cfg) == "unrolled"
     with pytest.raises(ValueError, match="weight_dtype"):
         cfg.replace(weight_dtype="float16")
 
@@ -90,6 +92,36 @@ def test_bf16_matrices_stored_out_in_give_the_same_logits(rows, tied):
     np.testing.assert_allclose(logits["nk"], logits["kn"], rtol=1e-4, atol=1e-4)
 
 
+def test_bf16_layer_calls_precompile_and_equal_the_one_program_step(tiny):
+    """bf16 matrices on a CPU run each step as host calls (engine/runner.CallsStep): precompiling a shape compiles
+    all three parts (a run of it compiles nothing after), and a step gives the tokens and logprobs of the same step
+    as one jitted program over the same weights."""
+    compiled = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiled.append(kw.get("fun_name"))
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    with tiny_engine(tiny, weight_dtype="bfloat16") as eng:
+        runner = eng.runner
+        assert isinstance(runner.step, CallsStep)
+        shapes = runner.start_shapes(64)[:3]
+        runner.precompile(shapes)
+        compiled.clear()
+        for shape in shapes:
+            runner.run_dummy(shape)
+        jax.block_until_ready(runner.state.pool)
+        assert compiled == []
+        one = jitted_step(runner.cfg, runner.attention, None, "xla", calls=False)
+        for shape in shapes:
+            buffer = jnp.asarray(runner._dummy_buffer(shape))
+            outs = []
+            for step in (runner.step, one):
+                runner.reset_pool()
+                outs.append(step(runner.weights, runner.state, buffer, shape)[0])
+            np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+            np.testing.assert_allclose(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs), atol=1e-4)
+        runner.reset_pool()
+
+
 def test_tiny_model_logprobs_close_to_float32(tiny):
     prompts = [[5, 9, 27, 101, 3], list(range(200, 231))]
     runs = {}
@@ -111,9 +143,20 @@ def test_tiny_model_logprobs_close_to_float32(tiny):
         assert sum(x == y for x, y in zip(a["output_ids"], b["output_ids"])) >= 4
 
 
-def test_auto_is_the_models_dtype_and_the_setting_is_checked(tiny):
-    assert loading.default_weight_dtype(ServerArgs(), "float32") == "float32"
+def test_auto_is_the_models_dtype_and_the_setting_is_checked(tiny, monkeypatch):
+    assert loading.default_weight_dtype(ServerArgs(), "float32") == "float32"  # SGJAX_AUTO_BF16=0 (tests/conftest)
     assert loading.default_weight_dtype(ServerArgs(), "bfloat16") == "bfloat16"
+    # auto on a CPU with bf16 dot instructions: bf16 matrices for a float32 model on one device, nowhere else
+    monkeypatch.setenv(loading.AUTO_BF16_ENV, "1")
+    for has, platform, args, expected in [(True, "cpu", ServerArgs(), "bfloat16"),
+                                          (False, "cpu", ServerArgs(), "float32"),
+                                          (True, "gpu", ServerArgs(), "float32"),
+                                          (True, "cpu", ServerArgs(tp_size=2), "float32"),
+                                          (True, "cpu", ServerArgs(weight_dtype="float32"), "float32")]:
+        monkeypatch.setattr(loading, "cpu_has_bf16_dots", lambda has=has: has)
+        assert loading.default_weight_dtype(args, "float32", platform) == expected, (has, platform, args)
+    monkeypatch.setenv(loading.AUTO_BF16_ENV, "0")
+    assert loading.default_weight_dtype(ServerArgs(), "float32", "cpu") == "float32"
     assert loading.default_weight_dtype(ServerArgs(weight_dtype="bfloat16"), "float32") == "bfloat16"
     with pytest.raises(ValueError, match="weight_dtype"):
         loading.default_weight_dtype(ServerArgs(weight_dtype="int8"), "float32")
