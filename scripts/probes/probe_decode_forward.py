@@ -37,8 +37,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--weight-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     ap.add_argument("--layers", nargs="+", default=["scan"], choices=["scan", "unrolled", "calls"],
-                    help="the layer loop: scanned stacked weights, unrolled (model/weights.layer_loop_for), or "
-                         "calls: L host calls of one jitted layer (a candidate; not in the engine)")
+                    help="the layer loop: scanned stacked weights, unrolled, or calls: L host calls of one jitted "
+                         "layer (model/weights.layer_loop_for; the engine's loop for bf16 matrices on a CPU)")
     args = ap.parse_args()
     base_cfg, base_weights = load_model_cached(None, default_dtype(ServerArgs()))
     cfg = base_cfg
@@ -81,31 +81,15 @@ def main():
 
 
 def _layer_calls(cfg, attention):
-    """The forward as host calls: an embedding program, one jitted layer called L times (its weights whole
-    buffers, the pool donated), the final norm and LM head. One layer's program compiles once per shape."""
-    rope = llama.layer_rope(cfg)
-
-    @functools.partial(jax.jit, donate_argnums=1)
-    def layer(x, pool, w, i, inv, batch):
-        with llama.matmul_precision(cfg.dtype):
-            (x, pool), _ = llama._block(x, pool, w, (i, 0, inv), batch, cfg, attention)
-        return x, pool
-
-    @jax.jit
-    def head(x, weights, batch):
-        with llama.matmul_precision(cfg.dtype):
-            x = llama.rms_norm(x[batch.logits_idx], weights.final_norm, cfg.rms_norm_eps)
-            return jnp.einsum("bd,vd->bv", x.astype(weights.embed.dtype), weights.embed,
-                              preferred_element_type=jnp.float32)
-
-    embed = jax.jit(lambda table, ids: table[ids].astype(jnp.dtype(cfg.dtype)))
+    """The forward as the engine runs bf16 matrices on a CPU: embeddings, model/llama.LayerCalls (one jitted block
+    called per layer, the pool donated), the final norm and LM head."""
+    calls = llama.LayerCalls(cfg, attention)
+    embed = jax.jit(lambda table, batch: llama.embed_rows(table, batch, cfg))
+    head = jax.jit(lambda top, x, batch: llama.head(top, x, batch, cfg))
 
     def step(weights, pool, batch):
-        x = embed(weights.embed, batch.input_ids)
-        for i, w in enumerate(weights.layers):
-            x, pool = layer(x, pool, w, jnp.int32(i), jnp.asarray(rope[i]), batch)
-        top = dataclasses.replace(weights, layers=())
-        return head(x, top, batch), pool
+        x, pool, _ = calls(weights.layers, embed(weights.embed, batch), pool, batch)
+        return head(dataclasses.replace(weights, layers=()), x, batch), pool
 
     return step
 

@@ -20,8 +20,9 @@ class ServerArgs:
     # config.json), with its tokenizer: serving benchmarks of large shapes where the weights are not at hand.
     load_format: str = "auto"
     dtype: str | None = None  # float32 | bfloat16 (SGLang's spellings: auto, float, ...); default by platform
-    # The matrices' dtype (model/config.weight_dtype): auto is the model's; bfloat16 under a float32 model runs bf16
-    # dots with float32 accumulation (half the weight bytes; activations stay float32), for CPUs with AVX512-BF16.
+    # The matrices' dtype (model/config.weight_dtype): auto is the model's, but bf16 for a float32 model on one CPU
+    # with bf16 dot instructions (engine/loading.default_weight_dtype); bfloat16 under a float32 model runs bf16
+    # dots with float32 accumulation (half the weight bytes; activations stay float32).
     weight_dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) or the model's dtype spelled out; fp8 is not supported
     tokenizer_path: str | None = None  # the tokenizer's GGUF file or HF directory, when not the model's
@@ -101,9 +102,9 @@ ENGINE_FLAGS = [
                    "spellings: auto is the platform's default, float32 on CPU and bfloat16 on accelerators; float is "
                    "float32; half / float16 are refused)")),
     ("weight_dtype", dict(choices=["auto", "float32", "bfloat16"],
-                          help="the weight matrices' dtype: auto (the model's), float32 or bfloat16 (bf16 dots with "
-                               "float32 accumulation under float32 activations: faster decode on a CPU with "
-                               "AVX512-BF16, slower compilation per step shape)")),
+                          help="the weight matrices' dtype: auto (the model's; bfloat16 for a float32 model on a CPU "
+                               "with AVX512-BF16 or AMX-BF16 unless SGJAX_AUTO_BF16=0), float32 or bfloat16 (bf16 "
+                               "dots with float32 accumulation under float32 activations)")),
     ("kv_cache_dtype", dict(choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
                             help="KV cache dtype: auto (the model's); a dtype other than the model's is refused "
                                  "(fp8 caches are not supported yet)")),
