@@ -13,7 +13,7 @@ from sgjax.cli import build_parser, split_args
 from sgjax.engine import loading
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.engine import Engine
-from sgjax.engine.runner import CallsStep, jitted_step
+from sgjax.engine.programs import CallsStep, jitted_step
 from sgjax.model.config import ModelConfig
 from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import build_batch
@@ -93,7 +93,7 @@ def test_bf16_matrices_stored_out_in_give_the_same_logits(rows, tied):
 
 
 def test_bf16_layer_calls_precompile_and_equal_the_one_program_step(tiny):
-    """bf16 matrices on a CPU run each step as host calls (engine/runner.CallsStep): precompiling a shape compiles
+    """bf16 matrices on a CPU run each step as host calls (engine/programs.CallsStep): precompiling a shape compiles
     all three parts (a run of it compiles nothing after), and a step gives the tokens and logprobs of the same step
     as one jitted program over the same weights."""
     compiled = []
