@@ -228,6 +228,16 @@ def apply_penalties(logits, batch: SamplingBatch):
         jnp.where(is_bias, batch.bias, 0.0))
 
 
+def argmax(x):
+    """jnp.argmax over the last axis (the first maximum; 0 for a row of NaN) as a max and a min: XLA's CPU runs
+    argmax's (value, index) reduction unvectorized (1.4 ms for [16, 49152]; sample() on 16 greedy rows took 4.5 ms
+    with it, 1.7 with this)."""
+    vocab = x.shape[-1]
+    best = jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.min(jnp.where(x == best, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.where(index == vocab, 0, index).astype(jnp.int32)
+
+
 def _at(values, index):
     """values[r, index[r]] for every row r."""
     return jnp.take_along_axis(values, index[:, None], axis=-1)
@@ -281,7 +291,7 @@ def _gumbel_argmax(x, seed, step):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), t)
         return jax.random.gumbel(key, (vocab,), jnp.float32)
 
-    return jnp.argmax(x + jax.vmap(noise)(seed, step), axis=-1).astype(jnp.int32)
+    return argmax(x + jax.vmap(noise)(seed, step))
 
 
 def _top_logprobs(logits, lse, k: int):
@@ -298,11 +308,11 @@ def sample(logits, batch: SamplingBatch, *, num_top_logprobs: int = 0, mask=None
     """Choose one token per row; see the module docstring. mask: optional bool[L, V], True = allowed."""
     logits = logits.astype(jnp.float32)
     x = process_logits(logits, batch, mask, branches)
-    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    greedy = argmax(x)
     draws = (batch.temperature > 0) & (batch.top_k != 1) & (batch.target < 0)
     tokens = _branch(branches.draws, jnp.any(draws),
                      lambda: jnp.where(draws, _gumbel_argmax(x, batch.seed, batch.step), greedy), lambda: greedy)
-    raw_argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    raw_argmax = argmax(logits)
     if mask is not None:
         tokens = jnp.where(jnp.any(mask, axis=-1), tokens, raw_argmax)
     tokens = jnp.where(batch.target >= 0, raw_argmax, tokens)

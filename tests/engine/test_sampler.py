@@ -155,6 +155,23 @@ def test_greedy_rows_take_the_argmax_of_the_processed_logits():
         np.testing.assert_array_equal(out.tokens[greedy], want[greedy])
 
 
+def test_argmax_is_jnp_argmax():
+    """sampler.argmax (a max, then the first index reaching it) picks what jnp.argmax does: ties go to the first
+    index, a row of -inf (everything masked) to 0, as does a row of NaN here (jnp.argmax gives the first NaN)."""
+    from sgjax.engine.sampler import argmax
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 1000)).astype(np.float32)
+    x[1, [17, 400, 999]] = 50.0  # a tie: the first wins
+    x[2] = -np.inf
+    x[3, 999] = np.inf
+    x[4] = np.round(x[4])  # many ties at the maximum
+    x[5] = np.nan
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got[:5], np.argmax(x[:5], axis=-1))
+    assert got[5] == 0 and got.dtype == np.int32
+
+
 def test_default_rows_are_greedy_without_penalties():
     rng = np.random.default_rng(3)
     logits = random_logits(rng)
