@@ -71,19 +71,28 @@ def library_path(arch: str = "native") -> str:
         source, " ".join(FLAGS), arch, compiler, importlib.metadata.version("jaxlib"), platform.machine(),
         " ".join(sorted(cpu_flags()))
     ))).hexdigest()[:16]
-    out_dir = os.path.join(cache_dir(), "kernels")
-    path = os.path.join(out_dir, f"cpu_attention-{arch}-{key}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    cmd = [compiler, *FLAGS, f"-march={arch}", f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp]
+    name = f"cpu_attention-{arch}-{key}.so"
+    # the cache, else the temporary directory where the cache cannot be written (a read-only home)
+    for out_dir in (os.path.join(cache_dir(), "kernels"), os.path.join(tempfile.gettempdir(), "sgjax-kernels")):
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            return path
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        except OSError:
+            continue
+        os.close(fd)
+        return _compile([compiler, *FLAGS, f"-march={arch}", f"-I{jax.ffi.include_dir()}", SOURCE], tmp, path)
+    raise NativeBuildError(f"no writable directory for the CPU attention library ({cache_dir()}, the temp dir)")
+
+
+def _compile(cmd: list[str], tmp: str, path: str) -> str:
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        done = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise NativeBuildError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # atomic: a parallel build of the same key replaces it with the same bytes
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

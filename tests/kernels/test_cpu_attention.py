@@ -5,6 +5,7 @@ pages of 16 or not, blocks of several rows, bfloat16 pools), and its build: cach
 import functools
 import os
 import platform
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,10 @@ def test_the_cpu_default_and_its_cached_build(tmp_path, monkeypatch):
         mtime = os.path.getmtime(built)
         cpu.library_path.cache_clear()
         assert cpu.library_path() == built and os.path.getmtime(built) == mtime
+        (tmp_path / "a-file").write_text("")  # a cache that cannot be made (even by root): the temp dir holds it
+        monkeypatch.setenv("SGJAX_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+        cpu.library_path.cache_clear()
+        assert cpu.library_path().startswith(os.path.join(tempfile.gettempdir(), "sgjax-kernels"))
         monkeypatch.setenv("CXX", "no-such-compiler-here")
         cpu.library_path.cache_clear()
         with pytest.raises(cpu.NativeBuildError, match="no C\\+\\+ compiler"):
