@@ -37,19 +37,23 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
-def _step_inputs(embed, future, buffer, shape: StepShape, image_features, cfg: ModelConfig):
-    """Inside a step: the batch and sampling rows from the buffer, the overlap loop's placeholders resolved from
-    `future`, and the image rows' embeddings (None without images)."""
+def _step_inputs(future, buffer, shape: StepShape):
+    """Inside a step: the batch, sampling rows, image rows and mask words from the buffer, the overlap loop's
+    placeholders resolved from `future`."""
     batch, rows, image_rows, mask_words = unpack(buffer, shape)
     batch = dataclasses.replace(batch, input_ids=resolve_future(batch.input_ids, future, future_input(0)))
     if shape.history:
         rows = dataclasses.replace(rows, history=resolve_future(rows.history, future, future_history(0)))
-    embeds = None
-    if shape.image_rows:  # image tokens take their feature rows instead of the (pad id) embeddings
-        embeds = embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
-        picked = image_features[jnp.clip(image_rows, 0, shape.image_rows - 1)].astype(embeds.dtype)
-        embeds = jnp.where((image_rows >= 0)[:, None], picked, embeds)
-    return batch, rows, mask_words, embeds
+    return batch, rows, image_rows, mask_words
+
+
+def _image_embeds(embed, batch, image_rows, image_features, shape: StepShape, cfg: ModelConfig):
+    """The rows' embeddings with image tokens taking their feature rows (None for a step without images)."""
+    if not shape.image_rows:
+        return None
+    embeds = embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
+    picked = image_features[jnp.clip(image_rows, 0, shape.image_rows - 1)].astype(embeds.dtype)
+    return jnp.where((image_rows >= 0)[:, None], picked, embeds)
 
 
 def _step_outputs(logits, rows, mask_words, future, shape: StepShape, cfg: ModelConfig):
@@ -82,7 +86,8 @@ def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None
 
     def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None):
         future = state.future
-        batch, rows, mask_words, embeds = _step_inputs(weights.embed, future, buffer, shape, image_features, cfg)
+        batch, rows, image_rows, mask_words = _step_inputs(future, buffer, shape)
+        embeds = _image_embeds(weights.embed, batch, image_rows, image_features, shape, cfg)
         logits, pool, stats = forward(weights, state.pool, batch, cfg=cfg, attention=attend, input_embeds=embeds,
                                       experts_fn=experts_fn, with_stats=True)
         expert_tokens = None if stats is None else state.expert_tokens + stats
@@ -113,12 +118,13 @@ class CallsStep:
         self.layers = LayerCalls(cfg, attend, experts_fn, name=f"{name}_layer")
 
         def first(embed, future, buffer, image_features, *, shape):
-            batch, _, _, embeds = _step_inputs(embed, future, buffer, shape, image_features, cfg)
+            batch, _, image_rows, _ = _step_inputs(future, buffer, shape)
+            embeds = _image_embeds(embed, batch, image_rows, image_features, shape, cfg)
             return embed_rows(embed, batch, cfg, embeds), batch
 
         def last(top, x, future, expert_tokens, stats, buffer, *, shape):
             with matmul_precision(cfg.dtype):
-                batch, rows, mask_words, _ = _step_inputs(top.embed, future, buffer, shape, None, cfg)
+                batch, rows, _, mask_words = _step_inputs(future, buffer, shape)
                 out, future = _step_outputs(head(top, x, batch, cfg), rows, mask_words, future, shape, cfg)
             return out, future, (None if stats is None else expert_tokens + stats)
 

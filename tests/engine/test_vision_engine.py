@@ -85,3 +85,24 @@ def test_bad_images_are_refused_by_name(engine):
     with pytest.raises(ValueError, match=r"image_data\[0\]: URLs are not fetched"):
         engine.generate(input_ids=prompt(), image_data=["https://example.com/a.png"])
     assert engine.generate(input_ids=TEXT, sampling_params={"max_new_tokens": 2})["output_ids"]  # still serving
+
+
+def test_bf16_layer_calls_take_the_image_rows(llava):
+    """bf16 matrices on a CPU run each step as layer calls (engine/programs.CallsStep), whose jitted head merges the
+    image rows: its tokens equal the one-program step's over the same bf16 weights, and the image decides them."""
+    from sgjax.engine.programs import CallsStep, jitted_step
+
+    greedy = {"max_new_tokens": NEW, "temperature": 0}
+    outs = {}
+    with Engine(llava[0], skip_tokenizer_init=True, max_total_tokens=2048, chunked_prefill_size=16,
+                max_running_requests=4, context_length=256, weight_dtype="bfloat16") as eng:
+        assert isinstance(eng.runner.step, CallsStep)
+        calls, runner = eng.runner.step, eng.runner
+        for name, step in (("calls", calls), ("one", jitted_step(runner.cfg, runner.attention, None,
+                                                                  runner.moe_kernel, calls=False))):
+            runner.step = step
+            eng.flush_cache()
+            outs[name] = [eng.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(picture(k))])
+                          ["output_ids"] for k in (1, 2)]
+    assert outs["calls"] == outs["one"]
+    assert outs["calls"][0] != outs["calls"][1]
