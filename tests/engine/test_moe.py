@@ -95,10 +95,12 @@ def test_expert_parallel_matches_one_device(checkpoints, one_device, tp_size, ep
                                    [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]], atol=1e-4)
 
 
-def test_expert_tokens_reach_server_info_and_metrics(checkpoints):
+@pytest.mark.parametrize("weight_dtype", ["auto", "bfloat16"])
+def test_expert_tokens_reach_server_info_and_metrics(checkpoints, weight_dtype):
+    """bfloat16: the CPU's layer calls (engine/programs.CallsStep) carry the counts from each layer's call."""
     _, cfg, weights = checkpoints["olmoe-moe"]
     prompt = list(range(100, 113))
-    with Engine.from_weights(cfg, weights, None, **ENGINE) as engine:
+    with Engine.from_weights(cfg, weights, None, **ENGINE, weight_dtype=weight_dtype) as engine:
         engine.generate(input_ids=[prompt], sampling_params=GREEDY)
         info = engine.get_server_info()
     counts = np.asarray(info["expert_tokens"])
