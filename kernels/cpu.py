@@ -1,13 +1,17 @@
-"""The CPU's attention backend: kernels/cpu_attention.cc, a paged attention in C++ called through XLA's FFI.
+"""The CPU's native kernels, in C++ called through XLA's FFI: the `cpu` attention backend (kernels/cpu_attention.cc)
+and the matrix products of decode's few rows (kernels/cpu_matmul.cc, config.matmul "cpu").
 
 XLA's CPU runs the `ref` backend's gathers and tiny batched dots far from the memory bound: a 16-request decode
-layer took 2 ms where its K/V are 6.5 MB (docs/engine.md, "A native CPU attention"). The kernel reads each row's
-pages in place, only the keys the row sees, with an online softmax, on XLA's intra-op threads.
+layer took 2 ms where its K/V are 6.5 MB (docs/engine.md, "A native CPU attention"). The attention reads each row's
+pages in place, only the keys the row sees, with an online softmax. The products read bf16 or int8 matrices with
+the CPU's dot-product instructions, a stacked layer's matrix in place. Both share work with helper threads that
+spin between a step's calls (kernels/cpu_parallel.h).
 
-It is built on first use with the machine's C++ compiler (`$CXX`, else g++) for the machine it runs on
+They are built on first use with the machine's C++ compiler (`$CXX`, else g++) for the machine it runs on
 (-march=native) against the FFI headers jaxlib ships, into a cache directory (`$SGJAX_CACHE_DIR`, else
 ~/.cache/sgjax) keyed by the source, the flags, jaxlib's version and the CPU's flags, and registered once per
-process. `available()` says whether that worked; the CPU's default backend is "cpu" then, "ref" otherwise.
+process. `available()` says whether that worked; the CPU's default attention backend is "cpu" then, "ref" otherwise,
+and bf16 or int8 matrices use the native products (model/weights.prepare).
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ from sgjax.kernels.ref import row_request
 
 log = logging.getLogger("sgjax.kernels")
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cc")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = tuple(os.path.join(_HERE, name) for name in ("cpu_attention.cc", "cpu_matmul.cc"))
+HEADERS = (os.path.join(_HERE, "cpu_parallel.h"),)
+TARGETS = {"sgjax_paged_attention": "SgjaxPagedAttention", "sgjax_matmul": "SgjaxMatmul"}  # FFI name: symbol
 TARGET = "sgjax_paged_attention"
 FLAGS = ("-O3", "-mprefer-vector-width=512", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
 
@@ -65,13 +72,12 @@ def library_path(arch: str = "native") -> str:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         raise NativeBuildError("no C++ compiler (set CXX or install g++)")
-    with open(SOURCE, "rb") as f:
-        source = f.read()
+    source = b"".join(open(path, "rb").read() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
         source, " ".join(FLAGS), arch, compiler, importlib.metadata.version("jaxlib"), platform.machine(),
         " ".join(sorted(cpu_flags()))
     ))).hexdigest()[:16]
-    name = f"cpu_attention-{arch}-{key}.so"
+    name = f"cpu_kernels-{arch}-{key}.so"
     # the cache, else the temporary directory where the cache cannot be written (a read-only home)
     for out_dir in (os.path.join(cache_dir(), "kernels"), os.path.join(tempfile.gettempdir(), "sgjax-kernels")):
         path = os.path.join(out_dir, name)
@@ -83,8 +89,8 @@ def library_path(arch: str = "native") -> str:
         except OSError:
             continue
         os.close(fd)
-        return _compile([compiler, *FLAGS, f"-march={arch}", f"-I{jax.ffi.include_dir()}", SOURCE], tmp, path)
-    raise NativeBuildError(f"no writable directory for the CPU attention library ({cache_dir()}, the temp dir)")
+        return _compile([compiler, *FLAGS, f"-march={arch}", f"-I{jax.ffi.include_dir()}", *SOURCES], tmp, path)
+    raise NativeBuildError(f"no writable directory for the CPU kernels' library ({cache_dir()}, the temp dir)")
 
 
 def _compile(cmd: list[str], tmp: str, path: str) -> str:
@@ -100,16 +106,18 @@ def _compile(cmd: list[str], tmp: str, path: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def register(arch: str = "native") -> str:
-    """Build (if needed), load and register the kernel; returns its FFI target name. NativeBuildError when it
-    cannot be."""
+def register(arch: str = "native", target: str = TARGET) -> str:
+    """Build (if needed), load and register the kernels; returns `target`'s FFI name for `arch`. NativeBuildError
+    when they cannot be."""
     try:
         lib = ctypes.cdll.LoadLibrary(library_path(arch))
     except OSError as e:
-        raise NativeBuildError(f"cannot load the CPU attention library: {e}") from e
-    target = TARGET if arch == "native" else f"{TARGET}_{arch.replace('-', '_')}"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.SgjaxPagedAttention), platform="cpu")
-    return target
+        raise NativeBuildError(f"cannot load the CPU kernels' library: {e}") from e
+    names = {}
+    for name, symbol in TARGETS.items():
+        names[name] = name if arch == "native" else f"{name}_{arch.replace('-', '_')}"
+        jax.ffi.register_ffi_target(names[name], jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return names[target]
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,3 +155,16 @@ def cpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: fl
     out = call(q.astype(jnp.float32), pool, jnp.asarray(layer, jnp.int32), meta.page_table.astype(jnp.int32), req,
                first, seen, sm_scale=np.float32(sm_scale), softcap=np.float32(softcap or 0.0))
     return out.astype(q.dtype), pool
+
+
+def cpu_matmul(x, layer, matrices, *, arch: str = "native"):
+    """x f32[M, K] against each (w, scale) of `matrices`: w [L, N, K] (layer picks one, read in place) or [N, K],
+    float32, bfloat16 or int8; scale f32[L, N] / [N] per output row (int8), or None. Returns one f32[M, N] per
+    matrix (kernels/cpu_matmul.cc)."""
+    target = register(arch, "sgjax_matmul")
+    operands, shapes = [], []
+    for w, scale in matrices:
+        operands += [w, jnp.zeros((1,), jnp.float32) if scale is None else scale.astype(jnp.float32)]
+        shapes.append(jax.ShapeDtypeStruct((x.shape[0], w.shape[-2]), jnp.float32))
+    call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
+    return call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), *operands)

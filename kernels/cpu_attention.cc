@@ -25,8 +25,10 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
+using sgjax_cpu::ParallelFor;
 
 namespace {
 
@@ -357,34 +359,6 @@ void AttendBlock(const Problem& p, const KV* pool, int64_t r0, int64_t r1, int64
   }
 }
 
-// Runs fn(0 .. n-1) on the calling thread and XLA's intra-op pool. Items are claimed from a shared counter; the
-// caller waits only for helpers that claimed one, so a helper that starts late finds nothing left and touches
-// nothing but the shared state it holds.
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> active{0};
-    std::mutex mu;
-    std::condition_variable done;
-  };
-  auto shared = std::make_shared<Shared>();
-  // Holds `shared` by value; reaches `fn` only while an item is unclaimed, i.e. before this function returns.
-  auto drain = [shared, n, fnp = &fn]() {
-    shared->active.fetch_add(1);
-    for (int64_t i = shared->next.fetch_add(1); i < n; i = shared->next.fetch_add(1)) (*fnp)(i);
-    if (shared->active.fetch_sub(1) == 1) {
-      std::lock_guard<std::mutex> lock(shared->mu);
-      shared->done.notify_all();
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(drain)(drain));
-  drain();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->done.wait(lock, [&] { return shared->active.load() == 0; });
-}
-
 template <typename KV>
 ffi::Error Run(ffi::ThreadPool thread_pool, const Problem& p, const KV* pool, int64_t num_rows) {
   // Blocks: runs of consecutive rows of one request, at most kBlockRows long.
@@ -414,7 +388,7 @@ ffi::Error Run(ffi::ThreadPool thread_pool, const Problem& p, const KV* pool, in
       AttendBlock<KV>(p, pool, b.first, b.second, h);
     }
   };
-  ParallelFor(thread_pool, static_cast<int64_t>(work.size()), fn);
+  ParallelFor(static_cast<int64_t>(work.size()), fn);
   return ffi::Error::Success();
 }
 

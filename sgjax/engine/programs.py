@@ -1,6 +1,7 @@
 """The step programs: one jitted (weights, state, buffer, shape) -> (sampled rows, state) per model, backend and
-mesh (`jitted_step`), or, for bf16 matrices on a CPU, the same step as three jitted parts and a host call per layer
-(`CallsStep`; model/weights.layer_loop_for). `compiles(step)` counts the executables a step got."""
+mesh (`jitted_step`), or, for bf16 or int8 matrices on a CPU, the same step as three jitted parts and a host call
+per layer (`CallsStep`; model/weights.layer_loop_for), with decode's few-row steps as one program again where the
+native matmul runs them (`FewRowsStep`). `compiles(step)` counts the executables a step got."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from sgjax.engine.step import DeviceState, StepShape, unpack
 from sgjax.fsm.device import unpack_bits
 from sgjax.kernels import get_backend
 from sgjax.model.config import ModelConfig
-from sgjax.model.llama import LayerCalls, embed_rows, forward, head, matmul_precision
+from sgjax.model.llama import LayerCalls, embed_lookup, embed_rows, forward, head, matmul_precision, native_rows
 
 # Executables the jitted steps got (compiled, or loaded from the persistent cache), by the step's function name:
 # jax reports every backend compile through jax.monitoring with the function's name.
@@ -51,7 +52,7 @@ def _image_embeds(embed, batch, image_rows, image_features, shape: StepShape, cf
     """The rows' embeddings with image tokens taking their feature rows (None for a step without images)."""
     if not shape.image_rows:
         return None
-    embeds = embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
+    embeds = embed_lookup(embed, batch.input_ids).astype(jnp.dtype(cfg.dtype))
     picked = image_features[jnp.clip(image_rows, 0, shape.image_rows - 1)].astype(embeds.dtype)
     return jnp.where((image_rows >= 0)[:, None], picked, embeds)
 
@@ -81,7 +82,7 @@ def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None
     experts_fn = tp.experts_for(cfg, mesh, moe_kernel)
     name = f"sgjax_step_{len(_COMPILES)}"  # its compile events' fun_name
     _COMPILES[name] = 0
-    if calls:
+    if calls and cfg.matmul != "cpu":
         return CallsStep(cfg, attend, experts_fn, name)
 
     def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None):
@@ -105,7 +106,28 @@ def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None
     fn = jax.jit(step, donate_argnames=("state",), static_argnames=("shape",))
     fn.step_name = name
     fn.precompile = lambda weights, state, buffer, shape: fn.lower(weights, state, buffer, shape).compile()
+    if calls:
+        return FewRowsStep(fn, CallsStep(cfg, attend, experts_fn, name), native_rows(cfg))
     return fn
+
+
+class FewRowsStep:
+    """Under config.matmul "cpu": a step of at most llama.native_rows rows (decode) as one program, whose
+    products are native kernel calls (no layer calls' overhead, and no XLA dot to compile per layer); a larger one
+    (prefill) as a CallsStep, whose XLA dots use the CPU's matrix units."""
+
+    def __init__(self, one, calls: CallsStep, rows: int):
+        self.one, self.calls, self.rows, self.step_name = one, calls, rows, calls.step_name
+
+    def part(self, shape: StepShape):
+        return self.one if shape.batch.num_tokens <= self.rows else self.calls
+
+    def __call__(self, weights, state: DeviceState, buffer, shape: StepShape, *image_features):
+        # image_features only when given: the jitted part's cache keys on its arguments as passed (precompile's)
+        return self.part(shape)(weights, state, buffer, shape, *image_features)
+
+    def precompile(self, weights, state: DeviceState, buffer, shape: StepShape) -> None:
+        self.part(shape).precompile(weights, state, buffer, shape)
 
 
 class CallsStep:

@@ -150,7 +150,7 @@ class Runner:
         lost state). Waits for the steps in flight: the engine asks between steps."""
         cfg = self.cfg
         out = {"attention_backend": self.attention, "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype or cfg.dtype,
-               "compiled_shapes": len(self.shapes_seen), "traces": self.traces}
+               "matmul": cfg.matmul, "compiled_shapes": len(self.shapes_seen), "traces": self.traces}
         if cfg.is_moe:
             out["moe_kernel"] = self.moe_kernel
         state = self.state

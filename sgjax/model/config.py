@@ -50,6 +50,9 @@ class ModelConfig:
     # own layout) for bf16 matrices on a CPU, where XLA's bf16 product against [N, K] runs ~1.5x faster at decode's
     # few rows (weights.with_matrix_layout; a run setting, like weight_dtype).
     matrix_layout: str = "kn"
+    # Who multiplies by the matrices: "xla" (its dots), or "cpu": decode's few-row products through the native
+    # kernel kernels/cpu_matmul.cc (model/llama.dots), for bf16 or int8 matrices [out, in] on a CPU (a run setting).
+    matmul: str = "xla"
     # The few blocks a family changes (their defaults are Llama's).
     qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's q and k before RoPE
     sandwich_norms: bool = False  # Gemma 2/3: the attention and MLP outputs are normed too, before the residual
@@ -79,8 +82,10 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.weight_dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"weight_dtype must be float32 or bfloat16, got {self.weight_dtype!r}")
+        if self.weight_dtype not in (None, "float32", "bfloat16", "int8"):
+            raise ValueError(f"weight_dtype must be float32, bfloat16 or int8, got {self.weight_dtype!r}")
+        if self.matmul not in ("xla", "cpu"):
+            raise ValueError(f"matmul must be xla or cpu, got {self.matmul!r}")
         if self.matrix_layout not in ("kn", "nk"):
             raise ValueError(f"matrix_layout must be kn or nk, got {self.matrix_layout!r}")
         if self.rope_scaling.kind not in ("default", "linear", "llama3"):

@@ -19,7 +19,19 @@ import numpy as np
 from sgjax.model.batch import StepBatch
 from sgjax.model.config import ModelConfig, RopeScaling
 from sgjax.model.moe import moe_mlp
+from sgjax.model.quant import Int8Matrix
 from sgjax.model.weights import Weights
+
+# Under config.matmul "cpu", products of at most this many rows go through kernels/cpu_matmul.cc: decode's few
+# rows are bound by reading the matrices, which the kernel does near the memory's speed. More rows (prefill) keep
+# XLA's dots, whose bf16 products use the CPU's matrix units: they won from 16 rows for bf16 matrices; int8 ones
+# would be widened to bf16 per call there, so the kernel's integer dot products keep more rows (docs/engine.md).
+NATIVE_ROWS = {"bfloat16": 8, "int8": 32}
+
+
+def native_rows(cfg: ModelConfig) -> int:
+    """The most rows a product runs through the native kernel (0: none)."""
+    return NATIVE_ROWS.get(cfg.weight_dtype, 0) if cfg.matmul == "cpu" and cfg.matrix_layout == "nk" else 0
 
 
 def rms_norm(x, weight, eps: float):
@@ -60,6 +72,9 @@ def dot(h, w, nk: bool = False, out_dtype=None):
     one row of such a product is computed as two (XLA's CPU runs a one-row bf16 product ~8x slower than a two-row
     one, docs/engine.md)."""
     out_dtype = out_dtype or h.dtype
+    if isinstance(w, Int8Matrix):  # bf16 holds every int8 exactly; the scale is per output row
+        out = dot(h.astype(jnp.bfloat16), w.q.astype(jnp.bfloat16), nk, jnp.float32)
+        return (out * (w.scale if nk else w.scale[..., None, :])).astype(out_dtype)
     if w.dtype == h.dtype and not nk:
         return (h @ w).astype(out_dtype)
     rows, x = h.shape[0], h.astype(w.dtype)
@@ -67,6 +82,22 @@ def dot(h, w, nk: bool = False, out_dtype=None):
         x = jnp.concatenate([x, jnp.zeros_like(x)])
     out = jax.lax.dot_general(x, w, (((1,), (1 if nk else 0,)), ((), ())), preferred_element_type=jnp.float32)
     return out[:rows].astype(out_dtype)
+
+
+def dots(h, matrices, cfg: ModelConfig, index=None, out_dtype=None):
+    """h @ each of `matrices` (dot's semantics), which share h. Under config.matmul "cpu" a product of few rows
+    is one call of the native kernel for all of them; `index` (a traced layer index) means the matrices are the
+    stacked [L, N, K] ones, read in place there (sliced for XLA's dots)."""
+    nk = cfg.matrix_layout == "nk"
+    if h.shape[0] <= native_rows(cfg):
+        from sgjax.kernels.cpu import cpu_matmul
+
+        pairs = [(m.q, m.scale) if isinstance(m, Int8Matrix) else (m, None) for m in matrices]
+        outs = cpu_matmul(h, 0 if index is None else index, pairs)
+        return [out.astype(out_dtype or h.dtype) for out in outs]
+    if index is not None:
+        matrices = [jax.tree.map(lambda a: a[index], m) for m in matrices]
+    return [dot(h, m, nk, out_dtype) for m in matrices]
 
 
 def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, experts_fn=None):
@@ -77,8 +108,7 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
     num_rows = x.shape[0]
     with jax.named_scope("qkv"):
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        nk = cfg.matrix_layout == "nk"
-        q, k, v = dot(h, w.wq, nk), dot(h, w.wk, nk), dot(h, w.wv, nk)
+        q, k, v = dots(h, (w.wq, w.wk, w.wv), cfg)
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         if cfg.qk_norm and not cfg.qk_norm_per_head:  # OLMoE: over the whole projections
@@ -97,7 +127,7 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
         if cfg.attn_softcap:
             extra["softcap"] = cfg.attn_softcap
         attn, pool = attention(q, k, v, pool, index, batch.attn, sm_scale=cfg.sm_scale, **extra)
-        out = dot(attn.reshape(num_rows, cfg.q_size).astype(x.dtype), w.wo, nk)
+        (out,) = dots(attn.reshape(num_rows, cfg.q_size).astype(x.dtype), (w.wo,), cfg)
         if cfg.sandwich_norms:
             out = rms_norm(out, w.post_attn_norm, cfg.rms_norm_eps)
         x = x + out
@@ -109,8 +139,8 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
             out, counts = moe_mlp(h, w, cfg, valid, experts_fn)
         else:
             act = jax.nn.silu if cfg.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-            nk = cfg.matrix_layout == "nk"
-            out = dot(act(dot(h, w.w_gate, nk)) * dot(h, w.w_up, nk), w.w_down, nk)
+            gate, up = dots(h, (w.w_gate, w.w_up), cfg)
+            (out,) = dots(act(gate) * up, (w.w_down,), cfg)
         if cfg.sandwich_norms:
             out = rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps)
         return (x + out, pool), counts
@@ -158,10 +188,15 @@ def embed_rows(embed, batch: StepBatch, cfg: ModelConfig, input_embeds=None):
     input_embeds."""
     if input_embeds is not None:
         return input_embeds.astype(jnp.dtype(cfg.dtype))
-    x = embed[batch.input_ids].astype(jnp.dtype(cfg.dtype))
+    x = embed_lookup(embed, batch.input_ids).astype(jnp.dtype(cfg.dtype))
     if cfg.embed_scale:  # in the model's dtype, as HF's Gemma rounds it
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.dtype(cfg.dtype))
     return x
+
+
+def embed_lookup(embed, ids):
+    """Rows `ids` of the embedding (an int8 one widened to float32)."""
+    return embed.rows(ids) if isinstance(embed, Int8Matrix) else embed[ids]
 
 
 def head(weights, x, batch: StepBatch, cfg: ModelConfig, output: str = "logits"):
@@ -172,9 +207,9 @@ def head(weights, x, batch: StepBatch, cfg: ModelConfig, output: str = "logits")
         if output == "hidden":
             return x.astype(jnp.float32)
         if weights.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
-            logits = dot(x, weights.embed, nk=True, out_dtype=jnp.float32)
+            (logits,) = dots(x, (weights.embed,), cfg.replace(matrix_layout="nk"), out_dtype=jnp.float32)
         else:
-            logits = dot(x, weights.lm_head, nk=cfg.matrix_layout == "nk", out_dtype=jnp.float32)
+            (logits,) = dots(x, (weights.lm_head,), cfg, out_dtype=jnp.float32)
         if cfg.final_softcap:
             logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return logits

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgjax.model.config import ModelConfig
+from sgjax.model.quant import quantize
 
 Array = Any
 
@@ -148,8 +149,15 @@ NK_LEAVES = frozenset(leaf.name for leaf in LEAVES
                       if leaf.transposed and leaf.name != "router" and "expert" not in leaf.axes)
 
 
+# The matrices --weight-dtype int8 quantizes (model/quant.py): the dense ones and the embedding, stored [out, in];
+# not the router or the experts.
+INT8_LEAVES = NK_LEAVES | {"embed"}
+
+
 def leaf_dtype(cfg: ModelConfig, name: str):
-    return jnp.dtype(cfg.weight_dtype if cfg.weight_dtype and name in MATMUL_LEAVES else cfg.dtype)
+    """A leaf's float dtype (int8 matrices are quantized from the model's dtype by with_weight_dtype)."""
+    narrow = cfg.weight_dtype not in (None, "int8") and name in MATMUL_LEAVES
+    return jnp.dtype(cfg.weight_dtype if narrow else cfg.dtype)
 
 
 def with_weight_dtype(cfg: ModelConfig, weights: Weights, weight_dtype: str | None) -> tuple[ModelConfig, Weights]:
@@ -157,9 +165,17 @@ def with_weight_dtype(cfg: ModelConfig, weights: Weights, weight_dtype: str | No
     weights for a mesh) stay numpy. Stacked and unrolled layers alike."""
     if weight_dtype in (None, cfg.dtype) and cfg.weight_dtype is None:
         return cfg, weights
+    if cfg.weight_dtype == "int8":
+        raise ValueError("int8 matrices cannot be cast again: load the model's weights")
+    if weight_dtype == "int8":  # per output row: [out, in] first
+        cfg, weights = with_matrix_layout(cfg, weights, "nk")
     cfg = cfg.replace(weight_dtype=None if weight_dtype == cfg.dtype else weight_dtype)
 
     def cast(obj):
+        if cfg.weight_dtype == "int8":
+            changes = {f.name: quantize(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                       if f.name in INT8_LEAVES and getattr(obj, f.name) is not None}
+            return dataclasses.replace(obj, **changes)
         changes = {f.name: getattr(obj, f.name).astype(leaf_dtype(cfg, f.name)) for f in dataclasses.fields(obj)
                    if f.name in MATMUL_LEAVES and getattr(obj, f.name) is not None}
         return dataclasses.replace(obj, **changes)
@@ -221,13 +237,16 @@ def with_matrix_layout(cfg: ModelConfig, weights: Weights, layout: str) -> tuple
 
 
 def cpu_bf16_matrices(platform: str, cfg: ModelConfig | None) -> bool:
-    """bf16 matrices under float32 activations on a CPU (config.weight_dtype), which run unrolled and [out, in]."""
-    return platform == "cpu" and cfg is not None and cfg.weight_dtype == "bfloat16" and cfg.dtype == "float32"
+    """bf16 or int8 matrices under float32 activations on a CPU (config.weight_dtype), which run as layer calls
+    and [out, in]."""
+    return (platform == "cpu" and cfg is not None and cfg.weight_dtype in ("bfloat16", "int8")
+            and cfg.dtype == "float32")
 
 
 def layer_loop_for(platform: str, cfg: ModelConfig | None = None) -> str:
     """'unrolled' on accelerators (weight traffic), 'scan' on CPU (compile time in tests and CI), but 'calls' for
-    bf16 matrices under float32 activations there: XLA's CPU runs a bf16 dot inside the scan's loop body 4-6x
+    bf16 or int8 matrices under float32 activations there (decode's few-row steps then run as one program of native
+    products, engine/programs.FewRowsStep): XLA's CPU runs a bf16 dot inside the scan's loop body 4-6x
     slower than the float32 one (the fast bf16 dot is not used in a while loop), and an unrolled program compiles
     for ~1 s per step shape, so the layers are host calls of one jitted block (model/llama.LayerCalls; a
     tensor-parallel engine unrolls them instead, engine/runner.py; docs/engine.md)."""
@@ -245,6 +264,9 @@ def prepare(cfg: ModelConfig, weights: Weights, platform: str) -> tuple[ModelCon
     bf16 matrices on a CPU [out, in] (config.matrix_layout)."""
     weights = for_platform(weights, platform, cfg)
     if cpu_bf16_matrices(platform, cfg):
+        from sgjax.kernels.cpu import available
+
+        cfg = cfg.replace(matmul="cpu" if available() else "xla")
         return with_matrix_layout(cfg, weights, "nk")
     return cfg, weights
 

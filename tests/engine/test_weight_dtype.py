@@ -13,14 +13,17 @@ from sgjax.cli import build_parser, split_args
 from sgjax.engine import loading
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.engine import Engine
-from sgjax.engine.programs import CallsStep, jitted_step
+from sgjax.engine.programs import CallsStep, FewRowsStep, jitted_step
+from sgjax.kernels import cpu
 from sgjax.model.config import ModelConfig
 from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import build_batch
+from sgjax.model import llama
 from sgjax.model.llama import forward
 from sgjax.model.presets import TINY_LLAMA
-from sgjax.model.weights import (MATMUL_LEAVES, NK_LEAVES, LayerWeights, dummy_weights, layer_loop_for, prepare,
-                                 unstack_layers, with_matrix_layout, with_weight_dtype)
+from sgjax.model.quant import Int8Matrix
+from sgjax.model.weights import (INT8_LEAVES, MATMUL_LEAVES, NK_LEAVES, LayerWeights, dummy_weights, layer_loop_for,
+                                 prepare, unstack_layers, with_matrix_layout, with_weight_dtype)
 from tests.conftest import SMALL
 from tests.engine.conftest import tiny_engine
 
@@ -102,7 +105,8 @@ def test_bf16_layer_calls_precompile_and_equal_the_one_program_step(tiny):
         if event == "/jax/core/compile/backend_compile_duration" else None)
     with tiny_engine(tiny, weight_dtype="bfloat16") as eng:
         runner = eng.runner
-        assert isinstance(runner.step, CallsStep)
+        # decode's few rows as one program of native products (FewRowsStep) where the kernel builds
+        assert isinstance(runner.step, FewRowsStep if cpu.available() else CallsStep)
         shapes = runner.start_shapes(64)[:3]
         runner.precompile(shapes)
         compiled.clear()
@@ -159,7 +163,10 @@ def test_auto_is_the_models_dtype_and_the_setting_is_checked(tiny, monkeypatch):
     assert loading.default_weight_dtype(ServerArgs(), "float32", "cpu") == "float32"
     assert loading.default_weight_dtype(ServerArgs(weight_dtype="bfloat16"), "float32") == "bfloat16"
     with pytest.raises(ValueError, match="weight_dtype"):
-        loading.default_weight_dtype(ServerArgs(weight_dtype="int8"), "float32")
+        loading.default_weight_dtype(ServerArgs(weight_dtype="float16"), "float32")
+    assert loading.default_weight_dtype(ServerArgs(weight_dtype="int8"), "float32") == "int8"
+    with pytest.raises(ValueError, match="weight_dtype int8 runs on one device"):
+        loading.default_weight_dtype(ServerArgs(weight_dtype="int8", tp_size=2), "float32")
     args, _ = split_args(build_parser().parse_args(["serve", "--weight-dtype", "bfloat16"]))
     assert args.weight_dtype == "bfloat16"
     cfg, weights, _ = tiny
@@ -178,3 +185,73 @@ def test_real_smollm2_bf16_greedy_text_equals_float32(smollm2, smollm2_tokenizer
             texts[weight_dtype] = [o["text"] for o in eng.generate(prompts, sampling_params=params)]
     assert texts["bfloat16"] == texts["float32"]
     assert isinstance(cfg, ModelConfig) and np.asarray(weights.embed).dtype == np.float32  # the shared copy kept
+
+
+def test_int8_quantizes_the_dense_matrices_and_embedding_per_output_row(tiny):
+    """--weight-dtype int8: the dense matrices and the embedding become Int8Matrix [out, in] (scales per output
+    row), the norms stay float32; a CPU runs them as layer calls with the native kernel; casting again is
+    refused."""
+    cfg, weights, _ = tiny
+    q_cfg, q = with_weight_dtype(cfg, weights, "int8")
+    assert q_cfg.weight_dtype == "int8" and q_cfg.matrix_layout == "nk" and q_cfg.dtype == "float32"
+    for name, leaf in _leaves(q).items():
+        if leaf is None:
+            continue
+        assert isinstance(leaf, Int8Matrix) == (name in INT8_LEAVES), name
+        if name not in INT8_LEAVES:
+            assert leaf.dtype == jnp.float32, name
+    wq = q.layers.wq
+    assert wq.q.shape == (cfg.num_layers, cfg.q_size, cfg.hidden_size) and wq.scale.shape == wq.q.shape[:2]
+    np.testing.assert_allclose(np.asarray(wq.q[0], np.float32) * np.asarray(wq.scale[0])[:, None],
+                               np.asarray(weights.layers.wq[0]).T, atol=float(np.asarray(wq.scale).max()))
+    run_cfg, run = prepare(q_cfg, q, "cpu")
+    assert isinstance(run.layers, tuple) and run_cfg.matmul == ("cpu" if cpu.available() else "xla")
+    assert prepare(q_cfg, q, "gpu")[0].matmul == "xla"
+    with pytest.raises(ValueError, match="int8"):
+        with_weight_dtype(q_cfg, q, "bfloat16")
+
+
+@pytest.mark.parametrize("matmul", ["cpu", "xla"])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_int8_logits_close_to_float32(rows, matmul):
+    """The int8 forward's logits against float32's on the same weights, through the native kernel (rows up to
+    llama.native_rows: activations int8 per block of 64) and through XLA's dots (more rows, or matmul "xla":
+    int8 matrices widened to bf16): the quantization's error, not another model."""
+    cfg = TINY_LLAMA.replace(tie_word_embeddings=True)
+    weights = dummy_weights(cfg, seed=5)
+    q_cfg, q = with_weight_dtype(cfg, weights, "int8")
+    q_cfg, q = prepare(q_cfg, q, "cpu")
+    q_cfg = q_cfg.replace(matmul=matmul if cpu.available() else "xla")
+    batch = build_batch([list(range(3, 3 + rows))], [rows], [[1, 2, 3]], 16, rows, 1, 3,
+                        logits_rows=list(range(rows)), num_logits=rows)
+    attend = get_backend("ref")
+    logits = []
+    for c, w in ((cfg, weights), (q_cfg, q)):
+        pool = allocate_pool(c.num_layers, 4, 16, c.num_kv_heads, c.head_dim)
+        out, _ = jax.jit(lambda w, pool, b, c=c: forward(w, pool, b, cfg=c, attention=attend))(
+            w, pool, jax.tree.map(jnp.asarray, batch))
+        logits.append(np.asarray(out))
+    ref, got = logits
+    assert np.isfinite(got).all() and got.shape == ref.shape
+    rel = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert rel.max() < 0.05, rel  # int8 rounding of every matrix (and of x on the kernel's path), a few percent
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
+
+
+def test_int8_engine_decodes_as_one_program_and_reports_it(tiny):
+    """An engine with int8 matrices: server info names them and the native matmul; decode's shapes run as one
+    program (FewRowsStep's `one`), prefill's as layer calls; greedy tokens close to float32's."""
+    prompts = [[5, 9, 27, 101, 3], list(range(200, 231))]
+    runs = {}
+    for weight_dtype in ("float32", "int8"):
+        with tiny_engine(tiny, weight_dtype=weight_dtype) as eng:
+            runs[weight_dtype] = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+            info = eng.get_server_info()
+            step = eng.runner.step
+        assert info["weight_dtype"] == weight_dtype
+    assert info["matmul"] == ("cpu" if cpu.available() else "xla")
+    if cpu.available():
+        assert isinstance(step, FewRowsStep) and step.rows == llama.NATIVE_ROWS["int8"]
+        assert step.part(eng.runner.start_shapes(64)[0]) is step.one
+    for a, b in zip(runs["float32"], runs["int8"]):
+        assert sum(x == y for x, y in zip(a["output_ids"], b["output_ids"])) >= 3

@@ -1,0 +1,345 @@
+// Matrix products for the CPU with the weights read in place, called from XLA through its FFI (kernels/cpu.py
+// builds and registers it).
+//
+// y_i[M, N_i] = x[M, K] @ W_i[layer]^T * scale_i[layer] for one to a few matrices W_i that share x (q, k and v;
+// gate and up): W_i [L, N_i, K] (stacked layers, `layer` picks one: a scanned loop reads its layer's matrix where
+// it lies instead of slicing a copy) or [N_i, K]; int8 with a float32 scale per output row (weight-only int8), or
+// bfloat16 / float32 without. Activations and accumulation are float32; a weight is widened in registers.
+//
+// The few-row products of decode are bound by reading the weights: the work items are chunks of output rows of
+// every matrix, each read once for all of x's rows (x stays in L1/L2), on XLA's intra-op threads.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+#include "cpu_parallel.h"
+
+namespace ffi = xla::ffi;
+using sgjax_cpu::ParallelFor;
+
+namespace {
+
+constexpr int64_t kRowsPerItem = 32;  // output rows per work item
+constexpr int kMR = 4;                // x rows per pass over a weight row
+
+inline float Widen(float w) { return w; }
+inline float Widen(int8_t w) { return static_cast<float>(w); }
+inline float Widen(uint16_t bf16) {
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// One vector of float32 lanes: x's and a weight row's next lanes, widened.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec LoadX(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec LoadW(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec LoadW(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec LoadW(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec LoadX(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec LoadW(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec LoadW(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec LoadW(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float Sum(Vec v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+#else
+constexpr int64_t kLanes = 1;
+using Vec = float;
+inline Vec Zero() { return 0.0f; }
+inline Vec LoadX(const float* p) { return *p; }
+template <typename W>
+inline Vec LoadW(const W* p) { return Widen(*p); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return a * b + c; }
+inline Vec Add(Vec a, Vec b) { return a + b; }
+inline float Sum(Vec v) { return v; }
+#endif
+
+// y[m, n] = sum_k x[m, k] * w[n, k] * scale[n] for MR rows of x and each row n in [n0, n1) of w (row stride k).
+// A weight row is read kUnroll vectors at a time, each widened once and multiplied into every x row: independent
+// accumulators per vector keep the FMAs' latency hidden (4 rows of 16 lanes at a time ran at a third of the speed
+// of one row of 64 for a single x row).
+constexpr int kUnroll = 4;
+
+template <typename W, int MR>
+void Rows(const float* x, const W* w, int64_t k, const float* scale, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int64_t step = kUnroll * kLanes;
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* row = w + n * k;
+    Vec acc[MR][kUnroll];
+    for (int m = 0; m < MR; ++m)
+      for (int u = 0; u < kUnroll; ++u) acc[m][u] = Zero();
+    int64_t i = 0;
+    for (; i + step <= k; i += step) {
+      Vec wv[kUnroll];
+      for (int u = 0; u < kUnroll; ++u) wv[u] = LoadW(row + i + u * kLanes);
+      for (int m = 0; m < MR; ++m)
+        for (int u = 0; u < kUnroll; ++u) acc[m][u] = Fma(wv[u], LoadX(x + m * k + i + u * kLanes), acc[m][u]);
+    }
+    for (; i + kLanes <= k; i += kLanes) {
+      const Vec wv = LoadW(row + i);
+      for (int m = 0; m < MR; ++m) acc[m][0] = Fma(wv, LoadX(x + m * k + i), acc[m][0]);
+    }
+    for (int m = 0; m < MR; ++m) {
+      Vec total = acc[m][0];
+      for (int u = 1; u < kUnroll; ++u) total = Add(total, acc[m][u]);
+      float out = Sum(total);
+      for (int64_t t = i; t < k; ++t) out += x[m * k + t] * Widen(row[t]);
+      y[m * ldy + n] = scale == nullptr ? out : out * scale[n];
+    }
+  }
+}
+
+// The dot-product instructions' paths, where the CPU has them and K is a multiple of 64: x is converted once per call,
+// then a weight row is one load and one instruction per x row for each 64 bytes (the widening paths above spend
+// 3-4 instructions per 16 weights: one stream's decode ran at a third of the memory's speed).
+#if defined(__AVX512BF16__)
+// bf16 matrices: x rounded to bf16, pairs multiplied exactly and summed in float32 (vdpbf16ps): the numerics of
+// XLA's bf16 dot, which rounds x to bf16 too (model/llama.dot).
+std::vector<uint16_t> RoundToBf16(const float* x, int64_t count) {
+  std::vector<uint16_t> out(count);
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + i),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
+  }
+  for (; i < count; ++i) {
+    __m128 v = _mm_set_ss(x[i]);
+    out[i] = static_cast<uint16_t>(_mm_cvtsi128_si32(reinterpret_cast<__m128i>(_mm_cvtneps_pbh(v))));
+  }
+  return out;
+}
+
+template <int MR>
+void Bf16Rows(const uint16_t* xb, const uint16_t* w, int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* row = w + n * k;
+    __m512 acc[MR][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 64) {
+      const __m512i w0 = _mm512_loadu_si512(row + i), w1 = _mm512_loadu_si512(row + i + 32);
+      for (int m = 0; m < MR; ++m) {
+        const uint16_t* xr = xb + m * k + i;
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr)),
+                                     reinterpret_cast<__m512bh>(w0));
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + 32)),
+                                     reinterpret_cast<__m512bh>(w1));
+      }
+    }
+    for (int m = 0; m < MR; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+// int8 matrices: x quantized to int8 per block of 64 (its largest magnitude / 127, as llama.cpp's Q8 blocks of
+// 32 quantize activations), each block's integer dot product exact (vpdpbusd, the weights offset to unsigned by
+// 128 and the offset's share taken off once per x row), scaled and summed in float32.
+struct QuantizedX {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> scale;  // [M, K / 64]
+  std::vector<float> offset; // [M]: 128 * sum over blocks of scale * sum(q)
+};
+
+QuantizedX QuantizeBlocks(const float* x, int64_t rows, int64_t k) {
+  const int64_t blocks = k / 64;
+  QuantizedX out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows)};
+  for (int64_t m = 0; m < rows; ++m) {
+    float offset = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* v = x + m * k + b * 64;
+      __m512 peak = _mm512_setzero_ps();
+      for (int u = 0; u < 4; ++u) peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_loadu_ps(v + 16 * u)));
+      const float scale = _mm512_reduce_max_ps(peak) / 127.0f;
+      const __m512 inv = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+      int32_t sum = 0;
+      for (int u = 0; u < 4; ++u) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * u), inv));  // round to nearest
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + m * k + b * 64 + 16 * u), _mm512_cvtsepi32_epi8(q));
+        sum += _mm512_reduce_add_epi32(q);
+      }
+      out.scale[m * blocks + b] = scale;
+      offset += 128.0f * scale * static_cast<float>(sum);
+    }
+    out.offset[m] = offset;
+  }
+  return out;
+}
+
+template <int MR>
+void Int8Rows(const QuantizedX& xq, int64_t m0, const int8_t* w, int64_t k, const float* wscale, float* y,
+              int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t blocks = k / 64;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* xr = xq.q.data() + m0 * k;
+  const float* xs = xq.scale.data() + m0 * blocks;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * k;
+    __m512 acc[MR][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(row + b * 64), flip);  // w + 128, unsigned
+      for (int m = 0; m < MR; ++m) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512(xr + m * k + b * 64));
+        acc[m][b & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xs[m * blocks + b]), acc[m][b & 1]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const float dot = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - xq.offset[m0 + m];
+      y[m * ldy + n] = dot * wscale[n];
+    }
+  }
+}
+#endif
+
+// fn(mr, m) over x's rows in passes of kMR rows and one of the rest; mr() is the pass's row count, a constant.
+template <typename Fn>
+void ForRows(int64_t rows, Fn fn) {
+  int64_t m = 0;
+  for (; m + kMR <= rows; m += kMR) fn(std::integral_constant<int, kMR>(), m);
+  switch (rows - m) {
+    case 3: fn(std::integral_constant<int, 3>(), m); break;
+    case 2: fn(std::integral_constant<int, 2>(), m); break;
+    case 1: fn(std::integral_constant<int, 1>(), m); break;
+    default: break;
+  }
+}
+
+struct Matrix {
+  const void* w;       // this layer's [N, K]
+  const float* scale;  // this layer's [N], or null
+  ffi::DataType type;
+  float* y;            // [M, N]
+  int64_t n;
+};
+
+ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                  ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("matmul: x must be [M, K]");
+  const int64_t rows = xd[0], k = xd[1];
+  if (args.size() != 2 * rets.size() || rets.size() == 0) {
+    return ffi::Error::InvalidArgument("matmul: a (weights, scale) pair of arguments per result");
+  }
+  std::vector<Matrix> mats;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto w = args.get<ffi::AnyBuffer>(2 * i);
+    auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (!w.has_value() || !s.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("matmul: buffers");
+    auto wd = w->dimensions();
+    if ((wd.size() != 2 && wd.size() != 3) || wd.back() != k) {
+      return ffi::Error::InvalidArgument("matmul: weights must be [L, N, K] or [N, K] with x's K");
+    }
+    const int64_t n = wd[wd.size() - 2];
+    const int64_t depth = wd.size() == 3 ? wd[0] : 1;
+    const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, depth - 1);
+    const ffi::DataType type = w->element_type();
+    int64_t width;
+    switch (type) {
+      case ffi::DataType::F32: width = 4; break;
+      case ffi::DataType::BF16: width = 2; break;
+      case ffi::DataType::S8: width = 1; break;
+      default: return ffi::Error::InvalidArgument("matmul: weights must be float32, bfloat16 or int8");
+    }
+    const bool scaled = static_cast<int64_t>(s->element_count()) == depth * n && s->element_type() == ffi::DataType::F32;
+    if (type == ffi::DataType::S8 && !scaled) {
+      return ffi::Error::InvalidArgument("matmul: int8 weights need a float32 scale [L, N] or [N]");
+    }
+    if (static_cast<int64_t>((*y)->element_count()) != rows * n || (*y)->element_type() != ffi::DataType::F32) {
+      return ffi::Error::InvalidArgument("matmul: result must be float32 [M, N]");
+    }
+    mats.push_back({static_cast<const char*>(w->untyped_data()) + l * n * k * width,
+                    scaled ? reinterpret_cast<const float*>(s->untyped_data()) + l * n : nullptr, type,
+                    reinterpret_cast<float*>((*y)->untyped_data()), n});
+  }
+  std::vector<std::pair<int64_t, int64_t>> work;  // (matrix, first output row)
+  for (int64_t i = 0; i < static_cast<int64_t>(mats.size()); ++i) {
+    for (int64_t n = 0; n < mats[i].n; n += kRowsPerItem) work.emplace_back(i, n);
+  }
+  const float* xp = x.typed_data();
+  const bool blocks64 = k % 64 == 0;
+  auto has = [&](ffi::DataType t) {
+    return std::any_of(mats.begin(), mats.end(), [t](const Matrix& mat) { return mat.type == t; });
+  };
+#if defined(__AVX512BF16__)
+  const std::vector<uint16_t> xb = blocks64 && has(ffi::DataType::BF16) ? RoundToBf16(xp, rows * k)
+                                                                        : std::vector<uint16_t>();
+#endif
+#if defined(__AVX512VNNI__)
+  const QuantizedX xq = blocks64 && has(ffi::DataType::S8) ? QuantizeBlocks(xp, rows, k) : QuantizedX();
+#endif
+  auto fn = [&](int64_t item) {
+    const Matrix& mat = mats[work[item].first];
+    const int64_t n0 = work[item].second, n1 = std::min(n0 + kRowsPerItem, mat.n);
+#if defined(__AVX512BF16__)
+    if (blocks64 && mat.type == ffi::DataType::BF16) {
+      const auto* w = static_cast<const uint16_t*>(mat.w);
+      ForRows(rows, [&](auto mr, int64_t m) { Bf16Rows<mr()>(xb.data() + m * k, w, k, mat.y + m * mat.n, mat.n, n0, n1); });
+      return;
+    }
+#endif
+#if defined(__AVX512VNNI__)
+    if (blocks64 && mat.type == ffi::DataType::S8) {
+      const auto* w = static_cast<const int8_t*>(mat.w);
+      ForRows(rows, [&](auto mr, int64_t m) { Int8Rows<mr()>(xq, m, w, k, mat.scale, mat.y + m * mat.n, mat.n, n0, n1); });
+      return;
+    }
+#endif
+    auto widening = [&](const auto* w) {
+      ForRows(rows, [&](auto mr, int64_t m) {
+        Rows<std::remove_const_t<std::remove_pointer_t<decltype(w)>>, mr()>(xp + m * k, w, k, mat.scale,
+                                                                            mat.y + m * mat.n, mat.n, n0, n1);
+      });
+    };
+    switch (mat.type) {
+      case ffi::DataType::S8: widening(static_cast<const int8_t*>(mat.w)); break;
+      case ffi::DataType::BF16: widening(static_cast<const uint16_t*>(mat.w)); break;
+      default: widening(static_cast<const float*>(mat.w)); break;
+    }
+  };
+  ParallelFor(static_cast<int64_t>(work.size()), fn);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SgjaxMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .RemainingArgs()               // (weights, scale) per matrix
+                                  .RemainingRets());             // y per matrix

@@ -1,0 +1,134 @@
+// The CPU kernels' work sharing (kernels/cpu_attention.cc, kernels/cpu_matmul.cc): one helper thread per further
+// core, kept spinning for a while after each job.
+//
+// Decode calls the kernels every few tens of microseconds (four matrix products and an attention per layer), each
+// call 20-60 us of work. XLA's intra-op pool wakes a sleeping thread per task, which took longer than the work: a
+// second thread gained nothing. These helpers spin for kSpinMicros after a job before they sleep, so within a step
+// they start at once.
+
+#pragma once
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace sgjax_cpu {
+
+constexpr int64_t kSpinMicros = 300;
+
+inline void Pause() {
+#if defined(__x86_64__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Jobs of n independent items, fn(ctx, i), run by the caller and the helpers. `next` packs the job's generation
+// (high 32 bits) with the next unclaimed item (low 32 bits), so a helper late from one job can never claim an item
+// of the next. One job at a time: a caller that finds the pool busy (another thread's job) runs its own items.
+class Pool {
+ public:
+  static Pool& Get() {
+    static Pool* pool = new Pool();  // never destroyed: helpers may still spin at exit
+    return *pool;
+  }
+
+  template <typename Fn>
+  void Run(int64_t n, Fn& fn) {
+    auto call = [](void* ctx, int64_t i) { (*static_cast<Fn*>(ctx))(i); };
+    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
+    if (n <= 1 || helpers_ == 0 || !busy.owns_lock() || getpid() != pid_) {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    call_.store(call, std::memory_order_relaxed);
+    ctx_.store(&fn, std::memory_order_relaxed);
+    n_.store(n, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = ++gen_;
+    next_.store(gen << 32, std::memory_order_seq_cst);  // publishes the job
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(sleep_mu_);
+      wake_.notify_all();
+    }
+    Work(gen, call, &fn, n);
+    while (done_.load(std::memory_order_acquire) < n) Pause();
+  }
+
+ private:
+  Pool() : pid_(getpid()) {
+    cpu_set_t set;
+    int cores = static_cast<int>(std::thread::hardware_concurrency());
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+    helpers_ = std::max(0, cores - 1);
+    for (int i = 0; i < helpers_; ++i) std::thread([this] { Helper(); }).detach();
+  }
+
+  // Claims and runs items of job `gen` until none is left.
+  void Work(uint64_t gen, void (*call)(void*, int64_t), void* ctx, int64_t n) {
+    uint64_t v = next_.load(std::memory_order_acquire);
+    while ((v >> 32) == gen && static_cast<int64_t>(v & 0xffffffffu) < n) {
+      if (next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) {
+        call(ctx, static_cast<int64_t>(v & 0xffffffffu));
+        done_.fetch_add(1, std::memory_order_release);
+        v = next_.load(std::memory_order_acquire);
+      }
+    }
+  }
+
+  void Helper() {
+    uint64_t seen = 0;
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      uint64_t v = next_.load(std::memory_order_acquire);
+      for (int spins = 0; (v >> 32) == seen; ++spins) {
+        Pause();
+        if ((spins & 63) == 63 && std::chrono::steady_clock::now() - start >
+                                      std::chrono::microseconds(kSpinMicros)) {
+          std::unique_lock<std::mutex> lock(sleep_mu_);
+          sleeping_.fetch_add(1, std::memory_order_seq_cst);
+          wake_.wait(lock, [&] { return (next_.load(std::memory_order_seq_cst) >> 32) != seen; });
+          sleeping_.fetch_sub(1, std::memory_order_seq_cst);
+          start = std::chrono::steady_clock::now();
+        }
+        v = next_.load(std::memory_order_acquire);
+      }
+      seen = v >> 32;
+      // The fields may already be a later job's: then the claim below fails (its generation differs).
+      Work(seen, call_.load(std::memory_order_relaxed), ctx_.load(std::memory_order_relaxed),
+           n_.load(std::memory_order_relaxed));
+    }
+  }
+
+  const pid_t pid_;  // a forked child has no helpers: it runs its jobs alone
+  int helpers_ = 0;
+  std::mutex run_mu_, sleep_mu_;
+  std::condition_variable wake_;
+  uint64_t gen_ = 0;
+  std::atomic<uint64_t> next_{0};
+  std::atomic<int64_t> done_{0}, n_{0};
+  std::atomic<int> sleeping_{0};
+  std::atomic<void (*)(void*, int64_t)> call_{nullptr};
+  std::atomic<void*> ctx_{nullptr};
+};
+
+// Runs fn(0 .. n-1) on the calling thread and the pool's helpers.
+template <typename Fn>
+void ParallelFor(int64_t n, Fn fn) {
+  Pool::Get().Run(n, fn);
+}
+
+}  // namespace sgjax_cpu

@@ -1,0 +1,136 @@
+"""The CPU's matrix products (kernels/cpu_matmul.cc through XLA's FFI) against numpy, on every code path: the
+widening FMA loops (AVX-512, AVX2, plain C++), and, where this CPU has them and K is a multiple of 64, the bf16
+dot-product (vdpbf16ps: x rounded to bf16) and int8 dot-product (vpdpbusd: x quantized per block of 64) paths;
+stacked layers read in place, several matrices in one call, x's row counts around the 4-row passes; the spinning
+helpers under concurrent calls; and the refusals."""
+
+import concurrent.futures
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgjax.kernels import cpu
+from sgjax.model.quant import Int8Matrix, dequantized, quantize
+
+ARCHS = ["native"] + (["x86-64-v3", "x86-64"] if platform.machine() in ("x86_64", "AMD64") else [])
+
+
+def _dot_path(arch: str, flag: str, k: int) -> bool:
+    return arch == "native" and flag in cpu.cpu_flags() and k % 64 == 0
+
+
+def _round_bf16(x):
+    return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+
+
+def _quantized_x(x):
+    """kernels/cpu_matmul.cc's QuantizeBlocks in numpy: per block of 64, scale = max |x| / 127, q = round(x / scale)
+    (x times the float32 inverse, to nearest even)."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // 64, 64)
+    scale = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv[..., None]).astype(np.float32)
+    return q, scale
+
+
+def _expected(x, w, scale, arch):
+    """x @ w^T (* scale) as the path `arch` takes computes it, in float64."""
+    k = x.shape[1]
+    if w.dtype == jnp.bfloat16:
+        x = _round_bf16(x) if _dot_path(arch, "avx512_bf16", k) else x
+        return x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+    if w.dtype == np.int8 and _dot_path(arch, "avx512_vnni", k):
+        q, xs = _quantized_x(x)
+        w64 = np.asarray(w, np.float64).reshape(w.shape[0], k // 64, 64)
+        per_block = np.einsum("mbk,nbk->mnb", q.astype(np.float64), w64)
+        return (per_block * xs[:, None, :]).sum(-1) * np.asarray(scale, np.float64)
+    out = x.astype(np.float64) @ np.asarray(w, np.float64).T
+    return out if scale is None else out * np.asarray(scale, np.float64)
+
+
+def _matrices(rng, kind, n, k, layers=0):
+    shape = ((layers,) if layers else ()) + (n, k)
+    w = rng.standard_normal(shape).astype(np.float32) * 0.1
+    if kind == "int8":
+        m = quantize(w)
+        return m.q, m.scale
+    return (w if kind == "float32" else jnp.asarray(w, jnp.bfloat16)), None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("k", [576, 128, 80, 37])  # multiples of 64; of 16 only; a scalar tail
+def test_matches_numpy_on_every_path(arch, kind, k):
+    rng = np.random.default_rng(k)
+    for rows in (1, 3, 4, 6, 9):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        w, scale = _matrices(rng, kind, 37, k)
+        (out,) = cpu.cpu_matmul(jnp.asarray(x), 0, [(jnp.asarray(w), scale)], arch=arch)
+        expected = _expected(x, np.asarray(w) if kind == "int8" else w, scale, arch)
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+def test_stacked_layers_in_place_and_several_matrices_per_call(kind):
+    """[L, N, K] matrices with a traced layer index (clamped into range), three matrices of different widths in one
+    call (q, k and v), inside a scan as the forward runs them."""
+    rng = np.random.default_rng(7)
+    k, layers = 128, 3
+    mats = [_matrices(rng, kind, n, k, layers) for n in (64, 16, 16)]
+    x = jnp.asarray(rng.standard_normal((2, k)), jnp.float32)
+
+    def body(carry, index):
+        return carry, cpu.cpu_matmul(x, index, [(jnp.asarray(w), s) for w, s in mats])
+
+    _, outs = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32)))()
+    for i in range(layers):
+        for (w, s), out in zip(mats, outs):
+            w_i = np.asarray(w[i]) if kind == "int8" else w[i]
+            np.testing.assert_allclose(np.asarray(out[i]), _expected(np.asarray(x), w_i, None if s is None else s[i],
+                                                                     "native"), rtol=1e-4, atol=2e-3)
+    (past,) = cpu.cpu_matmul(x, 99, [(jnp.asarray(mats[0][0]), mats[0][1])])  # clamped to the last layer
+    np.testing.assert_array_equal(np.asarray(past), np.asarray(outs[0][-1]))
+
+
+def test_concurrent_calls_from_threads_share_the_helpers():
+    """Calls from several Python threads at once (two engines' steps): one job holds the helpers, the others run
+    on their own threads; every result is right."""
+    rng = np.random.default_rng(3)
+    w, scale = _matrices(rng, "int8", 256, 576)
+    f = jax.jit(lambda x: cpu.cpu_matmul(x, 0, [(jnp.asarray(w), scale)])[0])
+    xs = [jnp.asarray(rng.standard_normal((1 + i % 5, 576)), jnp.float32) for i in range(24)]
+    expected = [np.asarray(f(x)) for x in xs]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda x: np.asarray(f(x)), xs * 3))
+    for out, want in zip(outs, expected * 3):
+        np.testing.assert_array_equal(out, want)
+
+
+def test_refusals_name_the_operand():
+    x = jnp.ones((2, 64), jnp.float32)
+    with pytest.raises(Exception, match="int8 weights need a float32 scale"):
+        jax.block_until_ready(cpu.cpu_matmul(x, 0, [(jnp.ones((8, 64), jnp.int8), None)]))
+    with pytest.raises(Exception, match="x's K"):
+        jax.block_until_ready(cpu.cpu_matmul(x, 0, [(jnp.ones((8, 32), jnp.float32), None)]))
+    with pytest.raises(Exception, match="float32, bfloat16 or int8"):
+        jax.block_until_ready(cpu.cpu_matmul(x, 0, [(jnp.ones((8, 64), jnp.float16), None)]))
+
+
+def test_quantize_rows():
+    """Per output row: scale = max |row| / 127, |w - q * scale| <= scale / 2, a row of zeros kept exact; numpy
+    and jax alike; rows() looks embeddings up widened."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 5, 40)).astype(np.float32)
+    w[1, 2] = 0.0
+    for m in (quantize(w), quantize(jnp.asarray(w))):
+        assert isinstance(m, Int8Matrix) and m.q.dtype == np.int8 and m.scale.shape == (3, 5)
+        np.testing.assert_allclose(np.asarray(m.scale), np.abs(w).max(-1) / 127 + (w == 0).all(-1), rtol=1e-6)
+        err = np.abs(np.asarray(dequantized(m)) - w)
+        assert (err <= np.asarray(m.scale)[..., None] / 2 + 1e-6).all()
+        assert not np.asarray(m.q)[1, 2].any() and np.abs(np.asarray(m.q)).max() == 127
+    flat = quantize(w[0])
+    np.testing.assert_allclose(np.asarray(flat.rows(jnp.asarray([4, 0]))), np.asarray(dequantized(flat))[[4, 0]])
