@@ -4,7 +4,8 @@
 // page at a time: no gathered copy of the context and no work past a row's last key (or before its window). Rows
 // go in blocks of up to kBlockRows consecutive rows of one request (a prefill chunk's rows, or one decode row);
 // a block reads each of its pages once, transposed into a [head_dim][page_size] tile so that the scores of a
-// page are one vector per query head. Work items are (block, kv head) pairs, shared with XLA's intra-op threads.
+// page are one vector per query head. Work items are (block, kv head) pairs, shared with the helper threads of
+// cpu_parallel.h.
 //
 // Layouts (kernels/kv_pool.py): pool [L, N, page_size, 2 * Hkv, D] with K of head h at 2h and V at 2h + 1;
 // q and out [T, Hq, D] float32, query head h * G + g reads KV head h (G = Hq / Hkv).
@@ -360,7 +361,7 @@ void AttendBlock(const Problem& p, const KV* pool, int64_t r0, int64_t r1, int64
 }
 
 template <typename KV>
-ffi::Error Run(ffi::ThreadPool thread_pool, const Problem& p, const KV* pool, int64_t num_rows) {
+ffi::Error Run(const Problem& p, const KV* pool, int64_t num_rows) {
   // Blocks: runs of consecutive rows of one request, at most kBlockRows long.
   std::vector<std::pair<int64_t, int64_t>> blocks;
   for (int64_t r = 0; r < num_rows;) {
@@ -371,8 +372,7 @@ ffi::Error Run(ffi::ThreadPool thread_pool, const Problem& p, const KV* pool, in
   }
   // A block of one row takes all its KV heads in one item (its pages stream), unless there are too few blocks to
   // keep the threads busy; a block of several rows goes head by head (its per-head tiles).
-  const int64_t split = (static_cast<int64_t>(blocks.size()) >= 2 * (thread_pool.num_threads() + 1))
-                            ? 1 : p.num_kv_heads;
+  const int64_t split = (static_cast<int64_t>(blocks.size()) >= 2 * sgjax_cpu::Threads()) ? 1 : p.num_kv_heads;
   std::vector<std::pair<int64_t, int64_t>> work;  // (block, first head); each item spans heads / split heads
   for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
     const bool one = blocks[b].second - blocks[b].first == 1;
@@ -388,11 +388,14 @@ ffi::Error Run(ffi::ThreadPool thread_pool, const Problem& p, const KV* pool, in
       AttendBlock<KV>(p, pool, b.first, b.second, h);
     }
   };
-  ParallelFor(static_cast<int64_t>(work.size()), fn);
+  int64_t keys = 0;  // the keys the blocks read, each block its pages once
+  for (const auto& b : blocks) keys += std::max<int64_t>(0, p.row_seen[b.second - 1] - p.row_first[b.first]);
+  const int64_t bytes = keys * 2 * p.num_kv_heads * p.head_dim * static_cast<int64_t>(sizeof(KV));
+  ParallelFor(static_cast<int64_t>(work.size()), bytes, fn);
   return ffi::Error::Success();
 }
 
-ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
+ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> row_req,
                           ffi::Buffer<ffi::S32> row_first, ffi::Buffer<ffi::S32> row_seen, float sm_scale,
                           float softcap, ffi::ResultBuffer<ffi::F32> out) {
@@ -421,10 +424,10 @@ ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, 
     return ffi::Error::InvalidArgument("paged attention: q's heads and head_dim do not match the pool's");
   }
   if (pool.element_type() == ffi::DataType::F32) {
-    return Run(thread_pool, p, reinterpret_cast<const float*>(pool.untyped_data()), qd[0]);
+    return Run(p, reinterpret_cast<const float*>(pool.untyped_data()), qd[0]);
   }
   if (pool.element_type() == ffi::DataType::BF16) {
-    return Run(thread_pool, p, reinterpret_cast<const uint16_t*>(pool.untyped_data()), qd[0]);
+    return Run(p, reinterpret_cast<const uint16_t*>(pool.untyped_data()), qd[0]);
   }
   return ffi::Error::InvalidArgument("paged attention: the pool must be float32 or bfloat16");
 }
@@ -433,7 +436,6 @@ ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SgjaxPagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::AnyBuffer>()          // pool
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer

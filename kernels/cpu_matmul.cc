@@ -27,7 +27,8 @@ using sgjax_cpu::ParallelFor;
 
 namespace {
 
-constexpr int64_t kRowsPerItem = 32;  // output rows per work item
+constexpr int64_t kRowsPerItem = 32;    // output rows per work item, at least
+constexpr int64_t kItemsPerThread = 4;  // work items per thread, about
 constexpr int kMR = 4;                // x rows per pass over a weight row
 
 inline float Widen(float w) { return w; }
@@ -255,6 +256,7 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     return ffi::Error::InvalidArgument("matmul: a (weights, scale) pair of arguments per result");
   }
   std::vector<Matrix> mats;
+  int64_t bytes = 0;  // the weights the call reads
   for (size_t i = 0; i < rets.size(); ++i) {
     auto w = args.get<ffi::AnyBuffer>(2 * i);
     auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
@@ -275,7 +277,9 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       case ffi::DataType::S8: width = 1; break;
       default: return ffi::Error::InvalidArgument("matmul: weights must be float32, bfloat16 or int8");
     }
-    const bool scaled = static_cast<int64_t>(s->element_count()) == depth * n && s->element_type() == ffi::DataType::F32;
+    bytes += n * k * width;
+    const bool scaled =
+        static_cast<int64_t>(s->element_count()) == depth * n && s->element_type() == ffi::DataType::F32;
     if (type == ffi::DataType::S8 && !scaled) {
       return ffi::Error::InvalidArgument("matmul: int8 weights need a float32 scale [L, N] or [N]");
     }
@@ -286,13 +290,19 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                     scaled ? reinterpret_cast<const float*>(s->untyped_data()) + l * n : nullptr, type,
                     reinterpret_cast<float*>((*y)->untyped_data()), n});
   }
+  // Items of whole output rows, about kItemsPerThread per thread over all the matrices (long runs of a weight
+  // matrix stream best), at least kRowsPerItem rows.
+  int64_t total_rows = 0;
+  for (const Matrix& mat : mats) total_rows += mat.n;
+  const int64_t per_item =
+      std::max<int64_t>(kRowsPerItem, total_rows / (kItemsPerThread * sgjax_cpu::Threads()) + 1);
   std::vector<std::pair<int64_t, int64_t>> work;  // (matrix, first output row)
   for (int64_t i = 0; i < static_cast<int64_t>(mats.size()); ++i) {
-    for (int64_t n = 0; n < mats[i].n; n += kRowsPerItem) work.emplace_back(i, n);
+    for (int64_t n = 0; n < mats[i].n; n += per_item) work.emplace_back(i, n);
   }
   const float* xp = x.typed_data();
-  const bool blocks64 = k % 64 == 0;
-  auto has = [&](ffi::DataType t) {
+  [[maybe_unused]] const bool blocks64 = k % 64 == 0;
+  [[maybe_unused]] auto has = [&](ffi::DataType t) {
     return std::any_of(mats.begin(), mats.end(), [t](const Matrix& mat) { return mat.type == t; });
   };
 #if defined(__AVX512BF16__)
@@ -304,7 +314,7 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
 #endif
   auto fn = [&](int64_t item) {
     const Matrix& mat = mats[work[item].first];
-    const int64_t n0 = work[item].second, n1 = std::min(n0 + kRowsPerItem, mat.n);
+    const int64_t n0 = work[item].second, n1 = std::min(n0 + per_item, mat.n);
 #if defined(__AVX512BF16__)
     if (blocks64 && mat.type == ffi::DataType::BF16) {
       const auto* w = static_cast<const uint16_t*>(mat.w);
@@ -331,7 +341,7 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       default: widening(static_cast<const float*>(mat.w)); break;
     }
   };
-  ParallelFor(static_cast<int64_t>(work.size()), fn);
+  ParallelFor(static_cast<int64_t>(work.size()), bytes, fn);
   return ffi::Error::Success();
 }
 

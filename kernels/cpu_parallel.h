@@ -3,8 +3,10 @@
 //
 // Decode calls the kernels every few tens of microseconds (four matrix products and an attention per layer), each
 // call 20-60 us of work. XLA's intra-op pool wakes a sleeping thread per task, which took longer than the work: a
-// second thread gained nothing. These helpers spin for kSpinMicros after a job before they sleep, so within a step
-// they start at once.
+// second thread gained nothing. These helpers wait for kSpinMicros after a job before they sleep, so within a step
+// they start at once; they yield the core while they wait (other processes' work, e.g. a second test worker's
+// compiles, goes first), and jobs below kMinParallelBytes run on the caller alone (a tiny model's step would keep
+// the helpers waiting for nothing).
 
 #pragma once
 
@@ -15,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstdint>
 #include <mutex>
 #include <thread>
@@ -27,6 +30,8 @@
 namespace sgjax_cpu {
 
 constexpr int64_t kSpinMicros = 300;
+constexpr int64_t kMinParallelBytes = 128 << 10;  // the bytes a job reads below which it is not shared
+constexpr int64_t kPauses = 256;                  // pause instructions before a helper starts yielding
 
 inline void Pause() {
 #if defined(__x86_64__)
@@ -46,11 +51,17 @@ class Pool {
     return *pool;
   }
 
+  int helpers() const { return helpers_; }
+
   template <typename Fn>
-  void Run(int64_t n, Fn& fn) {
+  void Run(int64_t n, Fn& fn, int64_t bytes) {
     auto call = [](void* ctx, int64_t i) { (*static_cast<Fn*>(ctx))(i); };
+    if (n <= 1 || helpers_ == 0 || bytes < kMinParallelBytes) {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
     std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
-    if (n <= 1 || helpers_ == 0 || !busy.owns_lock() || getpid() != pid_) {
+    if (!busy.owns_lock() || getpid() != pid_) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
@@ -73,6 +84,7 @@ class Pool {
     cpu_set_t set;
     int cores = static_cast<int>(std::thread::hardware_concurrency());
     if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+    if (const char* threads = std::getenv("SGJAX_CPU_THREADS")) cores = std::max(1, std::atoi(threads));
     helpers_ = std::max(0, cores - 1);
     for (int i = 0; i < helpers_; ++i) std::thread([this] { Helper(); }).detach();
   }
@@ -95,8 +107,12 @@ class Pool {
       auto start = std::chrono::steady_clock::now();
       uint64_t v = next_.load(std::memory_order_acquire);
       for (int spins = 0; (v >> 32) == seen; ++spins) {
-        Pause();
-        if ((spins & 63) == 63 && std::chrono::steady_clock::now() - start >
+        if (spins < kPauses) {
+          Pause();
+        } else {
+          sched_yield();
+        }
+        if ((spins & 15) == 15 && std::chrono::steady_clock::now() - start >
                                       std::chrono::microseconds(kSpinMicros)) {
           std::unique_lock<std::mutex> lock(sleep_mu_);
           sleeping_.fetch_add(1, std::memory_order_seq_cst);
@@ -125,10 +141,14 @@ class Pool {
   std::atomic<void*> ctx_{nullptr};
 };
 
-// Runs fn(0 .. n-1) on the calling thread and the pool's helpers.
+// Runs fn(0 .. n-1) on the calling thread and the pool's helpers; `bytes`, about what the items read together,
+// decides whether sharing them pays.
 template <typename Fn>
-void ParallelFor(int64_t n, Fn fn) {
-  Pool::Get().Run(n, fn);
+void ParallelFor(int64_t n, int64_t bytes, Fn fn) {
+  Pool::Get().Run(n, fn, bytes);
 }
+
+// The threads a job may use: the caller and the helpers.
+inline int64_t Threads() { return Pool::Get().helpers() + 1; }
 
 }  // namespace sgjax_cpu

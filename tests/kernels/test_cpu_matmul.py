@@ -5,7 +5,10 @@ stacked layers read in place, several matrices in one call, x's row counts aroun
 helpers under concurrent calls; and the refusals."""
 
 import concurrent.futures
+import os
 import platform
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +111,21 @@ def test_concurrent_calls_from_threads_share_the_helpers():
         outs = list(pool.map(lambda x: np.asarray(f(x)), xs * 3))
     for out, want in zip(outs, expected * 3):
         np.testing.assert_array_equal(out, want)
+
+
+def test_one_thread_setting_gives_the_same_numbers(tmp_path):
+    """SGJAX_CPU_THREADS=1 (no helpers: a process sharing its cores) computes what the helpers do, in a child."""
+    rng = np.random.default_rng(11)
+    w, scale = _matrices(rng, "int8", 512, 576)
+    x = rng.standard_normal((3, 576)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", w=w, scale=scale, x=x)
+    code = ("import numpy as np, jax.numpy as jnp; from sgjax.kernels import cpu; d = np.load('in.npz'); "
+            "np.save('out.npy', np.asarray(cpu.cpu_matmul(jnp.asarray(d['x']), 0, "
+            "[(jnp.asarray(d['w']), jnp.asarray(d['scale']))])[0]))")
+    env = {**os.environ, "SGJAX_CPU_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=300)
+    (here,) = cpu.cpu_matmul(jnp.asarray(x), 0, [(jnp.asarray(w), scale)])
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), np.asarray(here))
 
 
 def test_refusals_name_the_operand():
