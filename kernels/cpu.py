@@ -159,8 +159,9 @@ def cpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: fl
 
 def cpu_matmul(x, layer, matrices, *, arch: str = "native"):
     """x f32[M, K] against each (w, scale) of `matrices`: w [L, N, K] (layer picks one, read in place) or [N, K],
-    float32, bfloat16 or int8; scale f32[L, N] / [N] per output row (int8), or None. Returns one f32[M, N] per
-    matrix (kernels/cpu_matmul.cc)."""
+    float32, bfloat16 or int8, or uint8 [.., N, K / 2] (model/quant.Int4Matrix's packed int4); scale f32 per output
+    row (int8: [L, N] / [N]) or per group of 32 (int4: [L, N, K / 32] / [N, K / 32]), else None. Returns one
+    f32[M, N] per matrix (kernels/cpu_matmul.cc)."""
     target = register(arch, "sgjax_matmul")
     operands, shapes = [], []
     for w, scale in matrices:

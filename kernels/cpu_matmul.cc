@@ -173,11 +173,13 @@ struct QuantizedX {
   std::vector<int8_t> q;     // [M, K]
   std::vector<float> scale;  // [M, K / 64]
   std::vector<float> offset; // [M]: 128 * sum over blocks of scale * sum(q)
+  std::vector<float> group_sums;  // [M, K / 32]: each group of 32's sum, scale * sum(q) (int4 weights' low)
 };
 
 QuantizedX QuantizeBlocks(const float* x, int64_t rows, int64_t k) {
   const int64_t blocks = k / 64;
-  QuantizedX out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows)};
+  QuantizedX out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows),
+                 std::vector<float>(rows * k / 32)};
   for (int64_t m = 0; m < rows; ++m) {
     float offset = 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -194,6 +196,11 @@ QuantizedX QuantizeBlocks(const float* x, int64_t rows, int64_t k) {
       }
       out.scale[m * blocks + b] = scale;
       offset += 128.0f * scale * static_cast<float>(sum);
+      for (int g = 0; g < 2; ++g) {
+        int32_t group = 0;
+        for (int i = 0; i < 32; ++i) group += out.q[m * k + b * 64 + 32 * g + i];
+        out.group_sums[m * (k / 32) + 2 * b + g] = scale * static_cast<float>(group);
+      }
     }
     out.offset[m] = offset;
   }
@@ -224,7 +231,59 @@ void Int8Rows(const QuantizedX& xq, int64_t m0, const int8_t* w, int64_t k, cons
     }
   }
 }
+
+// int4 matrices (model/quant.Int4Matrix): a run of 32 bytes holds 64 steps u (low nibbles the first 32, high the
+// next), widened to bytes in order; lanes 0-7 and 8-15 take their group's scale, and each group's low times x's
+// group sum is added once per row.
+template <int MR>
+void Int4Rows(const QuantizedX& xq, int64_t m0, const uint8_t* w, int64_t k, const float* params, float* y,
+              int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t blocks = k / 64, groups = k / 32;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int8_t* xr = xq.q.data() + m0 * k;
+  const float* xs = xq.scale.data() + m0 * blocks;
+  const float* sums = xq.group_sums.data() + m0 * groups;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * k / 2;
+    const float* p = params + n * groups * 2;  // (scale, low) per group
+    __m512 acc[MR][2];
+    float lows[MR] = {};
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+      const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nibble)),
+                                            _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), 1);
+      const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(p[4 * b]), _mm256_set1_ps(p[4 * b + 2]), 1);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xr + m * k + b * 64));
+        acc[m][b & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, _mm512_set1_ps(xs[m * blocks + b])),
+                                        acc[m][b & 1]);
+        lows[m] += p[4 * b + 1] * sums[m * groups + 2 * b] + p[4 * b + 3] * sums[m * groups + 2 * b + 1];
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + lows[m];
+    }
+  }
+}
 #endif
+
+// int4 elsewhere: a row widened to float32 (scaled), then the widening loop's float32 path over it.
+template <int MR>
+void Int4Widened(const float* x, const uint8_t* w, int64_t k, const float* wscale, float* y, int64_t ldy,
+                 int64_t n0, int64_t n1) {
+  std::vector<float> row(k);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* packed = w + n * k / 2;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t run = i / 64, j = i % 64;
+      const uint8_t byte = packed[run * 32 + j % 32];
+      const float* p = wscale + (n * (k / 32) + i / 32) * 2;  // (scale, low)
+      row[i] = p[1] + p[0] * static_cast<float>(j < 32 ? byte & 0x0F : byte >> 4);
+    }
+    Rows<float, MR>(x, row.data(), k, nullptr, y + n, ldy, 0, 1);
+  }
+}
 
 // fn(mr, m) over x's rows in passes of kMR rows and one of the rest; mr() is the pass's row count, a constant.
 template <typename Fn>
@@ -263,31 +322,38 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     auto y = rets.get<ffi::AnyBuffer>(i);
     if (!w.has_value() || !s.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("matmul: buffers");
     auto wd = w->dimensions();
-    if ((wd.size() != 2 && wd.size() != 3) || wd.back() != k) {
-      return ffi::Error::InvalidArgument("matmul: weights must be [L, N, K] or [N, K] with x's K");
+    const ffi::DataType type = w->element_type();
+    const bool int4 = type == ffi::DataType::U8;  // two weights a byte
+    if ((wd.size() != 2 && wd.size() != 3) || wd.back() * (int4 ? 2 : 1) != k || (int4 && k % 64 != 0)) {
+      return ffi::Error::InvalidArgument("matmul: weights must be [L, N, K] or [N, K] with x's K (int4: [.., K / 2])");
     }
     const int64_t n = wd[wd.size() - 2];
     const int64_t depth = wd.size() == 3 ? wd[0] : 1;
     const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, depth - 1);
-    const ffi::DataType type = w->element_type();
-    int64_t width;
+    int64_t width;  // bytes per row
     switch (type) {
-      case ffi::DataType::F32: width = 4; break;
-      case ffi::DataType::BF16: width = 2; break;
-      case ffi::DataType::S8: width = 1; break;
-      default: return ffi::Error::InvalidArgument("matmul: weights must be float32, bfloat16 or int8");
+      case ffi::DataType::F32: width = 4 * k; break;
+      case ffi::DataType::BF16: width = 2 * k; break;
+      case ffi::DataType::S8: width = k; break;
+      case ffi::DataType::U8: width = k / 2; break;
+      default: return ffi::Error::InvalidArgument("matmul: weights must be float32, bfloat16, int8 or packed int4");
     }
-    bytes += n * k * width;
-    const bool scaled =
-        static_cast<int64_t>(s->element_count()) == depth * n && s->element_type() == ffi::DataType::F32;
+    bytes += n * width;
+    const int64_t per_row = int4 ? k / 16 : 1;  // scales (int4: a (scale, low) pair per group of 32)
+    const bool scaled = static_cast<int64_t>(s->element_count()) == depth * n * per_row &&
+                        s->element_type() == ffi::DataType::F32;
     if (type == ffi::DataType::S8 && !scaled) {
       return ffi::Error::InvalidArgument("matmul: int8 weights need a float32 scale [L, N] or [N]");
+    }
+    if (int4 && !scaled) {
+      return ffi::Error::InvalidArgument(
+          "matmul: int4 weights need float32 (scale, low) pairs [L, N, K / 32, 2] or [N, K / 32, 2]");
     }
     if (static_cast<int64_t>((*y)->element_count()) != rows * n || (*y)->element_type() != ffi::DataType::F32) {
       return ffi::Error::InvalidArgument("matmul: result must be float32 [M, N]");
     }
-    mats.push_back({static_cast<const char*>(w->untyped_data()) + l * n * k * width,
-                    scaled ? reinterpret_cast<const float*>(s->untyped_data()) + l * n : nullptr, type,
+    mats.push_back({static_cast<const char*>(w->untyped_data()) + l * n * width,
+                    scaled ? reinterpret_cast<const float*>(s->untyped_data()) + l * n * per_row : nullptr, type,
                     reinterpret_cast<float*>((*y)->untyped_data()), n});
   }
   // Items of whole output rows, about kItemsPerThread per thread over all the matrices (long runs of a weight
@@ -310,7 +376,8 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                                                                         : std::vector<uint16_t>();
 #endif
 #if defined(__AVX512VNNI__)
-  const QuantizedX xq = blocks64 && has(ffi::DataType::S8) ? QuantizeBlocks(xp, rows, k) : QuantizedX();
+  const QuantizedX xq = blocks64 && (has(ffi::DataType::S8) || has(ffi::DataType::U8)) ? QuantizeBlocks(xp, rows, k)
+                                                                                        : QuantizedX();
 #endif
   auto fn = [&](int64_t item) {
     const Matrix& mat = mats[work[item].first];
@@ -318,17 +385,35 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
 #if defined(__AVX512BF16__)
     if (blocks64 && mat.type == ffi::DataType::BF16) {
       const auto* w = static_cast<const uint16_t*>(mat.w);
-      ForRows(rows, [&](auto mr, int64_t m) { Bf16Rows<mr()>(xb.data() + m * k, w, k, mat.y + m * mat.n, mat.n, n0, n1); });
+      ForRows(rows, [&](auto mr, int64_t m) {
+        Bf16Rows<mr()>(xb.data() + m * k, w, k, mat.y + m * mat.n, mat.n, n0, n1);
+      });
       return;
     }
 #endif
 #if defined(__AVX512VNNI__)
     if (blocks64 && mat.type == ffi::DataType::S8) {
       const auto* w = static_cast<const int8_t*>(mat.w);
-      ForRows(rows, [&](auto mr, int64_t m) { Int8Rows<mr()>(xq, m, w, k, mat.scale, mat.y + m * mat.n, mat.n, n0, n1); });
+      ForRows(rows, [&](auto mr, int64_t m) {
+        Int8Rows<mr()>(xq, m, w, k, mat.scale, mat.y + m * mat.n, mat.n, n0, n1);
+      });
+      return;
+    }
+    if (mat.type == ffi::DataType::U8) {
+      const auto* w = static_cast<const uint8_t*>(mat.w);
+      ForRows(rows, [&](auto mr, int64_t m) {
+        Int4Rows<mr()>(xq, m, w, k, mat.scale, mat.y + m * mat.n, mat.n, n0, n1);
+      });
       return;
     }
 #endif
+    if (mat.type == ffi::DataType::U8) {
+      const auto* w = static_cast<const uint8_t*>(mat.w);
+      ForRows(rows, [&](auto mr, int64_t m) {
+        Int4Widened<mr()>(xp + m * k, w, k, mat.scale, mat.y + m * mat.n, mat.n, n0, n1);
+      });
+      return;
+    }
     auto widening = [&](const auto* w) {
       ForRows(rows, [&](auto mr, int64_t m) {
         Rows<std::remove_const_t<std::remove_pointer_t<decltype(w)>>, mr()>(xp + m * k, w, k, mat.scale,

@@ -101,12 +101,13 @@ ENGINE_FLAGS = [
     ("dtype", dict(choices=list(DTYPES), help="weights and activations dtype: float32 or bfloat16 (SGLang's "
                    "spellings: auto is the platform's default, float32 on CPU and bfloat16 on accelerators; float is "
                    "float32; half / float16 are refused)")),
-    ("weight_dtype", dict(choices=["auto", "float32", "bfloat16", "int8"],
+    ("weight_dtype", dict(choices=["auto", "float32", "bfloat16", "int8", "int4"],
                           help="the weight matrices' dtype: auto (the model's; bfloat16 for a float32 model on a CPU "
                                "with AVX512-BF16 or AMX-BF16 unless SGJAX_AUTO_BF16=0), float32, bfloat16 (bf16 "
                                "dots with float32 accumulation under float32 activations) or int8 (each output row "
                                "int8 with a float32 scale, one device; a CPU's decode quantizes activations per "
-                               "block of 64 for integer dot products)")),
+                               "block of 64 for integer dot products) or int4 (groups of 32 weights along a row, "
+                               "4 bits each with a float32 scale, as llama.cpp's Q4_0)")),
     ("kv_cache_dtype", dict(choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
                             help="KV cache dtype: auto (the model's); a dtype other than the model's is refused "
                                  "(fp8 caches are not supported yet)")),

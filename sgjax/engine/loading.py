@@ -50,10 +50,11 @@ def default_weight_dtype(args: ServerArgs, model_dtype: str, platform: str | Non
     instructions: bf16 matrices there (float32 activations, accumulation, norms and attention), which decode about
     twice as fast (docs/engine.md), as SGLang's and vLLM's `--dtype auto` run a float32 checkpoint in half
     precision. `SGJAX_AUTO_BF16=0` or `--weight-dtype float32` keeps float32."""
-    if args.weight_dtype not in ("auto", "float32", "bfloat16", "int8"):
-        raise ValueError(f"weight_dtype must be auto, float32, bfloat16 or int8, got {args.weight_dtype!r}")
-    if args.weight_dtype == "int8" and (args.tp_size > 1 or args.nnodes > 1):
-        raise ValueError("weight_dtype int8 runs on one device: tensor parallelism shards float matrices only")
+    if args.weight_dtype not in ("auto", "float32", "bfloat16", "int8", "int4"):
+        raise ValueError(f"weight_dtype must be auto, float32, bfloat16, int8 or int4, got {args.weight_dtype!r}")
+    if args.weight_dtype in ("int8", "int4") and (args.tp_size > 1 or args.nnodes > 1):
+        raise ValueError(f"weight_dtype {args.weight_dtype} runs on one device: tensor parallelism shards float "
+                         "matrices only")
     if args.weight_dtype != "auto":
         return args.weight_dtype
     platform = platform or jax.devices()[0].platform

@@ -82,8 +82,8 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.weight_dtype not in (None, "float32", "bfloat16", "int8"):
-            raise ValueError(f"weight_dtype must be float32, bfloat16 or int8, got {self.weight_dtype!r}")
+        if self.weight_dtype not in (None, "float32", "bfloat16", "int8", "int4"):
+            raise ValueError(f"weight_dtype must be float32, bfloat16, int8 or int4, got {self.weight_dtype!r}")
         if self.matmul not in ("xla", "cpu"):
             raise ValueError(f"matmul must be xla or cpu, got {self.matmul!r}")
         if self.matrix_layout not in ("kn", "nk"):

@@ -19,14 +19,14 @@ import numpy as np
 from sgjax.model.batch import StepBatch
 from sgjax.model.config import ModelConfig, RopeScaling
 from sgjax.model.moe import moe_mlp
-from sgjax.model.quant import Int8Matrix
+from sgjax.model.quant import Int4Matrix, Int8Matrix
 from sgjax.model.weights import Weights
 
 # Under config.matmul "cpu", products of at most this many rows go through kernels/cpu_matmul.cc: decode's few
 # rows are bound by reading the matrices, which the kernel does near the memory's speed. More rows (prefill) keep
 # XLA's dots, whose bf16 products use the CPU's matrix units: they won from 16 rows for bf16 matrices; int8 ones
 # would be widened to bf16 per call there, so the kernel's integer dot products keep more rows (docs/engine.md).
-NATIVE_ROWS = {"bfloat16": 8, "int8": 32}
+NATIVE_ROWS = {"bfloat16": 8, "int8": 32, "int4": 32}
 
 
 def native_rows(cfg: ModelConfig) -> int:
@@ -75,6 +75,8 @@ def dot(h, w, nk: bool = False, out_dtype=None):
     if isinstance(w, Int8Matrix):  # bf16 holds every int8 exactly; the scale is per output row
         out = dot(h.astype(jnp.bfloat16), w.q.astype(jnp.bfloat16), nk, jnp.float32)
         return (out * (w.scale if nk else w.scale[..., None, :])).astype(out_dtype)
+    if isinstance(w, Int4Matrix):  # [out, in] always; scales per group along a row
+        return dot(h.astype(jnp.bfloat16), w.widened(jnp.bfloat16), True, out_dtype)
     if w.dtype == h.dtype and not nk:
         return (h @ w).astype(out_dtype)
     rows, x = h.shape[0], h.astype(w.dtype)
@@ -92,7 +94,7 @@ def dots(h, matrices, cfg: ModelConfig, index=None, out_dtype=None):
     if h.shape[0] <= native_rows(cfg):
         from sgjax.kernels.cpu import cpu_matmul
 
-        pairs = [(m.q, m.scale) if isinstance(m, Int8Matrix) else (m, None) for m in matrices]
+        pairs = [(m.q, m.scale) if isinstance(m, (Int8Matrix, Int4Matrix)) else (m, None) for m in matrices]
         outs = cpu_matmul(h, 0 if index is None else index, pairs)
         return [out.astype(out_dtype or h.dtype) for out in outs]
     if index is not None:
@@ -195,8 +197,8 @@ def embed_rows(embed, batch: StepBatch, cfg: ModelConfig, input_embeds=None):
 
 
 def embed_lookup(embed, ids):
-    """Rows `ids` of the embedding (an int8 one widened to float32)."""
-    return embed.rows(ids) if isinstance(embed, Int8Matrix) else embed[ids]
+    """Rows `ids` of the embedding (a quantized one widened to float32)."""
+    return embed.rows(ids) if isinstance(embed, (Int8Matrix, Int4Matrix)) else embed[ids]
 
 
 def head(weights, x, batch: StepBatch, cfg: ModelConfig, output: str = "logits"):

@@ -1,7 +1,9 @@
-"""Weight-only int8 matrices (--weight-dtype int8): each output row of a matrix as int8 with a float32 scale, the
-row's largest magnitude / 127. Activations, accumulation and everything outside the matrices stay in the model's
-dtype. On a CPU the few-row products of decode read the int8 rows directly (kernels/cpu_matmul.cc: a quarter of
-float32's bytes); elsewhere a product widens the matrix to bf16 (every int8 is exact there) and scales its output.
+"""Quantized matrices: --weight-dtype int8, each output row of a matrix as int8 with a float32 scale (the row's
+largest magnitude / 127), and int4, each group of 32 weights along a row as 4-bit steps above the group's minimum
+(a float32 scale and minimum per group, as llama.cpp's Q4_1 blocks of 32). Activations, accumulation and
+everything outside the matrices stay in the model's dtype. On a CPU the few-row products of decode read them
+directly (kernels/cpu_matmul.cc: a quarter or an eighth of float32's bytes); elsewhere a product widens the matrix to
+bf16 (every int8 is exact there and scales the output; an int4 weight, low + scale * u, is rounded to bf16).
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ class Int8Matrix:
         """Rows `ids` of the matrix as float32 (an embedding lookup)."""
         return self.q[ids].astype(jnp.float32) * self.scale[ids][..., None]
 
-    def layer(self, index) -> "Int8Matrix":
-        return Int8Matrix(self.q[index], self.scale[index])
 
 
 def quantize(w) -> Int8Matrix:
@@ -48,5 +48,61 @@ def quantize(w) -> Int8Matrix:
     return Int8Matrix(q, scale)
 
 
-def dequantized(w: Int8Matrix, dtype=jnp.float32):
+def dequantized(w, dtype=jnp.float32):
+    if isinstance(w, Int4Matrix):
+        return w.widened(dtype)
     return (w.q.astype(jnp.float32) * w.scale[..., None]).astype(dtype)
+
+
+GROUP = 32  # int4 weights per (scale, low) pair, along a row
+BLOCK = 64  # int4 weights per packed run of 32 bytes: byte j holds weight j (low nibble) and j + 32 (high)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Matrix:
+    """q uint8[..., N, K / 2]: each weight as u in [0, 15], two a byte as BLOCK lays them out; scale f32[..., N,
+    K / 32, 2]: per GROUP its (scale, low), the weight being low + scale * u (llama.cpp's Q4_1); [out, in]
+    (config.matrix_layout "nk"); stacked layers lead both. K must be a multiple of 64."""
+
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self):
+        return self.q.shape[:-1] + (2 * self.q.shape[-1],)
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+    def rows(self, ids):
+        """Rows `ids` of the matrix as float32 (an embedding lookup)."""
+        return Int4Matrix(self.q[ids], self.scale[ids]).widened(jnp.float32)
+
+    def widened(self, dtype=jnp.float32):
+        """The matrix [..., N, K] in `dtype` (low + scale * u in float32 first)."""
+        q = self.q
+        lead, half = q.shape[:-1], q.shape[-1]
+        runs = q.reshape(*lead, half // (BLOCK // 2), BLOCK // 2)
+        u = jnp.concatenate([runs & 0xF, runs >> 4], axis=-1).astype(jnp.float32)
+        u = u.reshape(*lead, 2 * half // GROUP, GROUP)
+        values = self.scale[..., 1:2] + self.scale[..., 0:1] * u
+        return values.reshape(*lead, 2 * half).astype(dtype)
+
+
+def quantize_int4(w) -> Int4Matrix:
+    """Asymmetric int4 per GROUP of w [..., N, K] (K a multiple of BLOCK): scale = (max - min) / 15, low = min;
+    numpy in, numpy out."""
+    host = isinstance(w, np.ndarray)
+    xp = np if host else jnp
+    *lead, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"int4 matrices need rows of a multiple of {BLOCK} weights, got {k}")
+    groups = w.astype(xp.float32).reshape(*lead, k // GROUP, GROUP)
+    low, high = xp.min(groups, axis=-1), xp.max(groups, axis=-1)
+    scale = xp.where(high > low, (high - low) / 15.0, 1.0).astype(xp.float32)
+    u = xp.clip(xp.round((groups - low[..., None]) / scale[..., None]), 0, 15).astype(xp.uint8)
+    u = u.reshape(*lead, k // BLOCK, BLOCK)
+    packed = (u[..., : BLOCK // 2] | (u[..., BLOCK // 2:] << 4)).astype(xp.uint8)
+    return Int4Matrix(packed.reshape(*lead, k // 2), xp.stack([scale, low.astype(xp.float32)], axis=-1))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgjax.model.config import ModelConfig
-from sgjax.model.quant import quantize
+from sgjax.model.quant import quantize, quantize_int4
 
 Array = Any
 
@@ -149,14 +149,15 @@ NK_LEAVES = frozenset(leaf.name for leaf in LEAVES
                       if leaf.transposed and leaf.name != "router" and "expert" not in leaf.axes)
 
 
-# The matrices --weight-dtype int8 quantizes (model/quant.py): the dense ones and the embedding, stored [out, in];
-# not the router or the experts.
+# The matrices --weight-dtype int8 and int4 quantize (model/quant.py): the dense ones and the embedding, stored
+# [out, in]; not the router or the experts. int4 keeps TOP_MATRICES (the embedding, the LM head) in int8.
 INT8_LEAVES = NK_LEAVES | {"embed"}
+TOP_MATRICES = frozenset({"embed", "lm_head"})
 
 
 def leaf_dtype(cfg: ModelConfig, name: str):
     """A leaf's float dtype (int8 matrices are quantized from the model's dtype by with_weight_dtype)."""
-    narrow = cfg.weight_dtype not in (None, "int8") and name in MATMUL_LEAVES
+    narrow = cfg.weight_dtype not in (None, "int8", "int4") and name in MATMUL_LEAVES
     return jnp.dtype(cfg.weight_dtype if narrow else cfg.dtype)
 
 
@@ -165,15 +166,18 @@ def with_weight_dtype(cfg: ModelConfig, weights: Weights, weight_dtype: str | No
     weights for a mesh) stay numpy. Stacked and unrolled layers alike."""
     if weight_dtype in (None, cfg.dtype) and cfg.weight_dtype is None:
         return cfg, weights
-    if cfg.weight_dtype == "int8":
-        raise ValueError("int8 matrices cannot be cast again: load the model's weights")
-    if weight_dtype == "int8":  # per output row: [out, in] first
+    if cfg.weight_dtype in ("int8", "int4"):
+        raise ValueError(f"{cfg.weight_dtype} matrices cannot be cast again: load the model's weights")
+    if weight_dtype in ("int8", "int4"):  # along each output row: [out, in] first
         cfg, weights = with_matrix_layout(cfg, weights, "nk")
     cfg = cfg.replace(weight_dtype=None if weight_dtype == cfg.dtype else weight_dtype)
 
     def cast(obj):
-        if cfg.weight_dtype == "int8":
-            changes = {f.name: quantize(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+        if cfg.weight_dtype in ("int8", "int4"):
+            # int4 keeps the embedding and LM head in int8 (llama.cpp's Q4 files keep them wider too): in 4 bits
+            # the tied head lost SmolLM2's greedy answers (docs/engine.md)
+            changes = {f.name: (quantize_int4 if cfg.weight_dtype == "int4" and f.name not in TOP_MATRICES
+                                else quantize)(getattr(obj, f.name)) for f in dataclasses.fields(obj)
                        if f.name in INT8_LEAVES and getattr(obj, f.name) is not None}
             return dataclasses.replace(obj, **changes)
         changes = {f.name: getattr(obj, f.name).astype(leaf_dtype(cfg, f.name)) for f in dataclasses.fields(obj)
@@ -239,7 +243,7 @@ def with_matrix_layout(cfg: ModelConfig, weights: Weights, layout: str) -> tuple
 def cpu_bf16_matrices(platform: str, cfg: ModelConfig | None) -> bool:
     """bf16 or int8 matrices under float32 activations on a CPU (config.weight_dtype), which run as layer calls
     and [out, in]."""
-    return (platform == "cpu" and cfg is not None and cfg.weight_dtype in ("bfloat16", "int8")
+    return (platform == "cpu" and cfg is not None and cfg.weight_dtype in ("bfloat16", "int8", "int4")
             and cfg.dtype == "float32")
 
 

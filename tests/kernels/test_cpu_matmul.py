@@ -1,6 +1,6 @@
 """The CPU's matrix products (kernels/cpu_matmul.cc through XLA's FFI) against numpy, on every code path: the
 widening FMA loops (AVX-512, AVX2, plain C++), and, where this CPU has them and K is a multiple of 64, the bf16
-dot-product (vdpbf16ps: x rounded to bf16) and int8 dot-product (vpdpbusd: x quantized per block of 64) paths;
+dot-product (vdpbf16ps: x rounded to bf16) and int8 / int4 dot-product (vpdpbusd: x quantized per block of 64) paths;
 stacked layers read in place, several matrices in one call, x's row counts around the 4-row passes; the spinning
 helpers under concurrent calls; and the refusals."""
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from sgjax.kernels import cpu
-from sgjax.model.quant import Int8Matrix, dequantized, quantize
+from sgjax.model.quant import Int4Matrix, Int8Matrix, dequantized, quantize, quantize_int4
 
 ARCHS = ["native"] + (["x86-64-v3", "x86-64"] if platform.machine() in ("x86_64", "AMD64") else [])
 
@@ -46,6 +46,13 @@ def _expected(x, w, scale, arch):
     if w.dtype == jnp.bfloat16:
         x = _round_bf16(x) if _dot_path(arch, "avx512_bf16", k) else x
         return x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+    if isinstance(w, Int4Matrix):  # the widened weights (each times its group's scale)
+        wide = np.asarray(dequantized(w), np.float64)
+        if _dot_path(arch, "avx512_vnni", k):
+            q, xs = _quantized_x(x)
+            per_block = np.einsum("mbk,nbk->mnb", q.astype(np.float64), wide.reshape(w.q.shape[0], k // 64, 64))
+            return (per_block * xs[:, None, :]).sum(-1)
+        return x.astype(np.float64) @ wide.T
     if w.dtype == np.int8 and _dot_path(arch, "avx512_vnni", k):
         q, xs = _quantized_x(x)
         w64 = np.asarray(w, np.float64).reshape(w.shape[0], k // 64, 64)
@@ -61,23 +68,31 @@ def _matrices(rng, kind, n, k, layers=0):
     if kind == "int8":
         m = quantize(w)
         return m.q, m.scale
+    if kind == "int4":
+        m = quantize_int4(w)
+        return m.q, m.scale
     return (w if kind == "float32" else jnp.asarray(w, jnp.bfloat16)), None
 
 
+# K: multiples of 64; of 16 only; a scalar tail (int4 rows are runs of 64 weights, model/quant.BLOCK)
+KINDS = [(kind, k) for kind in ("float32", "bfloat16", "int8", "int4") for k in (576, 128, 80, 37)
+         if kind != "int4" or k % 64 == 0]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("k", [576, 128, 80, 37])  # multiples of 64; of 16 only; a scalar tail
+@pytest.mark.parametrize("kind,k", KINDS)
 def test_matches_numpy_on_every_path(arch, kind, k):
     rng = np.random.default_rng(k)
     for rows in (1, 3, 4, 6, 9):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         w, scale = _matrices(rng, kind, 37, k)
         (out,) = cpu.cpu_matmul(jnp.asarray(x), 0, [(jnp.asarray(w), scale)], arch=arch)
-        expected = _expected(x, np.asarray(w) if kind == "int8" else w, scale, arch)
+        expected = _expected(x, {"int8": np.asarray(w), "int4": Int4Matrix(np.asarray(w), np.asarray(scale))}.get(
+            kind, w), scale, arch)
         np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
 def test_stacked_layers_in_place_and_several_matrices_per_call(kind):
     """[L, N, K] matrices with a traced layer index (clamped into range), three matrices of different widths in one
     call (q, k and v), inside a scan as the forward runs them."""
@@ -92,9 +107,10 @@ def test_stacked_layers_in_place_and_several_matrices_per_call(kind):
     _, outs = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32)))()
     for i in range(layers):
         for (w, s), out in zip(mats, outs):
-            w_i = np.asarray(w[i]) if kind == "int8" else w[i]
-            np.testing.assert_allclose(np.asarray(out[i]), _expected(np.asarray(x), w_i, None if s is None else s[i],
-                                                                     "native"), rtol=1e-4, atol=2e-3)
+            w_i = {"int8": lambda: np.asarray(w[i]), "int4": lambda: Int4Matrix(np.asarray(w[i]), s[i])}.get(
+                kind, lambda: w[i])()
+            np.testing.assert_allclose(np.asarray(out[i]), _expected(
+                np.asarray(x), w_i, None if s is None or kind == "int4" else s[i], "native"), rtol=1e-4, atol=2e-3)
     (past,) = cpu.cpu_matmul(x, 99, [(jnp.asarray(mats[0][0]), mats[0][1])])  # clamped to the last layer
     np.testing.assert_array_equal(np.asarray(past), np.asarray(outs[0][-1]))
 
@@ -134,8 +150,10 @@ def test_refusals_name_the_operand():
         jax.block_until_ready(cpu.cpu_matmul(x, 0, [(jnp.ones((8, 64), jnp.int8), None)]))
     with pytest.raises(Exception, match="x's K"):
         jax.block_until_ready(cpu.cpu_matmul(x, 0, [(jnp.ones((8, 32), jnp.float32), None)]))
-    with pytest.raises(Exception, match="float32, bfloat16 or int8"):
+    with pytest.raises(Exception, match="float32, bfloat16, int8 or packed int4"):
         jax.block_until_ready(cpu.cpu_matmul(x, 0, [(jnp.ones((8, 64), jnp.float16), None)]))
+    with pytest.raises(Exception, match=r"int4 weights need float32 \(scale, low\) pairs"):
+        jax.block_until_ready(cpu.cpu_matmul(x, 0, [(jnp.ones((8, 32), jnp.uint8), jnp.ones((8,), jnp.float32))]))
 
 
 def test_quantize_rows():
@@ -152,3 +170,29 @@ def test_quantize_rows():
         assert not np.asarray(m.q)[1, 2].any() and np.abs(np.asarray(m.q)).max() == 127
     flat = quantize(w[0])
     np.testing.assert_allclose(np.asarray(flat.rows(jnp.asarray([4, 0]))), np.asarray(dequantized(flat))[[4, 0]])
+
+
+def test_quantize_int4_groups():
+    """Per group of 32 along a row: low = min, scale = (max - min) / 15, |w - widened| <= scale / 2, steps in
+    [0, 15] packed two a byte (low nibbles a run's first 32 weights); numpy and jax alike; rows of other lengths
+    refused."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((2, 3, 128)).astype(np.float32)
+    w[0, 1, :32] = 0.5
+    for m in (quantize_int4(w), quantize_int4(jnp.asarray(w))):
+        assert isinstance(m, Int4Matrix) and m.q.dtype == np.uint8 and m.q.shape == (2, 3, 64)
+        assert m.shape == (2, 3, 128) and m.scale.shape == (2, 3, 4, 2)
+        groups = w.reshape(2, 3, 4, 32)
+        spread = groups.max(-1) - groups.min(-1)
+        scale, low = np.asarray(m.scale)[..., 0], np.asarray(m.scale)[..., 1]
+        np.testing.assert_allclose(scale, np.where(spread > 0, spread / 15, 1), rtol=1e-6)
+        np.testing.assert_array_equal(low, groups.min(-1))
+        err = np.abs(np.asarray(dequantized(m)) - w).reshape(2, 3, 4, 32)
+        assert (err <= scale[..., None] / 2 + 1e-6).all()
+        assert err[0, 1, 0].max() == 0  # a constant group is exact
+        steps = np.asarray(m.q)[0, 0, :32] & 0xF  # weights 0..31 of the first run
+        np.testing.assert_array_equal(steps, np.clip(np.round((w[0, 0, :32] - low[0, 0, 0]) / scale[0, 0, 0]), 0, 15))
+    np.testing.assert_allclose(np.asarray(quantize_int4(w[0]).rows(jnp.asarray([2]))),
+                               np.asarray(dequantized(quantize_int4(w[0])))[[2]])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quantize_int4(w[..., :96])
