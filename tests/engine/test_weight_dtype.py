@@ -277,15 +277,13 @@ def test_quantized_engine_decodes_as_one_program_and_reports_it(tiny, kind):
 
 
 def test_real_smollm2_quantized_greedy_answers(smollm2):
-    """The real SmolLM2 with int8 and int4 matrices keeps float32's greedy answers: France's capital, and the
-    Fibonacci function's base case (its constant may differ: greedy text is where quantization shows first)."""
+    """The real SmolLM2 with int8 and int4 matrices keeps the greedy answers float32 gives (whose tokens equal HF's,
+    test_smollm2): France's capital, and the Fibonacci function's base case (its constant may differ: greedy text
+    is where quantization shows first)."""
     cfg, weights, tok = smollm2
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = {"max_new_tokens": 16, "temperature": 0.0}
-    texts = {}
-    for weight_dtype in ("float32", "int8", "int4"):
-        with Engine.from_weights(cfg, weights, tok, **{**SMALL, "weight_dtype": weight_dtype}) as eng:
-            texts[weight_dtype] = [o["text"] for o in eng.generate(prompts, sampling_params=params)]
+    params = {"max_new_tokens": 8, "temperature": 0.0}
     for kind in ("int8", "int4"):
-        assert texts[kind][0].startswith(" Paris"), texts[kind]
-        assert texts["float32"][1].startswith("\n    if n == ") and texts[kind][1].startswith("\n    if n == ")
+        with Engine.from_weights(cfg, weights, tok, **{**SMALL, "weight_dtype": kind}) as eng:
+            texts = [o["text"] for o in eng.generate(prompts, sampling_params=params)]
+        assert texts[0].startswith(" Paris") and texts[1].startswith("\n    if n == "), (kind, texts)

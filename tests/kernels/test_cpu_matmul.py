@@ -83,7 +83,7 @@ KINDS = [(kind, k) for kind in ("float32", "bfloat16", "int8", "int4") for k in 
 @pytest.mark.parametrize("kind,k", KINDS)
 def test_matches_numpy_on_every_path(arch, kind, k):
     rng = np.random.default_rng(k)
-    for rows in (1, 3, 4, 6, 9):
+    for rows in (3, 6, 9):  # x's passes of 3, 4 + 2 and 4 + 4 + 1 rows
         x = rng.standard_normal((rows, k)).astype(np.float32)
         w, scale = _matrices(rng, kind, 37, k)
         (out,) = cpu.cpu_matmul(jnp.asarray(x), 0, [(jnp.asarray(w), scale)], arch=arch)
