@@ -82,7 +82,7 @@ def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None
     experts_fn = tp.experts_for(cfg, mesh, moe_kernel)
     name = f"sgjax_step_{len(_COMPILES)}"  # its compile events' fun_name
     _COMPILES[name] = 0
-    if calls and cfg.matmul != "cpu":
+    if calls and native_rows(cfg) == 0:
         return CallsStep(cfg, attend, experts_fn, name)
 
     def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None):

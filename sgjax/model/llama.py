@@ -24,9 +24,11 @@ from sgjax.model.weights import Weights
 
 # Under config.matmul "cpu", products of at most this many rows go through kernels/cpu_matmul.cc: decode's few
 # rows are bound by reading the matrices, which the kernel does near the memory's speed. More rows (prefill) keep
-# XLA's dots, whose bf16 products use the CPU's matrix units: they won from 16 rows for bf16 matrices; int8 ones
-# would be widened to bf16 per call there, so the kernel's integer dot products keep more rows (docs/engine.md).
-NATIVE_ROWS = {"bfloat16": 8, "int8": 32, "int4": 32}
+# XLA's dots, whose bf16 products use the CPU's matrix units; int8 / int4 ones would be widened to bf16 per call
+# there, so the kernel's integer dot products keep 32 rows. bf16 (auto's choice) keeps the layer calls: up to 8
+# native rows doubled one stream (55.8 tok/s) but FewRowsStep's unrolled programs took `make run` from 28 to 80 s
+# on a cold compilation cache (docs/engine.md).
+NATIVE_ROWS = {"bfloat16": 0, "int8": 32, "int4": 32}
 
 
 def native_rows(cfg: ModelConfig) -> int:

@@ -105,8 +105,7 @@ def test_bf16_layer_calls_precompile_and_equal_the_one_program_step(tiny):
         if event == "/jax/core/compile/backend_compile_duration" else None)
     with tiny_engine(tiny, weight_dtype="bfloat16") as eng:
         runner = eng.runner
-        # decode's few rows as one program of native products (FewRowsStep) where the kernel builds
-        assert isinstance(runner.step, FewRowsStep if cpu.available() else CallsStep)
+        assert isinstance(runner.step, CallsStep)  # bf16: no native rows (llama.NATIVE_ROWS)
         shapes = runner.start_shapes(64)[:3]
         runner.precompile(shapes)
         compiled.clear()
