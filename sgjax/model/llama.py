@@ -88,19 +88,15 @@ def dot(h, w, nk: bool = False, out_dtype=None):
     return out[:rows].astype(out_dtype)
 
 
-def dots(h, matrices, cfg: ModelConfig, index=None, out_dtype=None):
-    """h @ each of `matrices` (dot's semantics), which share h. Under config.matmul "cpu" a product of few rows
-    is one call of the native kernel for all of them; `index` (a traced layer index) means the matrices are the
-    stacked [L, N, K] ones, read in place there (sliced for XLA's dots)."""
+def dots(h, matrices, cfg: ModelConfig, out_dtype=None):
+    """h @ each of `matrices` (dot's semantics), which share h. Under config.matmul "cpu" a product of at most
+    native_rows rows is one call of the native kernel for all of them."""
     nk = cfg.matrix_layout == "nk"
     if h.shape[0] <= native_rows(cfg):
         from sgjax.kernels.cpu import cpu_matmul
 
         pairs = [(m.q, m.scale) if isinstance(m, (Int8Matrix, Int4Matrix)) else (m, None) for m in matrices]
-        outs = cpu_matmul(h, 0 if index is None else index, pairs)
-        return [out.astype(out_dtype or h.dtype) for out in outs]
-    if index is not None:
-        matrices = [jax.tree.map(lambda a: a[index], m) for m in matrices]
+        return [out.astype(out_dtype or h.dtype) for out in cpu_matmul(h, 0, pairs)]
     return [dot(h, m, nk, out_dtype) for m in matrices]
 
 
