@@ -10,10 +10,16 @@
 // every matrix, each read once for all of x's rows (x stays in L1/L2), on XLA's intra-op threads.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -30,6 +36,7 @@ namespace {
 constexpr int64_t kRowsPerItem = 32;    // output rows per work item, at least
 constexpr int64_t kItemsPerThread = 4;  // work items per thread, about
 constexpr int kMR = 4;                // x rows per pass over a weight row
+constexpr int64_t kAmxRows = 1;        // x rows from which bf16 products use the matrix unit, where there is one
 
 inline float Widen(float w) { return w; }
 inline float Widen(int8_t w) { return static_cast<float>(w); }
@@ -162,6 +169,94 @@ void Bf16Rows(const uint16_t* xb, const uint16_t* w, int64_t k, float* y, int64_
     }
     for (int m = 0; m < MR; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
   }
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// bf16 matrices on the CPU's matrix unit (AMX): the vector loop above does one vdpbf16ps per 64 weight bytes per x
+// row, so past ~4 rows it is bound by the instructions, not the memory; a tile product takes 16 x rows for the same
+// 1 KB of weights. Computed transposed, y^T = W x^T, so the weights are tdpbf16ps's A operand read in place (16
+// matrix rows of 32 k each, strided), and x (rounded to bf16, as above) is packed once per call as its B operand.
+// The same numerics as vdpbf16ps: bf16 pairs multiplied exactly, summed in float32.
+std::atomic<bool> amx_wanted{true};  // SgjaxUseAmx: the tests run the vector loop on a CPU with AMX too
+
+bool AmxReady() {
+  // Linux hands out the tile registers' state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM).
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+  return permitted && amx_wanted.load(std::memory_order_relaxed);
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x's rows m0.. (16 at most, the rest zero) as B operands, per block of 32 k: [K / 32][16 k pairs][16 rows] pairs.
+std::vector<uint32_t> PackTileX(const uint16_t* xb, int64_t rows, int64_t k) {
+  std::vector<uint32_t> out((k / 32) * 256, 0);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t i = 0; i < k; i += 2) {
+      out[(i / 32) * 256 + ((i % 32) / 2) * 16 + m] =
+          static_cast<uint32_t>(xb[m * k + i]) | (static_cast<uint32_t>(xb[m * k + i + 1]) << 16);
+    }
+  }
+  return out;
+}
+
+// The tile products of output rows [n0, n1) (a multiple of 16 of them) for `rows` x rows (16 at most).
+void Bf16Tiles(const uint32_t* xt, int64_t rows, const uint16_t* w, int64_t k, float* y, int64_t ldy, int64_t n0,
+               int64_t n1) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+  alignas(64) float c[16 * 16];
+  auto scatter = [&](int64_t n) {  // c[i][m] is y[m][n + i]
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int i = 0; i < 16; ++i) y[m * ldy + n + i] = c[i * 16 + m];
+    }
+  };
+  const int64_t stride = 2 * k, blocks = k / 32;
+  int64_t n = n0;
+  for (; n + 64 <= n1; n += 64) {  // four accumulators share each B load
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* a = w + n * k;
+    for (int64_t b = 0; b < blocks; ++b, a += 32) {
+      _tile_loadd(4, xt + b * 256, 64);
+      _tile_loadd(5, a, stride);
+      _tile_loadd(6, a + 16 * k, stride);
+      _tile_dpbf16ps(0, 5, 4);
+      _tile_dpbf16ps(1, 6, 4);
+      _tile_loadd(5, a + 32 * k, stride);
+      _tile_loadd(6, a + 48 * k, stride);
+      _tile_dpbf16ps(2, 5, 4);
+      _tile_dpbf16ps(3, 6, 4);
+    }
+    _tile_stored(0, c, 64);
+    scatter(n);
+    _tile_stored(1, c, 64);
+    scatter(n + 16);
+    _tile_stored(2, c, 64);
+    scatter(n + 32);
+    _tile_stored(3, c, 64);
+    scatter(n + 48);
+  }
+  for (; n + 16 <= n1; n += 16) {
+    _tile_zero(0);
+    const uint16_t* a = w + n * k;
+    for (int64_t b = 0; b < blocks; ++b, a += 32) {
+      _tile_loadd(4, xt + b * 256, 64);
+      _tile_loadd(5, a, stride);
+      _tile_dpbf16ps(0, 5, 4);
+    }
+    _tile_stored(0, c, 64);
+    scatter(n);
+  }
+  _tile_release();  // the thread's context switches need not save the tiles
 }
 #endif
 
@@ -311,25 +406,33 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("matmul: x must be [M, K]");
   const int64_t rows = xd[0], k = xd[1];
-  if (args.size() != 2 * rets.size() || rets.size() == 0) {
-    return ffi::Error::InvalidArgument("matmul: a (weights, scale) pair of arguments per result");
+  // Each result's weights: one (weights, scale) pair, or `group` pairs (its layers as separate [N, K] buffers,
+  // `layer` picks one: a scan over a model's per-layer matrices reads them where they are, no stacked copy).
+  const size_t group = rets.size() == 0 ? 0 : args.size() / (2 * rets.size());
+  if (rets.size() == 0 || group == 0 || args.size() != 2 * group * rets.size()) {
+    return ffi::Error::InvalidArgument("matmul: the same number of (weights, scale) pairs of arguments per result");
   }
+  const int64_t picked = layer.typed_data()[0];
   std::vector<Matrix> mats;
   int64_t bytes = 0;  // the weights the call reads
   for (size_t i = 0; i < rets.size(); ++i) {
-    auto w = args.get<ffi::AnyBuffer>(2 * i);
-    auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
+    const size_t pair = i * group + static_cast<size_t>(std::clamp<int64_t>(picked, 0, group - 1));
+    auto w = args.get<ffi::AnyBuffer>(2 * pair);
+    auto s = args.get<ffi::AnyBuffer>(2 * pair + 1);
     auto y = rets.get<ffi::AnyBuffer>(i);
     if (!w.has_value() || !s.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("matmul: buffers");
     auto wd = w->dimensions();
     const ffi::DataType type = w->element_type();
     const bool int4 = type == ffi::DataType::U8;  // two weights a byte
-    if ((wd.size() != 2 && wd.size() != 3) || wd.back() * (int4 ? 2 : 1) != k || (int4 && k % 64 != 0)) {
-      return ffi::Error::InvalidArgument("matmul: weights must be [L, N, K] or [N, K] with x's K (int4: [.., K / 2])");
+    if ((wd.size() != 2 && (wd.size() != 3 || group > 1)) || wd.back() * (int4 ? 2 : 1) != k ||
+        (int4 && k % 64 != 0)) {
+      return ffi::Error::InvalidArgument(
+          "matmul: weights must be [L, N, K] or [N, K] (a group of layers: [N, K] each) with x's K "
+          "(int4: [.., K / 2])");
     }
     const int64_t n = wd[wd.size() - 2];
     const int64_t depth = wd.size() == 3 ? wd[0] : 1;
-    const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, depth - 1);
+    const int64_t l = std::clamp<int64_t>(picked, 0, depth - 1);
     int64_t width;  // bytes per row
     switch (type) {
       case ffi::DataType::F32: width = 4 * k; break;
@@ -360,8 +463,8 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   // matrix stream best), at least kRowsPerItem rows.
   int64_t total_rows = 0;
   for (const Matrix& mat : mats) total_rows += mat.n;
-  const int64_t per_item =
-      std::max<int64_t>(kRowsPerItem, total_rows / (kItemsPerThread * sgjax_cpu::Threads()) + 1);
+  const int64_t per_item =  // a multiple of 16 (the tile products' rows)
+      (std::max<int64_t>(kRowsPerItem, total_rows / (kItemsPerThread * sgjax_cpu::Threads()) + 1) + 15) / 16 * 16;
   std::vector<std::pair<int64_t, int64_t>> work;  // (matrix, first output row)
   for (int64_t i = 0; i < static_cast<int64_t>(mats.size()); ++i) {
     for (int64_t n = 0; n < mats[i].n; n += per_item) work.emplace_back(i, n);
@@ -379,14 +482,32 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   const QuantizedX xq = blocks64 && (has(ffi::DataType::S8) || has(ffi::DataType::U8)) ? QuantizeBlocks(xp, rows, k)
                                                                                         : QuantizedX();
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  // x's rows in chunks of 16 as tile operands, for the bf16 matrices when there are more rows than one vector
+  // pass takes
+  std::vector<std::vector<uint32_t>> xt;
+  if (blocks64 && rows >= kAmxRows && has(ffi::DataType::BF16) && AmxReady()) {
+    for (int64_t m = 0; m < rows; m += 16) xt.push_back(PackTileX(xb.data() + m * k, std::min<int64_t>(16, rows - m), k));
+  }
+#endif
   auto fn = [&](int64_t item) {
     const Matrix& mat = mats[work[item].first];
     const int64_t n0 = work[item].second, n1 = std::min(n0 + per_item, mat.n);
 #if defined(__AVX512BF16__)
     if (blocks64 && mat.type == ffi::DataType::BF16) {
       const auto* w = static_cast<const uint16_t*>(mat.w);
+      int64_t rest = n0;  // the output rows the vector loop computes
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+      if (!xt.empty()) {
+        rest = n0 + (n1 - n0) / 16 * 16;
+        for (size_t c = 0; c < xt.size(); ++c) {
+          const int64_t m = 16 * static_cast<int64_t>(c);
+          Bf16Tiles(xt[c].data(), std::min<int64_t>(16, rows - m), w, k, mat.y + m * mat.n, mat.n, n0, rest);
+        }
+      }
+#endif
       ForRows(rows, [&](auto mr, int64_t m) {
-        Bf16Rows<mr()>(xb.data() + m * k, w, k, mat.y + m * mat.n, mat.n, n0, n1);
+        Bf16Rows<mr()>(xb.data() + m * k, w, k, mat.y + m * mat.n, mat.n, rest, n1);
       });
       return;
     }
@@ -438,3 +559,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SgjaxMatmul, Matmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .RemainingArgs()               // (weights, scale) per matrix
                                   .RemainingRets());             // y per matrix
+
+// ctypes (kernels/cpu.py): whether bf16 products may use the matrix unit (1) or not (0), or only the setting
+// (-1); returns the setting before (1 or 0), or -1 where this build or the OS has no AMX.
+extern "C" int SgjaxUseAmx(int wanted) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  static const bool ready = (amx_wanted.store(true), AmxReady());
+  if (!ready) return -1;
+  return wanted < 0 ? static_cast<int>(amx_wanted.load()) : static_cast<int>(amx_wanted.exchange(wanted != 0));
+#else
+  (void)wanted;
+  return -1;
+#endif
+}

@@ -19,7 +19,8 @@ from sgjax.engine.step import DeviceState, StepShape, unpack
 from sgjax.fsm.device import unpack_bits
 from sgjax.kernels import get_backend
 from sgjax.model.config import ModelConfig
-from sgjax.model.llama import LayerCalls, embed_lookup, embed_rows, forward, head, matmul_precision, native_rows
+from sgjax.model.llama import (EVERY_ROW, LayerCalls, embed_lookup, embed_rows, forward, head, matmul_precision,
+                               native_rows)
 
 # Executables the jitted steps got (compiled, or loaded from the persistent cache), by the step's function name:
 # jax reports every backend compile through jax.monitoring with the function's name.
@@ -106,7 +107,7 @@ def jitted_step(cfg: ModelConfig, attention: str, mesh: jax.sharding.Mesh | None
     fn = jax.jit(step, donate_argnames=("state",), static_argnames=("shape",))
     fn.step_name = name
     fn.precompile = lambda weights, state, buffer, shape: fn.lower(weights, state, buffer, shape).compile()
-    if calls:
+    if calls and native_rows(cfg) < EVERY_ROW:
         return FewRowsStep(fn, CallsStep(cfg, attend, experts_fn, name), native_rows(cfg))
     return fn
 

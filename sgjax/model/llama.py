@@ -9,8 +9,10 @@ compile time does not grow with depth.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,20 +22,31 @@ from sgjax.model.batch import StepBatch
 from sgjax.model.config import ModelConfig, RopeScaling
 from sgjax.model.moe import moe_mlp
 from sgjax.model.quant import Int4Matrix, Int8Matrix
-from sgjax.model.weights import Weights
+from sgjax.model.weights import NK_LEAVES, Weights
 
 # Under config.matmul "cpu", products of at most this many rows go through kernels/cpu_matmul.cc: decode's few
 # rows are bound by reading the matrices, which the kernel does near the memory's speed. More rows (prefill) keep
-# XLA's dots, whose bf16 products use the CPU's matrix units; int8 / int4 ones would be widened to bf16 per call
-# there, so the kernel's integer dot products keep 32 rows. bf16 (auto's choice) keeps the layer calls: up to 8
-# native rows doubled one stream (55.8 tok/s) but FewRowsStep's unrolled programs took `make run` from 28 to 80 s
-# on a cold compilation cache (docs/engine.md).
-NATIVE_ROWS = {"bfloat16": 0, "int8": 32, "int4": 32}
+# XLA's dots: past 4 rows they beat the kernel's bf16 vector loop, and int8 / int4 products, widened to bf16 per
+# call there, keep 32 rows of the kernel's integer dot products. A step of native rows only scans the per-layer
+# matrices in one program (_forward), so its compilation does not grow with depth (docs/engine.md).
+NATIVE_ROWS = {"bfloat16": 4, "int8": 32, "int4": 32}
+# Where the CPU has AMX the kernel's bf16 tile products beat XLA's dots at every row count (2.2x at 512 rows):
+# every bf16 product of a dense model is native, and every step one scanned program.
+EVERY_ROW = 1 << 30
 
 
 def native_rows(cfg: ModelConfig) -> int:
     """The most rows a product runs through the native kernel (0: none)."""
-    return NATIVE_ROWS.get(cfg.weight_dtype, 0) if cfg.matmul == "cpu" and cfg.matrix_layout == "nk" else 0
+    if cfg.matmul != "cpu" or cfg.matrix_layout != "nk":
+        return 0
+    if cfg.weight_dtype == "bfloat16" and not cfg.is_moe:
+        from sgjax.kernels.cpu import has_amx
+
+        if has_amx():
+            return EVERY_ROW
+    elif cfg.weight_dtype == "bfloat16":
+        return 0  # a mixture's native step would unroll its layers (_forward scans dense ones only)
+    return NATIVE_ROWS.get(cfg.weight_dtype, 0)
 
 
 def rms_norm(x, weight, eps: float):
@@ -88,15 +101,32 @@ def dot(h, w, nk: bool = False, out_dtype=None):
     return out[:rows].astype(out_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerPick:
+    """One matrix of every layer and the (traced) index of the layer a scan body is at: the native kernel reads
+    that layer's buffer where it is, where scanning stacked weights would need them stacked (a copy)."""
+
+    layers: tuple
+    index: Any
+
+
 def dots(h, matrices, cfg: ModelConfig, out_dtype=None):
     """h @ each of `matrices` (dot's semantics), which share h. Under config.matmul "cpu" a product of at most
-    native_rows rows is one call of the native kernel for all of them."""
+    native_rows rows is one call of the native kernel for all of them (LayerPicks, of one index, only there)."""
     nk = cfg.matrix_layout == "nk"
     if h.shape[0] <= native_rows(cfg):
         from sgjax.kernels.cpu import cpu_matmul
 
-        pairs = [(m.q, m.scale) if isinstance(m, (Int8Matrix, Int4Matrix)) else (m, None) for m in matrices]
-        return [out.astype(out_dtype or h.dtype) for out in cpu_matmul(h, 0, pairs)]
+        def pair(m):
+            return (m.q, m.scale) if isinstance(m, (Int8Matrix, Int4Matrix)) else (m, None)
+
+        picks = [m for m in matrices if isinstance(m, LayerPick)]
+        pairs = [[pair(a) for a in m.layers] if isinstance(m, LayerPick) else pair(m) for m in matrices]
+        outs = cpu_matmul(h, picks[0].index if picks else 0, pairs)
+        return [out.astype(out_dtype or h.dtype) for out in outs]
+    if any(isinstance(m, LayerPick) for m in matrices):
+        raise ValueError(f"dots: a LayerPick needs at most {native_rows(cfg)} rows (the native kernel), got "
+                         f"{h.shape[0]}")
     return [dot(h, m, nk, out_dtype) for m in matrices]
 
 
@@ -220,29 +250,42 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"
     x = embed_rows(weights.embed, batch, cfg, input_embeds)
     block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, experts_fn=experts_fn)
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
-    stats = []
-    if isinstance(weights.layers, (tuple, list)):
+    per_layer = isinstance(weights.layers, (tuple, list))
+    if per_layer and not (x.shape[0] <= native_rows(cfg) and not cfg.is_moe):
         # One jitted block per distinct window, called once per layer: jax traces and lowers it once (the module
         # calls one function L times; XLA inlines it), not L times. On the H200 the unrolled SmolLM2 spent 40-75 s
         # tracing and ~60 s lowering each step shape (its Pallas kernels built again for every layer), against 6-7 s
         # of XLA compilation.
         jitted = {win: jax.jit(lambda x, pool, w, i, inv, win=win: block(x, pool, w, (i, win, inv)))
                   for win in set(windows)}
+        stats = []
         for i, w in enumerate(weights.layers):
             with jax.named_scope(f"layer{i}"):
                 (x, pool), counts = jitted[windows[i]](x, pool, w, jnp.int32(i), jnp.asarray(rope[i]))
                 stats.append(counts)
-        stats = jnp.stack(stats) if cfg.is_moe else None
-    else:
-        same = len(set(windows)) == 1  # every layer alike (Llama, Mistral): the window stays a static int
+        return head(weights, x, batch, cfg, output), pool, (jnp.stack(stats) if cfg.is_moe else None)
+    # Scanned: stacked layers, or per-layer ones whose products are all native (the kernel reads each layer's
+    # matrices where they are: LayerPick); their norms and biases (a few KB a layer) are stacked each step.
+    stacked, pick = weights.layers, None
+    if per_layer:
+        layers = weights.layers
+        names = [f.name for f in dataclasses.fields(layers[0])
+                 if f.name in NK_LEAVES and getattr(layers[0], f.name) is not None]
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *[dataclasses.replace(w, **dict.fromkeys(names))
+                                                          for w in layers])
 
-        def body(carry, inputs):
-            w, i, win, inv = inputs
-            return block(*carry, w, (i, windows[0] if same else win, inv))
+        def pick(w, i):
+            return dataclasses.replace(w, **{n: LayerPick(tuple(getattr(a, n) for a in layers), i) for n in names})
 
-        scanned = (weights.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(windows, jnp.int32),
-                   jnp.asarray(rope))
-        (x, pool), stats = jax.lax.scan(body, (x, pool), scanned)
+    same = len(set(windows)) == 1  # every layer alike (Llama, Mistral): the window stays a static int
+
+    def body(carry, inputs):
+        w, i, win, inv = inputs
+        return block(*carry, w if pick is None else pick(w, i), (i, windows[0] if same else win, inv))
+
+    scanned = (stacked, jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(windows, jnp.int32),
+               jnp.asarray(rope))
+    (x, pool), stats = jax.lax.scan(body, (x, pool), scanned)
     return head(weights, x, batch, cfg, output), pool, stats
 
 

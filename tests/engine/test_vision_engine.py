@@ -88,19 +88,21 @@ def test_bad_images_are_refused_by_name(engine):
 
 
 def test_bf16_layer_calls_take_the_image_rows(llava):
-    """bf16 matrices on a CPU run prefill steps as layer calls (engine/programs.CallsStep, inside a FewRowsStep
-    where the native matmul builds), whose jitted head merges the image rows: its tokens equal the one-program
-    step's over the same bf16 weights, and the image decides them."""
-    from sgjax.engine.programs import CallsStep, FewRowsStep, jitted_step
+    """bf16 matrices on a CPU without AMX run prefill steps as layer calls (engine/programs.CallsStep, inside a
+    FewRowsStep), whose jitted head merges the image rows: over XLA's dots, its tokens equal the one-program step's
+    over the same bf16 weights, and the image decides them."""
+    from sgjax.engine.programs import CallsStep, jitted_step
 
     greedy = {"max_new_tokens": NEW, "temperature": 0}
     outs = {}
     with Engine(llava[0], skip_tokenizer_init=True, max_total_tokens=2048, chunked_prefill_size=16,
                 max_running_requests=4, context_length=256, weight_dtype="bfloat16") as eng:
-        assert isinstance(eng.runner.step, (CallsStep, FewRowsStep))
-        calls, runner = eng.runner.step, eng.runner
-        for name, step in (("calls", calls), ("one", jitted_step(runner.cfg, runner.attention, None,
-                                                                  runner.moe_kernel, calls=False))):
+        runner = eng.runner
+        xla = runner.cfg.replace(matmul="xla")  # no native rows: every step as layer calls
+        steps = {calls: jitted_step(xla, runner.attention, None, runner.moe_kernel, calls=calls)
+                 for calls in (True, False)}
+        assert isinstance(steps[True], CallsStep)
+        for name, step in (("calls", steps[True]), ("one", steps[False])):
             runner.step = step
             eng.flush_cache()
             outs[name] = [eng.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(picture(k))])

@@ -72,7 +72,7 @@ def test_matrix_layout_transposes_the_dense_matrices_only(tiny, unrolled):
         cfg.replace(matrix_layout="mn")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("rows", [1, 7, 12])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
 def test_bf16_matrices_stored_out_in_give_the_same_logits(rows, tied):
     """What a CPU runs for bf16 matrices (model/weights.prepare: unrolled, [out, in]; one row computed as two)
@@ -95,29 +95,36 @@ def test_bf16_matrices_stored_out_in_give_the_same_logits(rows, tied):
     np.testing.assert_allclose(logits["nk"], logits["kn"], rtol=1e-4, atol=1e-4)
 
 
-def test_bf16_layer_calls_precompile_and_equal_the_one_program_step(tiny):
-    """bf16 matrices on a CPU run each step as host calls (engine/programs.CallsStep): precompiling a shape compiles
-    all three parts (a run of it compiles nothing after), and a step gives the tokens and logprobs of the same step
-    as one jitted program over the same weights."""
+def test_bf16_step_precompiles_and_equals_xla_dots(tiny):
+    """bf16 matrices on a CPU: with AMX every step is one program scanning the per-layer matrices through the
+    native kernel; without, a step of at most llama.NATIVE_ROWS rows is, a larger one host calls
+    (engine/programs.FewRowsStep). Precompiling a shape compiles what its run needs (a run compiles nothing after),
+    and each step gives the tokens and logprobs of one jitted program of XLA's dots over the same weights."""
     compiled = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiled.append(kw.get("fun_name"))
         if event == "/jax/core/compile/backend_compile_duration" else None)
     with tiny_engine(tiny, weight_dtype="bfloat16") as eng:
         runner = eng.runner
-        assert isinstance(runner.step, CallsStep)  # bf16: no native rows (llama.NATIVE_ROWS)
-        shapes = runner.start_shapes(64)[:3]
+        one_row = runner.start_shapes(64)[0]  # a decode step of one request; then a 32-token prefill of it
+        shapes = [one_row, dataclasses.replace(one_row, batch=dataclasses.replace(one_row.batch, num_tokens=32))]
+        step = runner.step
+        if cpu.has_amx():
+            assert llama.native_rows(runner.cfg) == llama.EVERY_ROW and not isinstance(step, (FewRowsStep, CallsStep))
+        elif cpu.available():
+            assert isinstance(step, FewRowsStep) and step.rows == llama.NATIVE_ROWS["bfloat16"] > 0
+            assert {step.part(s) is step.one for s in shapes} == {True, False}  # decode's and prefill's shapes
         runner.precompile(shapes)
         compiled.clear()
         for shape in shapes:
             runner.run_dummy(shape)
         jax.block_until_ready(runner.state.pool)
         assert compiled == []
-        one = jitted_step(runner.cfg, runner.attention, None, "xla", calls=False)
+        xla = jitted_step(runner.cfg.replace(matmul="xla"), runner.attention, None, "xla", calls=False)
         for shape in shapes:
             buffer = jnp.asarray(runner._dummy_buffer(shape))
             outs = []
-            for step in (runner.step, one):
+            for step in (runner.step, xla):
                 runner.reset_pool()
                 outs.append(step(runner.weights, runner.state, buffer, shape)[0])
             np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))

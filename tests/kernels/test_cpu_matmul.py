@@ -92,10 +92,27 @@ def test_matches_numpy_on_every_path(arch, kind, k):
         np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "vector"])
+def test_bf16_tiles_and_vector_loop(amx):
+    """bf16 products on the matrix unit (AMX tiles, where the CPU has them: x rows in chunks of 16, output rows in
+    fours and ones of 16 tiles, the last few on the vector loop) and on the vector loop, against numpy with x
+    rounded to bf16: row counts across the chunks, widths across the tiles."""
+    rng = np.random.default_rng(5)
+    with cpu.use_amx(amx) as there:
+        assert there == cpu.has_amx()
+        for n, k in ((37, 576), (200, 128), (64, 1536)):
+            w = jnp.asarray(rng.standard_normal((n, k)) * 0.1, jnp.bfloat16)
+            for rows in (1, 5, 16, 17, 40):
+                x = rng.standard_normal((rows, k)).astype(np.float32)
+                (out,) = jax.jit(lambda x, w: cpu.cpu_matmul(x, 0, [(w, None)]))(jnp.asarray(x), w)
+                np.testing.assert_allclose(np.asarray(out), _expected(x, w, None, "native"), rtol=1e-4,
+                                           atol=1e-4 * np.sqrt(k))
+
+
 @pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
 def test_stacked_layers_in_place_and_several_matrices_per_call(kind):
     """[L, N, K] matrices with a traced layer index (clamped into range), three matrices of different widths in one
-    call (q, k and v), inside a scan as the forward runs them."""
+    call (q, k and v), inside a scan as the forward runs them; and each layer as its own buffer, picked the same."""
     rng = np.random.default_rng(7)
     k, layers = 128, 3
     mats = [_matrices(rng, kind, n, k, layers) for n in (64, 16, 16)]
@@ -113,6 +130,15 @@ def test_stacked_layers_in_place_and_several_matrices_per_call(kind):
                 np.asarray(x), w_i, None if s is None or kind == "int4" else s[i], "native"), rtol=1e-4, atol=2e-3)
     (past,) = cpu.cpu_matmul(x, 99, [(jnp.asarray(mats[0][0]), mats[0][1])])  # clamped to the last layer
     np.testing.assert_array_equal(np.asarray(past), np.asarray(outs[0][-1]))
+
+    # The same layers as separate [N, K] buffers, a list per matrix (model/llama.LayerPick): the same numbers.
+    groups = [[(jnp.asarray(w[i]), None if s is None else s[i]) for i in range(layers)] for w, s in mats]
+    _, grouped = jax.jit(lambda: jax.lax.scan(lambda c, i: (c, cpu.cpu_matmul(x, i, groups)), 0,
+                                              jnp.arange(layers, dtype=jnp.int32)))()
+    for a, b in zip(grouped, outs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="same number of layers"):
+        cpu.cpu_matmul(x, 0, [groups[0], groups[1][:2]])
 
 
 def test_concurrent_calls_from_threads_share_the_helpers():
