@@ -36,7 +36,6 @@ namespace {
 constexpr int64_t kRowsPerItem = 32;    // output rows per work item, at least
 constexpr int64_t kItemsPerThread = 4;  // work items per thread, about
 constexpr int kMR = 4;                // x rows per pass over a weight row
-constexpr int64_t kAmxRows = 1;        // x rows from which bf16 products use the matrix unit, where there is one
 
 inline float Widen(float w) { return w; }
 inline float Widen(int8_t w) { return static_cast<float>(w); }
@@ -205,34 +204,43 @@ std::vector<uint32_t> PackTileX(const uint16_t* xb, int64_t rows, int64_t k) {
   return out;
 }
 
-// The tile products of output rows [n0, n1) (a multiple of 16 of them) for `rows` x rows (16 at most).
-void Bf16Tiles(const uint32_t* xt, int64_t rows, const uint16_t* w, int64_t k, float* y, int64_t ldy, int64_t n0,
-               int64_t n1) {
+// The tile products of output rows [n0, n1) for `rows` x rows (16 at most), each row times row_scale (or not:
+// null). a(n, b, buf) gives the A operand of rows [n, n + 16) and k block b as (pointer, stride in bytes): the
+// weights where they lie (bf16: n1 - n0 a multiple of 16), or widened into buf, 16 x 32 bf16, rows from n1 on zero
+// (int8, int4: any n1).
+template <typename A>
+void Tiles(const uint32_t* xt, int64_t rows, int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1,
+           const float* row_scale, A a) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
   _tile_loadconfig(&config);
   alignas(64) float c[16 * 16];
+  alignas(64) uint16_t buf[4][16 * 32];
   auto scatter = [&](int64_t n) {  // c[i][m] is y[m][n + i]
+    const int count = static_cast<int>(std::min<int64_t>(16, n1 - n));
     for (int64_t m = 0; m < rows; ++m) {
-      for (int i = 0; i < 16; ++i) y[m * ldy + n + i] = c[i * 16 + m];
+      for (int i = 0; i < count; ++i) {
+        y[m * ldy + n + i] = row_scale ? c[i * 16 + m] * row_scale[n + i] : c[i * 16 + m];
+      }
     }
   };
-  const int64_t stride = 2 * k, blocks = k / 32;
+  const int64_t blocks = k / 32;
   int64_t n = n0;
   for (; n + 64 <= n1; n += 64) {  // four accumulators share each B load
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const uint16_t* a = w + n * k;
-    for (int64_t b = 0; b < blocks; ++b, a += 32) {
+    for (int64_t b = 0; b < blocks; ++b) {
       _tile_loadd(4, xt + b * 256, 64);
-      _tile_loadd(5, a, stride);
-      _tile_loadd(6, a + 16 * k, stride);
+      auto a0 = a(n, b, buf[0]), a1 = a(n + 16, b, buf[1]);
+      _tile_loadd(5, a0.first, a0.second);
+      _tile_loadd(6, a1.first, a1.second);
       _tile_dpbf16ps(0, 5, 4);
       _tile_dpbf16ps(1, 6, 4);
-      _tile_loadd(5, a + 32 * k, stride);
-      _tile_loadd(6, a + 48 * k, stride);
+      auto a2 = a(n + 32, b, buf[2]), a3 = a(n + 48, b, buf[3]);
+      _tile_loadd(5, a2.first, a2.second);
+      _tile_loadd(6, a3.first, a3.second);
       _tile_dpbf16ps(2, 5, 4);
       _tile_dpbf16ps(3, 6, 4);
     }
@@ -245,18 +253,55 @@ void Bf16Tiles(const uint32_t* xt, int64_t rows, const uint16_t* w, int64_t k, f
     _tile_stored(3, c, 64);
     scatter(n + 48);
   }
-  for (; n + 16 <= n1; n += 16) {
+  for (; n < n1; n += 16) {
     _tile_zero(0);
-    const uint16_t* a = w + n * k;
-    for (int64_t b = 0; b < blocks; ++b, a += 32) {
+    for (int64_t b = 0; b < blocks; ++b) {
       _tile_loadd(4, xt + b * 256, 64);
-      _tile_loadd(5, a, stride);
+      auto a0 = a(n, b, buf[0]);
+      _tile_loadd(5, a0.first, a0.second);
       _tile_dpbf16ps(0, 5, 4);
     }
     _tile_stored(0, c, 64);
     scatter(n);
   }
   _tile_release();  // the thread's context switches need not save the tiles
+}
+
+using TileA = std::pair<const void*, int64_t>;
+
+// 16 rows of int8 weights from row n (those from `end` on zero), k block b, widened to bf16 (exact: int8 values
+// are bf16 values).
+TileA WidenInt8(const int8_t* w, int64_t k, int64_t end, int64_t n, int64_t b, uint16_t* buf) {
+  const int live = static_cast<int>(std::min<int64_t>(16, end - n));
+  std::memset(buf + live * 32, 0, (16 - live) * 64);
+  for (int r = 0; r < live; ++r) {
+    const int8_t* src = w + (n + r) * k + b * 32;
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+    _mm512_store_si512(buf + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+  return {buf, 64};
+}
+
+// 16 rows of packed int4 weights (model/quant.Int4Matrix: runs of 64, weight j of a run in byte j's low nibble,
+// j + 32 in its high one; a (scale, low) pair per group of 32) from row n (those from `end` on zero), k block b (a
+// group), widened to bf16.
+TileA WidenInt4(const uint8_t* w, const float* pairs, int64_t k, int64_t end, int64_t n, int64_t b, uint16_t* buf) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int live = static_cast<int>(std::min<int64_t>(16, end - n));
+  std::memset(buf + live * 32, 0, (16 - live) * 64);
+  for (int r = 0; r < live; ++r) {
+    __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * (k / 2) + (b / 2) * 32));
+    bytes = _mm256_and_si256(b % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+    const float* p = pairs + ((n + r) * (k / 32) + b) * 2;
+    const __m512 scale = _mm512_set1_ps(p[0]), low = _mm512_set1_ps(p[1]);
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes)));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1)));
+    _mm512_store_si512(buf + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                         _mm512_fmadd_ps(q1, scale, low), _mm512_fmadd_ps(q0, scale, low))));
+  }
+  return {buf, 64};
 }
 #endif
 
@@ -475,20 +520,31 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     return std::any_of(mats.begin(), mats.end(), [t](const Matrix& mat) { return mat.type == t; });
   };
 #if defined(__AVX512BF16__)
-  const std::vector<uint16_t> xb = blocks64 && has(ffi::DataType::BF16) ? RoundToBf16(xp, rows * k)
-                                                                        : std::vector<uint16_t>();
+  const std::vector<uint16_t> xb =
+      blocks64 && (has(ffi::DataType::BF16) || (rows > kMR && (has(ffi::DataType::S8) || has(ffi::DataType::U8))))
+          ? RoundToBf16(xp, rows * k)
+          : std::vector<uint16_t>();
 #endif
 #if defined(__AVX512VNNI__)
   const QuantizedX xq = blocks64 && (has(ffi::DataType::S8) || has(ffi::DataType::U8)) ? QuantizeBlocks(xp, rows, k)
                                                                                         : QuantizedX();
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  // x's rows in chunks of 16 as tile operands, for the bf16 matrices when there are more rows than one vector
-  // pass takes
+  // x's rows in chunks of 16 as tile operands: for bf16 matrices, and for int8 / int4 ones past one vector pass's
+  // rows (below, vpdpbusd reads the narrow weights at the memory's speed; above, it is bound by the instructions)
+  const bool int_tiles = rows > kMR && (has(ffi::DataType::S8) || has(ffi::DataType::U8));
   std::vector<std::vector<uint32_t>> xt;
-  if (blocks64 && rows >= kAmxRows && has(ffi::DataType::BF16) && AmxReady()) {
+  if (blocks64 && (has(ffi::DataType::BF16) || int_tiles) && AmxReady()) {
     for (int64_t m = 0; m < rows; m += 16) xt.push_back(PackTileX(xb.data() + m * k, std::min<int64_t>(16, rows - m), k));
   }
+  // the tile products of mat's rows [n0, end) for every chunk of x; returns end
+  auto tiles = [&](const Matrix& mat, int64_t n0, int64_t end, const float* row_scale, auto a) {
+    for (size_t c = 0; c < xt.size(); ++c) {
+      const int64_t m = 16 * static_cast<int64_t>(c);
+      Tiles(xt[c].data(), std::min<int64_t>(16, rows - m), k, mat.y + m * mat.n, mat.n, n0, end, row_scale, a);
+    }
+    return end;
+  };
 #endif
   auto fn = [&](int64_t item) {
     const Matrix& mat = mats[work[item].first];
@@ -499,11 +555,9 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       int64_t rest = n0;  // the output rows the vector loop computes
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
       if (!xt.empty()) {
-        rest = n0 + (n1 - n0) / 16 * 16;
-        for (size_t c = 0; c < xt.size(); ++c) {
-          const int64_t m = 16 * static_cast<int64_t>(c);
-          Bf16Tiles(xt[c].data(), std::min<int64_t>(16, rows - m), w, k, mat.y + m * mat.n, mat.n, n0, rest);
-        }
+        rest = tiles(mat, n0, n0 + (n1 - n0) / 16 * 16, nullptr, [&](int64_t n, int64_t b, uint16_t*) {
+          return TileA{w + n * k + b * 32, 2 * k};
+        });  // the last rows of a matrix that are not 16 on the vector loop (the same numerics)
       }
 #endif
       ForRows(rows, [&](auto mr, int64_t m) {
@@ -515,15 +569,31 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
 #if defined(__AVX512VNNI__)
     if (blocks64 && mat.type == ffi::DataType::S8) {
       const auto* w = static_cast<const int8_t*>(mat.w);
+      int64_t rest = n0;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+      if (int_tiles && !xt.empty()) {
+        rest = tiles(mat, n0, n1, mat.scale, [&](int64_t n, int64_t b, uint16_t* buf) {
+          return WidenInt8(w, k, n1, n, b, buf);
+        });
+      }
+#endif
       ForRows(rows, [&](auto mr, int64_t m) {
-        Int8Rows<mr()>(xq, m, w, k, mat.scale, mat.y + m * mat.n, mat.n, n0, n1);
+        Int8Rows<mr()>(xq, m, w, k, mat.scale, mat.y + m * mat.n, mat.n, rest, n1);
       });
       return;
     }
     if (mat.type == ffi::DataType::U8) {
       const auto* w = static_cast<const uint8_t*>(mat.w);
+      int64_t rest = n0;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+      if (int_tiles && !xt.empty()) {
+        rest = tiles(mat, n0, n1, nullptr, [&](int64_t n, int64_t b, uint16_t* buf) {
+          return WidenInt4(w, mat.scale, k, n1, n, b, buf);
+        });
+      }
+#endif
       ForRows(rows, [&](auto mr, int64_t m) {
-        Int4Rows<mr()>(xq, m, w, k, mat.scale, mat.y + m * mat.n, mat.n, n0, n1);
+        Int4Rows<mr()>(xq, m, w, k, mat.scale, mat.y + m * mat.n, mat.n, rest, n1);
       });
       return;
     }

@@ -30,8 +30,9 @@ from sgjax.model.weights import NK_LEAVES, Weights
 # call there, keep 32 rows of the kernel's integer dot products. A step of native rows only scans the per-layer
 # matrices in one program (_forward), so its compilation does not grow with depth (docs/engine.md).
 NATIVE_ROWS = {"bfloat16": 4, "int8": 32, "int4": 32}
-# Where the CPU has AMX the kernel's bf16 tile products beat XLA's dots at every row count (2.2x at 512 rows):
-# every bf16 product of a dense model is native, and every step one scanned program.
+# Where the CPU has AMX the kernel's bf16 tile products beat XLA's dots at every row count (2.2x at 512 rows; int8
+# and int4 matrices widened to bf16 tiles past 4 rows): every product of a dense model is native, and every step
+# one scanned program.
 EVERY_ROW = 1 << 30
 
 
@@ -39,14 +40,16 @@ def native_rows(cfg: ModelConfig) -> int:
     """The most rows a product runs through the native kernel (0: none)."""
     if cfg.matmul != "cpu" or cfg.matrix_layout != "nk":
         return 0
-    if cfg.weight_dtype == "bfloat16" and not cfg.is_moe:
+    if cfg.weight_dtype not in NATIVE_ROWS:
+        return 0
+    if not cfg.is_moe:
         from sgjax.kernels.cpu import has_amx
 
         if has_amx():
             return EVERY_ROW
     elif cfg.weight_dtype == "bfloat16":
         return 0  # a mixture's native step would unroll its layers (_forward scans dense ones only)
-    return NATIVE_ROWS.get(cfg.weight_dtype, 0)
+    return NATIVE_ROWS[cfg.weight_dtype]
 
 
 def rms_norm(x, weight, eps: float):

@@ -264,7 +264,8 @@ def test_quantized_logits_equal_the_widened_weights(rows, matmul, kind):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_engine_decodes_as_one_program_and_reports_it(tiny, kind):
     """An engine with int8 or int4 matrices: server info names them and the native matmul; decode's shapes run as
-    one program (FewRowsStep's `one`), prefill's as layer calls; greedy tokens close to float32's."""
+    one program (every shape where the CPU has AMX; else FewRowsStep's `one`, prefill's as layer calls); greedy
+    tokens close to float32's."""
     prompts = [[5, 9, 27, 101, 3], list(range(200, 231))]
     runs = {}
     for weight_dtype in ("float32", kind):
@@ -274,7 +275,9 @@ def test_quantized_engine_decodes_as_one_program_and_reports_it(tiny, kind):
             step = eng.runner.step
         assert info["weight_dtype"] == weight_dtype
     assert info["matmul"] == ("cpu" if cpu.available() else "xla")
-    if cpu.available():
+    if cpu.has_amx():  # every step one program (int8 / int4 widened to bf16 tiles past 4 rows)
+        assert not isinstance(step, (FewRowsStep, CallsStep)) and llama.native_rows(eng.runner.cfg) == llama.EVERY_ROW
+    elif cpu.available():
         assert isinstance(step, FewRowsStep) and step.rows == llama.NATIVE_ROWS[kind]
         assert step.part(eng.runner.start_shapes(64)[0]) is step.one
     if kind == "int8":  # 4 bits move a random tiny model's argmaxes: int4's text is checked on SmolLM2 below
@@ -293,3 +296,25 @@ def test_real_smollm2_quantized_greedy_answers(smollm2):
         with Engine.from_weights(cfg, weights, tok, **{**SMALL, "weight_dtype": kind}) as eng:
             texts = [o["text"] for o in eng.generate(prompts, sampling_params=params)]
         assert texts[0].startswith(" Paris") and texts[1].startswith("\n    if n == "), (kind, texts)
+
+
+def test_real_smollm2_q4_1_blocks_kept_as_int4(smollm2, smollm2_path):
+    """The default SmolLM2 file stores its matrices as GGUF Q4_1 blocks (32 weights as 4-bit steps above the
+    block's minimum, an fp16 step and minimum). Read as float32, then --weight-dtype int4: each group's minimum and
+    step are the block's, so the int4 matrices hold the file's weights up to float32 rounding (a 4-bit grid of its
+    own would be off by up to 1/30 of a group's range; bf16 rounds by 1/256 of a weight)."""
+    import gguf
+
+    cfg, weights, _ = smollm2
+    _, cast = with_weight_dtype(cfg, weights, "int4")
+    tensors = {t.name: t for t in gguf.GGUFReader(smollm2_path).tensors}
+    for layer in (0, cfg.num_layers - 1):
+        for name, field in (("ffn_down", "w_down"), ("ffn_up", "w_up"), ("attn_v", "wv")):
+            t = tensors[f"blk.{layer}.{name}.weight"]
+            assert t.tensor_type.name == "Q4_1"
+            want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.shape[::-1].tolist())  # [out, in]
+            m = getattr(cast.layers, field) if isinstance(cast.layers, LayerWeights) else getattr(
+                cast.layers[layer], field)
+            m = Int4Matrix(m.q[layer], m.scale[layer]) if m.q.ndim == 3 else m
+            err = np.abs(np.asarray(dequantized(m)) - want).max()
+            assert err <= 1e-6 * np.abs(want).max(), (layer, name, err)

@@ -46,13 +46,18 @@ def _expected(x, w, scale, arch):
     if w.dtype == jnp.bfloat16:
         x = _round_bf16(x) if _dot_path(arch, "avx512_bf16", k) else x
         return x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+    tiles = arch == "native" and cpu.has_amx() and k % 64 == 0 and x.shape[0] > 4  # int8 / int4 on AMX tiles
     if isinstance(w, Int4Matrix):  # the widened weights (each times its group's scale)
         wide = np.asarray(dequantized(w), np.float64)
+        if tiles:  # x and the widened weights rounded to bf16
+            return _round_bf16(x).astype(np.float64) @ _round_bf16(wide).astype(np.float64).T
         if _dot_path(arch, "avx512_vnni", k):
             q, xs = _quantized_x(x)
             per_block = np.einsum("mbk,nbk->mnb", q.astype(np.float64), wide.reshape(w.q.shape[0], k // 64, 64))
             return (per_block * xs[:, None, :]).sum(-1)
         return x.astype(np.float64) @ wide.T
+    if w.dtype == np.int8 and tiles:  # the weights exact in bf16, x rounded to it
+        return _round_bf16(x).astype(np.float64) @ np.asarray(w, np.float64).T * np.asarray(scale, np.float64)
     if w.dtype == np.int8 and _dot_path(arch, "avx512_vnni", k):
         q, xs = _quantized_x(x)
         w64 = np.asarray(w, np.float64).reshape(w.shape[0], k // 64, 64)
@@ -83,7 +88,9 @@ KINDS = [(kind, k) for kind in ("float32", "bfloat16", "int8", "int4") for k in 
 @pytest.mark.parametrize("kind,k", KINDS)
 def test_matches_numpy_on_every_path(arch, kind, k):
     rng = np.random.default_rng(k)
-    for rows in (3, 6, 9):  # x's passes of 3, 4 + 2 and 4 + 4 + 1 rows
+    # x's passes of 3, 4 + 2 and 4 + 4 + 1 rows (int8 / int4 past 4 rows on AMX tiles where the CPU has them; 17:
+    # two chunks of x, and 37 output rows: 32 in tiles, 5 on the vector loop)
+    for rows in (3, 6, 9, 17):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         w, scale = _matrices(rng, kind, 37, k)
         (out,) = cpu.cpu_matmul(jnp.asarray(x), 0, [(jnp.asarray(w), scale)], arch=arch)
