@@ -7,8 +7,8 @@ wheel brings its own torch; scripts/perf/vllm_peer.py runs there over an HF copy
 prefix caching on and flushed between repeats like the others). Workloads, all greedy:
   single   one prompt of ~--prompt-tokens tokens, --new-tokens new: time to first token and decode tok/s
   batch    --batch prompts at once: output tok/s and CPU-ms per output token (process CPU time, every thread)
-  mmlu     --mmlu-questions MMLU 5-shot questions (two subjects, one shared prefix each) sent at once to each peer's
-           OpenAI-compatible server (/v1/completions, text prompts, max_tokens 1), prefix caching on where the peer
+  mmlu     --mmlu-questions MMLU 5-shot questions (two subjects, one shared prefix each) sent to each peer's
+           OpenAI-compatible server, --batch at a time (/v1/completions, text prompts, max_tokens 1), prefix caching on where the peer
            has it: questions/s, prompt tokens/s, accuracy, CPU-ms per question (the server's process tree) and the
            cached share of prompt tokens where the server reports it. Servers: `sgjax serve` (with --sgjax-args as
            flags), `transformers serve` over the HF copy, `python -m llama_cpp.server` (the [server] extra) with its
@@ -301,28 +301,31 @@ class ServedPeer:
     def cpu_seconds(self) -> float:
         return tree_cpu_seconds(self.ps)
 
-    def complete(self, prompts: list[str]) -> list[dict]:
-        """Every prompt sent at once (one connection each); the replies' choice text and usage."""
+    def complete(self, prompts: list[str], concurrency: int) -> list[dict]:
+        """The prompts sent together, at most `concurrency` in flight (one connection each, as a client with that
+        many workers); the replies' choice text and usage, in order."""
         import asyncio
 
         import httpx
 
-        async def one(http, prompt):
-            r = await http.post("/v1/completions", json={"model": self.model, "prompt": prompt, "max_tokens": 1,
-                                                         "temperature": 0})
+        async def one(http, gate, prompt):
+            async with gate:
+                r = await http.post("/v1/completions", json={"model": self.model, "prompt": prompt,
+                                                             "max_tokens": 1, "temperature": 0})
             r.raise_for_status()
             return r.json()
 
         async def all_of():
-            limits = httpx.Limits(max_connections=len(prompts))
+            gate = asyncio.Semaphore(concurrency)
+            limits = httpx.Limits(max_connections=concurrency)
             async with httpx.AsyncClient(base_url=self.server.url, timeout=3600, limits=limits) as http:
-                return await asyncio.gather(*(one(http, p) for p in prompts))
+                return await asyncio.gather(*(one(http, gate, p) for p in prompts))
 
         return asyncio.run(all_of())
 
-    def close(self):
+    def close(self, keep_log: bool = False):
         rc = self.server.stop()
-        if rc in (0, -15):
+        if rc in (0, -15) and not keep_log:
             self.server.remove_log()
 
 
@@ -344,7 +347,7 @@ def mmlu_questions(subjects, n: int) -> tuple[list[str], list[str]]:
 def measure_mmlu(peer: ServedPeer, subjects, args) -> dict:
     prompts_, labels = mmlu_questions(subjects, args.mmlu_questions)
     cpu0, t0 = peer.cpu_seconds(), time.perf_counter()
-    replies = peer.complete(prompts_)
+    replies = peer.complete(prompts_, args.batch)
     wall, cpu = time.perf_counter() - t0, peer.cpu_seconds() - cpu0
     prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in replies)
     cached = [((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")) for r in replies]
@@ -413,17 +416,31 @@ def run_served(names, args, missing) -> dict:
         raise SystemExit(f"--repeats {args.repeats}: the mmlu workload has subjects for {len(MMLU_SUBJECTS) // 2}")
     servers = load(ServedPeer, names, args, missing)
     results: dict[tuple, list] = {}
+    failed: set[str] = set()
+
+    def run(server, subjects):
+        """A server that fails a request is reported (its log kept) and left out of the rest, not the run's end."""
+        try:
+            return measure_mmlu(server, subjects, args)
+        except Exception as e:  # noqa: BLE001 - a peer's failure is a result to report
+            failed.add(server.name)
+            missing[f"{server.name} (mmlu)"] = f"{type(e).__name__}: {e}; its log: {server.server.log.name}"
+            print(f"{server.name}: the mmlu workload failed ({type(e).__name__}: {e})", flush=True)
+            return None
+
     try:
         for server in servers:
-            measure_mmlu(server, MMLU_SUBJECTS[:1], args)
+            run(server, MMLU_SUBJECTS[:1])
         for r in range(args.repeats):
             for server in servers:
-                results.setdefault(("mmlu", server.name), []).append(
-                    measure_mmlu(server, MMLU_SUBJECTS[1 + 2 * r:3 + 2 * r], args))
+                if server.name not in failed:
+                    row = run(server, MMLU_SUBJECTS[1 + 2 * r:3 + 2 * r])
+                    if row is not None:
+                        results.setdefault(("mmlu", server.name), []).append(row)
     finally:
         for server in servers:
-            server.close()
-    return results
+            server.close(keep_log=server.name in failed)
+    return {key: runs for key, runs in results.items() if key[1] not in failed}
 
 
 SPEED = {"single": "decode_tok_per_s", "batch": "output_tok_per_s", "mmlu": "questions_per_s"}

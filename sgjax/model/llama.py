@@ -202,7 +202,8 @@ def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, atten
 
     Stacked layers (a LayerWeights with a leading layer axis) are scanned: compile time does not grow
     with depth. A tuple of per-layer LayerWeights is unrolled: on the GPU, scanning slices (copies) each
-    layer's weights before its matmuls, which tripled weight traffic at decode (docs/architecture.md).
+    layer's weights before its matmuls, which tripled weight traffic at decode (docs/architecture.md). It is
+    scanned too where every product is the CPU's native kernel, which reads each layer's buffers in place.
     """
     with matmul_precision(cfg.dtype):
         out, pool, stats = _forward(weights, pool, batch, cfg, attention, input_embeds, output, experts_fn)

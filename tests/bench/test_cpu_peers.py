@@ -1,12 +1,13 @@
 """scripts/perf/bench_cpu_peers.py's mmlu workload: prompts and labels from the MMLU data, a peer's server started
-on a free port from its argv, every question sent at once over /v1/completions, and the row's arithmetic (accuracy
-against the labels, prompt tokens, the cached share) from the replies. The server here is a stdlib stand-in that
-answers like an OpenAI server; the real peers are the benchmark's business."""
+on a free port from its argv, the questions sent over /v1/completions with at most --batch in flight, and the
+row's arithmetic (accuracy against the labels, prompt tokens, the cached share) from the replies. The server here
+is a stdlib stand-in that answers like an OpenAI server; the real peers are the benchmark's business."""
 
 import os
 import sys
 import types
 
+import httpx
 import pytest
 
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "perf"),
@@ -16,8 +17,10 @@ from bench_cpu_peers import MMLU_SUBJECTS, ServedPeer, measure_mmlu, mmlu_questi
 # Answers " B" to every prompt; usage counts characters as tokens and reports a tenth of them cached, so the
 # expected row follows from the prompts alone.
 STAND_IN = r'''
-import json, sys
+import json, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+lock, live, peak = threading.Lock(), [0], [0]
 
 class H(BaseHTTPRequestHandler):
     def _send(self, body):
@@ -29,10 +32,16 @@ class H(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
-        self._send({"data": [{"id": "stand-in"}]})
+        self._send({"data": [{"id": "stand-in"}], "peak_in_flight": peak[0]})
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        time.sleep(0.05)
+        with lock:
+            live[0] -= 1
         assert req["model"] == "stand-in" and req["max_tokens"] == 1 and req["temperature"] == 0
         n = len(req["prompt"])
         self._send({"choices": [{"text": " B"}],
@@ -69,7 +78,8 @@ def test_mmlu_row_from_a_served_peer(tmp_path):
     peer = ServedPeer("stand-in", [sys.executable, str(script), "{port}"], {}, "/v1/models")
     try:
         assert peer.model == "stand-in"
-        row = measure_mmlu(peer, MMLU_SUBJECTS[1:3], types.SimpleNamespace(mmlu_questions=8))
+        row = measure_mmlu(peer, MMLU_SUBJECTS[1:3], types.SimpleNamespace(mmlu_questions=8, batch=3))
+        assert httpx.get(peer.server.url + "/v1/models").json()["peak_in_flight"] == 3  # --batch at a time
     finally:
         peer.close()
     prompts, labels = mmlu_questions(MMLU_SUBJECTS[1:3], 8)

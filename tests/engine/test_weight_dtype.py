@@ -3,6 +3,7 @@ unrolled layer loop they take on the CPU, the tiny model's logprobs against floa
 real SmolLM2's greedy text against its float32 run."""
 
 import dataclasses
+from contextlib import nullcontext
 
 import jax
 import jax.numpy as jnp
@@ -95,17 +96,23 @@ def test_bf16_matrices_stored_out_in_give_the_same_logits(rows, tied):
     np.testing.assert_allclose(logits["nk"], logits["kn"], rtol=1e-4, atol=1e-4)
 
 
-def test_bf16_step_precompiles_and_equals_xla_dots(tiny):
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-if-here", "no-amx"])
+def test_bf16_step_precompiles_and_equals_xla_dots(tiny, amx, monkeypatch):
     """bf16 matrices on a CPU: with AMX every step is one program scanning the per-layer matrices through the
-    native kernel; without, a step of at most llama.NATIVE_ROWS rows is, a larger one host calls
-    (engine/programs.FewRowsStep). Precompiling a shape compiles what its run needs (a run compiles nothing after),
-    and each step gives the tokens and logprobs of one jitted program of XLA's dots over the same weights."""
+    native kernel; without (here the kernel's vector loop, and the step built as on such a CPU), a step of at most
+    llama.NATIVE_ROWS rows is, a larger one host calls (engine/programs.FewRowsStep). Precompiling a shape compiles
+    what its run needs (a run compiles nothing after), and each step gives the tokens and logprobs of one jitted
+    program of XLA's dots over the same weights."""
     compiled = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiled.append(kw.get("fun_name"))
         if event == "/jax/core/compile/backend_compile_duration" else None)
-    with tiny_engine(tiny, weight_dtype="bfloat16") as eng:
+    with tiny_engine(tiny, weight_dtype="bfloat16") as eng, cpu.use_amx(amx) if cpu.available() else nullcontext():
         runner = eng.runner
+        if not amx:
+            monkeypatch.setattr(cpu, "has_amx", lambda arch="native": False)
+            # a step of its own (jitted_step's cache holds this CPU's); the runner's back at the end
+            runner.step = jitted_step.__wrapped__(runner.cfg, runner.attention, None, runner.moe_kernel, calls=True)
         one_row = runner.start_shapes(64)[0]  # a decode step of one request; then a 32-token prefill of it
         shapes = [one_row, dataclasses.replace(one_row, batch=dataclasses.replace(one_row.batch, num_tokens=32))]
         step = runner.step
