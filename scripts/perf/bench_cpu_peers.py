@@ -297,6 +297,7 @@ class ServedPeer:
                                     cwd=None if name == "sgjax" else tempfile.gettempdir()).wait_ready(900)
         self.ps = psutil.Process(self.server.proc.pid)
         self.model = httpx.get(self.server.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+        self.retries = 0  # requests sent a second time (complete)
 
     def cpu_seconds(self) -> float:
         return tree_cpu_seconds(self.ps)
@@ -310,8 +311,12 @@ class ServedPeer:
 
         async def one(http, gate, prompt):
             async with gate:
-                r = await http.post("/v1/completions", json={"model": self.model, "prompt": prompt,
-                                                             "max_tokens": 1, "temperature": 0})
+                body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+                try:
+                    r = await http.post("/v1/completions", json=body)
+                except httpx.RemoteProtocolError:  # a kept-alive connection the server had closed: sent again
+                    self.retries += 1
+                    r = await http.post("/v1/completions", json=body)
             r.raise_for_status()
             return r.json()
 
@@ -346,7 +351,7 @@ def mmlu_questions(subjects, n: int) -> tuple[list[str], list[str]]:
 
 def measure_mmlu(peer: ServedPeer, subjects, args) -> dict:
     prompts_, labels = mmlu_questions(subjects, args.mmlu_questions)
-    cpu0, t0 = peer.cpu_seconds(), time.perf_counter()
+    cpu0, t0, retries = peer.cpu_seconds(), time.perf_counter(), peer.retries
     replies = peer.complete(prompts_, args.batch)
     wall, cpu = time.perf_counter() - t0, peer.cpu_seconds() - cpu0
     prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in replies)
@@ -355,7 +360,7 @@ def measure_mmlu(peer: ServedPeer, subjects, args) -> dict:
     return {"subjects": list(subjects), "questions": len(replies), "wall_s": wall,
             "questions_per_s": len(replies) / wall, "prompt_tokens": prompt_tokens,
             "prompt_tok_per_s": prompt_tokens / wall, "cpu_ms_per_question": 1e3 * cpu / len(replies),
-            "accuracy": correct / len(replies),
+            "accuracy": correct / len(replies), "retries": peer.retries - retries,
             "cached_share": sum(cached) / prompt_tokens if None not in cached else None}
 
 
