@@ -255,7 +255,11 @@ def server_argv(name: str, args) -> tuple[list[str], dict, str]:
         if importlib.util.find_spec("sse_starlette") is None:
             raise ImportError("llama_cpp.server needs llama-cpp-python's [server] extra")
         return ([sys.executable, "-m", "llama_cpp.server", "--model", args.model_path, "--port", "{port}",
-                 "--n_ctx", str(MMLU_CONTEXT), "--n_threads", str(os.cpu_count()), "--cache", "true"],
+                 "--n_ctx", str(MMLU_CONTEXT), "--n_threads", str(os.cpu_count()), "--cache", "true",
+                 # its RAM cache of prompt states, 256 MB by its count: with its default (2 GB) the server grew
+                 # to 14.5 GB and the OOM killer took it beside the other servers; 1 GB still reached 11 GB, this
+                 # 3.8 GB
+                 "--cache_size", str(1 << 28)],
                 {}, "/v1/models")
     if name == "vllm":
         if not args.vllm_python or not os.path.exists(args.vllm_python):
