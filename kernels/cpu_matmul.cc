@@ -204,70 +204,81 @@ std::vector<uint32_t> PackTileX(const uint16_t* xb, int64_t rows, int64_t k) {
   return out;
 }
 
-// The tile products of output rows [n0, n1) for `rows` x rows (16 at most), each row times row_scale (or not:
-// null). a(n, b, buf) gives the A operand of rows [n, n + 16) and k block b as (pointer, stride in bytes): the
-// weights where they lie (bf16: n1 - n0 a multiple of 16), or widened into buf, 16 x 32 bf16, rows from n1 on zero
-// (int8, int4: any n1).
+using TileA = std::pair<const void*, int64_t>;
+
+// The tile products of output rows [n0, n1) for all `rows` x rows (xt: their chunks of 16 as B operands), each
+// output row times row_scale (or not: null). a(n, b, buf) gives the A operand of rows [n, n + 16) and k block b as
+// (pointer, stride in bytes): the weights where they lie (bf16: n1 - n0 a multiple of 16), or widened into buf,
+// 16 x 32 bf16, rows from n1 on zero (int8, int4: any n1). Each 64 rows' operands are taken once, then used for
+// every chunk of x while they are in L2 (a prefill's hundreds of rows).
 template <typename A>
-void Tiles(const uint32_t* xt, int64_t rows, int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1,
-           const float* row_scale, A a) {
+void Tiles(const std::vector<std::vector<uint32_t>>& xt, int64_t rows, int64_t k, float* y, int64_t ldy, int64_t n0,
+           int64_t n1, const float* row_scale, A a) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
   _tile_loadconfig(&config);
+  const int64_t blocks = k / 32;
+  thread_local std::vector<uint16_t> wide;  // widened operands: [block][4 tiles][16 x 32]
+  thread_local std::vector<TileA> ops;      // [block][4 tiles]
+  if (static_cast<int64_t>(wide.size()) < blocks * 4 * 512) wide.resize(blocks * 4 * 512);
+  if (static_cast<int64_t>(ops.size()) < blocks * 4) ops.resize(blocks * 4);
   alignas(64) float c[16 * 16];
-  alignas(64) uint16_t buf[4][16 * 32];
-  auto scatter = [&](int64_t n) {  // c[i][m] is y[m][n + i]
+  auto scatter = [&](int64_t m0, int64_t count_m, int64_t n) {  // c[i][m] is y[m0 + m][n + i]
     const int count = static_cast<int>(std::min<int64_t>(16, n1 - n));
-    for (int64_t m = 0; m < rows; ++m) {
-      for (int i = 0; i < count; ++i) {
-        y[m * ldy + n + i] = row_scale ? c[i * 16 + m] * row_scale[n + i] : c[i * 16 + m];
-      }
+    for (int64_t m = 0; m < count_m; ++m) {
+      float* out = y + (m0 + m) * ldy + n;
+      for (int i = 0; i < count; ++i) out[i] = row_scale ? c[i * 16 + m] * row_scale[n + i] : c[i * 16 + m];
     }
   };
-  const int64_t blocks = k / 32;
-  int64_t n = n0;
-  for (; n + 64 <= n1; n += 64) {  // four accumulators share each B load
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+  for (int64_t n = n0; n < n1;) {
+    const int tiles = n + 64 <= n1 ? 4 : 1;  // four accumulators share each B load
     for (int64_t b = 0; b < blocks; ++b) {
-      _tile_loadd(4, xt + b * 256, 64);
-      auto a0 = a(n, b, buf[0]), a1 = a(n + 16, b, buf[1]);
-      _tile_loadd(5, a0.first, a0.second);
-      _tile_loadd(6, a1.first, a1.second);
-      _tile_dpbf16ps(0, 5, 4);
-      _tile_dpbf16ps(1, 6, 4);
-      auto a2 = a(n + 32, b, buf[2]), a3 = a(n + 48, b, buf[3]);
-      _tile_loadd(5, a2.first, a2.second);
-      _tile_loadd(6, a3.first, a3.second);
-      _tile_dpbf16ps(2, 5, 4);
-      _tile_dpbf16ps(3, 6, 4);
+      for (int t = 0; t < tiles; ++t) ops[b * 4 + t] = a(n + 16 * t, b, wide.data() + (b * 4 + t) * 512);
     }
-    _tile_stored(0, c, 64);
-    scatter(n);
-    _tile_stored(1, c, 64);
-    scatter(n + 16);
-    _tile_stored(2, c, 64);
-    scatter(n + 32);
-    _tile_stored(3, c, 64);
-    scatter(n + 48);
-  }
-  for (; n < n1; n += 16) {
-    _tile_zero(0);
-    for (int64_t b = 0; b < blocks; ++b) {
-      _tile_loadd(4, xt + b * 256, 64);
-      auto a0 = a(n, b, buf[0]);
-      _tile_loadd(5, a0.first, a0.second);
-      _tile_dpbf16ps(0, 5, 4);
+    for (size_t chunk = 0; chunk < xt.size(); ++chunk) {
+      const uint32_t* xb = xt[chunk].data();
+      const int64_t m0 = 16 * static_cast<int64_t>(chunk), count_m = std::min<int64_t>(16, rows - m0);
+      if (tiles == 4) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t b = 0; b < blocks; ++b) {
+          const TileA* o = ops.data() + b * 4;
+          _tile_loadd(4, xb + b * 256, 64);
+          _tile_loadd(5, o[0].first, o[0].second);
+          _tile_loadd(6, o[1].first, o[1].second);
+          _tile_dpbf16ps(0, 5, 4);
+          _tile_dpbf16ps(1, 6, 4);
+          _tile_loadd(5, o[2].first, o[2].second);
+          _tile_loadd(6, o[3].first, o[3].second);
+          _tile_dpbf16ps(2, 5, 4);
+          _tile_dpbf16ps(3, 6, 4);
+        }
+        _tile_stored(0, c, 64);
+        scatter(m0, count_m, n);
+        _tile_stored(1, c, 64);
+        scatter(m0, count_m, n + 16);
+        _tile_stored(2, c, 64);
+        scatter(m0, count_m, n + 32);
+        _tile_stored(3, c, 64);
+        scatter(m0, count_m, n + 48);
+      } else {
+        _tile_zero(0);
+        for (int64_t b = 0; b < blocks; ++b) {
+          _tile_loadd(4, xb + b * 256, 64);
+          _tile_loadd(5, ops[b * 4].first, ops[b * 4].second);
+          _tile_dpbf16ps(0, 5, 4);
+        }
+        _tile_stored(0, c, 64);
+        scatter(m0, count_m, n);
+      }
     }
-    _tile_stored(0, c, 64);
-    scatter(n);
+    n += 16 * tiles;
   }
   _tile_release();  // the thread's context switches need not save the tiles
 }
 
-using TileA = std::pair<const void*, int64_t>;
 
 // 16 rows of int8 weights from row n (those from `end` on zero), k block b, widened to bf16 (exact: int8 values
 // are bf16 values).
@@ -279,7 +290,7 @@ TileA WidenInt8(const int8_t* w, int64_t k, int64_t end, int64_t n, int64_t b, u
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
     const __m512 hi =
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-    _mm512_store_si512(buf + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    _mm512_storeu_si512(buf + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
   }
   return {buf, 64};
 }
@@ -298,7 +309,7 @@ TileA WidenInt4(const uint8_t* w, const float* pairs, int64_t k, int64_t end, in
     const __m512 scale = _mm512_set1_ps(p[0]), low = _mm512_set1_ps(p[1]);
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes)));
     const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1)));
-    _mm512_store_si512(buf + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+    _mm512_storeu_si512(buf + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
                                          _mm512_fmadd_ps(q1, scale, low), _mm512_fmadd_ps(q0, scale, low))));
   }
   return {buf, 64};
@@ -537,12 +548,9 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   if (blocks64 && (has(ffi::DataType::BF16) || int_tiles) && AmxReady()) {
     for (int64_t m = 0; m < rows; m += 16) xt.push_back(PackTileX(xb.data() + m * k, std::min<int64_t>(16, rows - m), k));
   }
-  // the tile products of mat's rows [n0, end) for every chunk of x; returns end
+  // the tile products of mat's rows [n0, end) for all of x; returns end
   auto tiles = [&](const Matrix& mat, int64_t n0, int64_t end, const float* row_scale, auto a) {
-    for (size_t c = 0; c < xt.size(); ++c) {
-      const int64_t m = 16 * static_cast<int64_t>(c);
-      Tiles(xt[c].data(), std::min<int64_t>(16, rows - m), k, mat.y + m * mat.n, mat.n, n0, end, row_scale, a);
-    }
+    Tiles(xt, rows, k, mat.y, mat.n, n0, end, row_scale, a);
     return end;
   };
 #endif

@@ -40,13 +40,15 @@ def _quantized_x(x):
     return q, scale
 
 
-def _expected(x, w, scale, arch):
-    """x @ w^T (* scale) as the path `arch` takes computes it, in float64."""
+def _expected(x, w, scale, arch, amx=None):
+    """x @ w^T (* scale) as the path `arch` takes computes it (amx: whether the kernel may use AMX tiles; None:
+    where the CPU has them), in float64."""
     k = x.shape[1]
+    amx = cpu.has_amx() if amx is None else amx
     if w.dtype == jnp.bfloat16:
         x = _round_bf16(x) if _dot_path(arch, "avx512_bf16", k) else x
         return x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
-    tiles = arch == "native" and cpu.has_amx() and k % 64 == 0 and x.shape[0] > 4  # int8 / int4 on AMX tiles
+    tiles = arch == "native" and amx and k % 64 == 0 and x.shape[0] > 4  # int8 / int4 on AMX tiles
     if isinstance(w, Int4Matrix):  # the widened weights (each times its group's scale)
         wide = np.asarray(dequantized(w), np.float64)
         if tiles:  # x and the widened weights rounded to bf16
@@ -99,21 +101,25 @@ def test_matches_numpy_on_every_path(arch, kind, k):
         np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "vector"])
-def test_bf16_tiles_and_vector_loop(amx):
-    """bf16 products on the matrix unit (AMX tiles, where the CPU has them: x rows in chunks of 16, output rows in
-    fours and ones of 16 tiles, the last few on the vector loop) and on the vector loop, against numpy with x
-    rounded to bf16: row counts across the chunks, widths across the tiles."""
+def test_tiles_and_vector_loop(amx, kind):
+    """Products on the matrix unit (AMX tiles, where the CPU has them: bf16 at any row count, int8 / int4 widened
+    past 4 rows; x rows in chunks of 16, output rows in fours and ones of 16 tiles, a bf16 matrix's last few on the
+    vector loop) and on the vector loops, against numpy: row counts across the chunks, widths across the tiles."""
     rng = np.random.default_rng(5)
     with cpu.use_amx(amx) as there:
         assert there == cpu.has_amx()
         for n, k in ((37, 576), (200, 128), (64, 1536)):
-            w = jnp.asarray(rng.standard_normal((n, k)) * 0.1, jnp.bfloat16)
+            w, scale = _matrices(rng, kind, n, k)
+            ref = Int4Matrix(np.asarray(w), np.asarray(scale)) if kind == "int4" else np.asarray(w) if \
+                kind == "int8" else w
             for rows in (1, 5, 16, 17, 40):
                 x = rng.standard_normal((rows, k)).astype(np.float32)
-                (out,) = jax.jit(lambda x, w: cpu.cpu_matmul(x, 0, [(w, None)]))(jnp.asarray(x), w)
-                np.testing.assert_allclose(np.asarray(out), _expected(x, w, None, "native"), rtol=1e-4,
-                                           atol=1e-4 * np.sqrt(k))
+                (out,) = jax.jit(lambda x, w, s: cpu.cpu_matmul(x, 0, [(w, s)]))(jnp.asarray(x), jnp.asarray(w), scale)
+                expected = _expected(x, ref, None if kind == "int4" else scale, "native", amx=there and amx)
+                np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4 * np.sqrt(k) * np.abs(
+                    expected).max() / 3)
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
