@@ -179,12 +179,14 @@ void Bf16Rows(const uint16_t* xb, const uint16_t* w, int64_t k, float* y, int64_
 // The same numerics as vdpbf16ps: bf16 pairs multiplied exactly, summed in float32.
 std::atomic<bool> amx_wanted{true};  // SgjaxUseAmx: the tests run the vector loop on a CPU with AMX too
 
-bool AmxReady() {
+bool AmxPermitted() {
   // Linux hands out the tile registers' state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM).
   static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                         18 /* XFEATURE_XTILEDATA */) == 0;
-  return permitted && amx_wanted.load(std::memory_order_relaxed);
+  return permitted;
 }
+
+bool AmxReady() { return AmxPermitted() && amx_wanted.load(std::memory_order_relaxed); }
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -530,22 +532,27 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   [[maybe_unused]] auto has = [&](ffi::DataType t) {
     return std::any_of(mats.begin(), mats.end(), [t](const Matrix& mat) { return mat.type == t; });
   };
+  [[maybe_unused]] const bool integer = has(ffi::DataType::S8) || has(ffi::DataType::U8);
+  [[maybe_unused]] bool amx = false;  // read once: the tests switch it between calls
+  // int8 / int4 matrices past one vector pass's rows run on AMX tiles, where there are (below, vpdpbusd reads the
+  // narrow weights at the memory's speed; above, it is bound by the instructions): all their rows, so x is rounded
+  // to bf16 for them and not quantized
+  [[maybe_unused]] bool int_tiles = false;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  amx = AmxReady();
+  int_tiles = blocks64 && integer && rows > kMR && amx;
+#endif
 #if defined(__AVX512BF16__)
   const std::vector<uint16_t> xb =
-      blocks64 && (has(ffi::DataType::BF16) || (rows > kMR && (has(ffi::DataType::S8) || has(ffi::DataType::U8))))
-          ? RoundToBf16(xp, rows * k)
-          : std::vector<uint16_t>();
+      blocks64 && (has(ffi::DataType::BF16) || int_tiles) ? RoundToBf16(xp, rows * k) : std::vector<uint16_t>();
 #endif
 #if defined(__AVX512VNNI__)
-  const QuantizedX xq = blocks64 && (has(ffi::DataType::S8) || has(ffi::DataType::U8)) ? QuantizeBlocks(xp, rows, k)
-                                                                                        : QuantizedX();
+  const QuantizedX xq = blocks64 && integer && !int_tiles ? QuantizeBlocks(xp, rows, k) : QuantizedX();
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  // x's rows in chunks of 16 as tile operands: for bf16 matrices, and for int8 / int4 ones past one vector pass's
-  // rows (below, vpdpbusd reads the narrow weights at the memory's speed; above, it is bound by the instructions)
-  const bool int_tiles = rows > kMR && (has(ffi::DataType::S8) || has(ffi::DataType::U8));
+  // x's rows in chunks of 16 as tile operands (bf16 matrices; int8 / int4 ones as above)
   std::vector<std::vector<uint32_t>> xt;
-  if (blocks64 && (has(ffi::DataType::BF16) || int_tiles) && AmxReady()) {
+  if (blocks64 && (has(ffi::DataType::BF16) || int_tiles) && amx) {
     for (int64_t m = 0; m < rows; m += 16) xt.push_back(PackTileX(xb.data() + m * k, std::min<int64_t>(16, rows - m), k));
   }
   // the tile products of mat's rows [n0, end) for all of x; returns end
@@ -579,7 +586,7 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       const auto* w = static_cast<const int8_t*>(mat.w);
       int64_t rest = n0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-      if (int_tiles && !xt.empty()) {
+      if (int_tiles) {
         rest = tiles(mat, n0, n1, mat.scale, [&](int64_t n, int64_t b, uint16_t* buf) {
           return WidenInt8(w, k, n1, n, b, buf);
         });
@@ -594,7 +601,7 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       const auto* w = static_cast<const uint8_t*>(mat.w);
       int64_t rest = n0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-      if (int_tiles && !xt.empty()) {
+      if (int_tiles) {
         rest = tiles(mat, n0, n1, nullptr, [&](int64_t n, int64_t b, uint16_t* buf) {
           return WidenInt4(w, mat.scale, k, n1, n, b, buf);
         });
@@ -642,8 +649,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SgjaxMatmul, Matmul,
 // (-1); returns the setting before (1 or 0), or -1 where this build or the OS has no AMX.
 extern "C" int SgjaxUseAmx(int wanted) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  static const bool ready = (amx_wanted.store(true), AmxReady());
-  if (!ready) return -1;
+  if (!AmxPermitted()) return -1;
   return wanted < 0 ? static_cast<int>(amx_wanted.load()) : static_cast<int>(amx_wanted.exchange(wanted != 0));
 #else
   (void)wanted;
