@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgjax.kernels.kv_pool import write_kv
 from sgjax.kernels.metadata import AttentionMetadata
 from sgjax.kernels.ref import row_request
 
@@ -175,11 +174,15 @@ def cpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: fl
                   softcap: float | None = None, arch: str = "native"):
     """Backend signature (kernels/__init__.py), the `ref` backend's semantics."""
     target = register(arch)
-    pool = write_kv(pool, layer, k, v, meta.slot_mapping)
     req, first, seen = row_keys(meta, q.shape[0], window)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
-    out = call(q.astype(jnp.float32), pool, jnp.asarray(layer, jnp.int32), meta.page_table.astype(jnp.int32), req,
-               first, seen, sm_scale=np.float32(sm_scale), softcap=np.float32(softcap or 0.0))
+    # the kernel writes k / v into the pool itself, in place (the pool is aliased to its second result): XLA's CPU
+    # scatter converts a whole bfloat16 pool to float32 and back
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(pool.shape, pool.dtype))
+    call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential", input_output_aliases={4: 1})
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    out, pool = call(q32, k32, v32, meta.slot_mapping.astype(jnp.int32), pool, jnp.asarray(layer, jnp.int32),
+                     meta.page_table.astype(jnp.int32), req, first, seen, sm_scale=np.float32(sm_scale),
+                     softcap=np.float32(softcap or 0.0))
     return out.astype(q.dtype), pool
 
 

@@ -283,6 +283,140 @@ void AttendRow(const Problem& p, const KV* pool, int64_t r, int64_t h0, int64_t 
   }
 }
 
+#if defined(__AVX512F__)
+// 16 float32 from 16 values of the pool (float32, or bfloat16 widened: its bits are a float32's high half).
+inline __m512 Load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 Load16(const uint16_t* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Lane s of the result is the sum of v[s]'s 16 lanes: a transposing tree of 45 shuffles and adds where 16 separate
+// reductions take ~100 instructions on one dependency chain each.
+inline __m512 SumLanes16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // b[i]: keys 4i..4i+3, each 128-bit lane its own partial sums
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  }
+  const __m512 c01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, 0x88), _mm512_shuffle_f32x4(c01, c23, 0xDD));
+}
+
+// AttendRow for pages of 16 slots and head_dim 16 * DV, without a softcap: a page's 16 scores of a query head are
+// one vector (SumLanes16), its softmax is vector code, and each query head's accumulator stays in registers over
+// the page. A bfloat16 page is widened once per head into float32 tiles the query heads share. The next page is
+// prefetched slot by slot as this one is read: a row's pages lie anywhere in the pool, beyond the hardware
+// prefetcher's reach, and one core's demand misses alone fetch about half the memory's speed.
+template <typename KV, int DV>
+void AttendRow16(const Problem& p, const KV* pool, int64_t r, int64_t h0, int64_t h1) {
+  constexpr int64_t ps = 16, d = 16 * DV;
+  const int64_t g_count = p.group, heads = (h1 - h0) * g_count;
+  const int64_t kv_width = 2 * p.num_kv_heads * d, q_stride = p.num_kv_heads * g_count * d;
+  const int64_t slot_bytes = kv_width * static_cast<int64_t>(sizeof(KV));
+  const int64_t first = p.row_first[r];
+  const int64_t seen = std::min<int64_t>(p.row_seen[r], p.pages_per_req * ps);
+  const int64_t req = std::clamp<int64_t>(p.row_req[r], 0, p.num_reqs - 1);
+  thread_local std::vector<float> buf;
+  buf.resize(heads * (d + ps + 2) + 2 * ps * d + ps * ps);
+  float* acc = buf.data();          // [heads, d]
+  float* e = acc + heads * d;       // [heads, ps]: a page's weights
+  float* m = e + heads * ps;        // [heads]
+  float* l = m + heads;             // [heads]
+  float* kf = l + heads;            // [ps, d]: a bf16 page's keys of one head in float32
+  float* vf = kf + ps * d;          // [ps, d]: its values
+  float* part = vf + ps * d;        // [ps, 16]: one query head's per-key partial dot products
+  std::fill(acc, acc + heads * d, 0.0f);
+  std::fill(m, m + heads, -INFINITY);
+  std::fill(l, l + heads, 0.0f);
+  const float* q = p.q + r * q_stride + h0 * g_count * d;
+  for (int64_t page = first / ps; page * ps < seen; ++page) {
+    const int64_t id = std::clamp<int64_t>(p.table[req * p.pages_per_req + page], 0, p.num_pages - 1);
+    const KV* base = pool + ((p.layer * p.num_pages + id) * ps) * kv_width;
+    const int64_t s0 = std::max<int64_t>(first - page * ps, 0), s1 = std::min<int64_t>(seen - page * ps, ps);
+    const __mmask16 live = static_cast<__mmask16>(((1u << s1) - 1u) & ~((1u << s0) - 1u));
+    const char* next = nullptr;
+    if ((page + 1) * ps < seen) {
+      const int64_t nid = std::clamp<int64_t>(p.table[req * p.pages_per_req + page + 1], 0, p.num_pages - 1);
+      next = reinterpret_cast<const char*>(pool + ((p.layer * p.num_pages + nid) * ps) * kv_width);
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      // this head's K and V of slot s: base + s * kv_width + 2hd and + (2h + 1)d
+      const KV* kp = base + 2 * h * d;
+      const float* keys;
+      const float* vals;
+      int64_t stride;
+      if constexpr (std::is_same<KV, float>::value) {
+        keys = kp;
+        vals = kp + d;
+        stride = kv_width;
+      } else {
+        for (int64_t s = s0; s < s1; ++s) {
+          for (int j = 0; j < DV; ++j) {
+            _mm512_storeu_ps(kf + s * d + 16 * j, Load16(kp + s * kv_width + 16 * j));
+            _mm512_storeu_ps(vf + s * d + 16 * j, Load16(kp + s * kv_width + d + 16 * j));
+          }
+        }
+        keys = kf;
+        vals = vf;
+        stride = d;
+      }
+      if (next != nullptr) {  // this head's share of the next page: its slots' K and V lines
+        const int64_t per_head = (slot_bytes + (h1 - h0) - 1) / (h1 - h0);
+        const char* lo = next + (h - h0) * per_head;
+        const char* hi = next + std::min<int64_t>((h - h0 + 1) * per_head, slot_bytes);
+        for (int64_t s = 0; s < ps; ++s) {
+          for (const char* x = lo + s * slot_bytes; x < hi + s * slot_bytes; x += 64) _mm_prefetch(x, _MM_HINT_T0);
+        }
+      }
+      for (int64_t g = 0; g < g_count; ++g) {
+        const int64_t u = (h - h0) * g_count + g;
+        const float* qu = q + u * d;
+        __m512 qv[DV];
+        for (int j = 0; j < DV; ++j) qv[j] = _mm512_loadu_ps(qu + 16 * j);
+        __m512 dots[ps];
+        for (int64_t s = 0; s < ps; ++s) {
+          __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+          if ((live >> s) & 1) {
+            const float* k = keys + s * stride;
+            for (int j = 0; j < DV; j += 2) {
+              x0 = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + 16 * j), x0);
+              if (j + 1 < DV) x1 = _mm512_fmadd_ps(qv[j + 1], _mm512_loadu_ps(k + 16 * j + 16), x1);
+            }
+          }
+          dots[s] = _mm512_add_ps(x0, x1);
+        }
+        const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                             _mm512_mul_ps(SumLanes16(dots), _mm512_set1_ps(p.sm_scale)));
+        const float m_new = std::max(m[u], _mm512_reduce_max_ps(sc));
+        const float rescale = std::exp(m[u] - m_new);  // exp(-inf) = 0 before the first key
+        const __m512 w = ExpVec(_mm512_sub_ps(sc, _mm512_set1_ps(m_new)));  // masked keys: 0
+        l[u] = l[u] * rescale + _mm512_reduce_add_ps(w);
+        m[u] = m_new;
+        _mm512_storeu_ps(e, w);
+        __m512 a[DV];
+        for (int j = 0; j < DV; ++j) a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + u * d + 16 * j), _mm512_set1_ps(rescale));
+        for (int64_t s = s0; s < s1; ++s) {
+          const __m512 ws = _mm512_set1_ps(e[s]);
+          const float* v = vals + s * stride;
+          for (int j = 0; j < DV; ++j) a[j] = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 16 * j), a[j]);
+        }
+        for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc + u * d + 16 * j, a[j]);
+      }
+    }
+  }
+  for (int64_t u = 0; u < heads; ++u) {
+    float* o = p.out + r * q_stride + h0 * g_count * d + u * d;
+    const float inv = l[u] > 0.0f ? 1.0f / l[u] : 0.0f;  // a row that sees nothing (padding) gives zeros
+    for (int64_t i = 0; i < d; ++i) o[i] = acc[u * d + i] * inv;
+  }
+}
+#endif
+
 // Rows [r0, r1) of one request against KV head h.
 template <typename KV>
 void AttendBlock(const Problem& p, const KV* pool, int64_t r0, int64_t r1, int64_t h) {
@@ -383,7 +517,13 @@ ffi::Error Run(const Problem& p, const KV* pool, int64_t num_rows) {
     const auto& b = blocks[work[i].first];
     const int64_t h = work[i].second;
     if (b.second - b.first == 1) {
-      AttendRow<KV>(p, pool, b.first, h, std::min(h + p.num_kv_heads / split, p.num_kv_heads));
+      const int64_t h1 = std::min(h + p.num_kv_heads / split, p.num_kv_heads);
+#if defined(__AVX512F__)
+      if (p.page_size == 16 && p.softcap <= 0.0f && p.head_dim == 64) return AttendRow16<KV, 4>(p, pool, b.first, h, h1);
+      if (p.page_size == 16 && p.softcap <= 0.0f && p.head_dim == 128) return AttendRow16<KV, 8>(p, pool, b.first, h, h1);
+      if (p.page_size == 16 && p.softcap <= 0.0f && p.head_dim == 256) return AttendRow16<KV, 16>(p, pool, b.first, h, h1);
+#endif
+      AttendRow<KV>(p, pool, b.first, h, h1);
     } else {
       AttendBlock<KV>(p, pool, b.first, b.second, h);
     }
@@ -395,13 +535,63 @@ ffi::Error Run(const Problem& p, const KV* pool, int64_t num_rows) {
   return ffi::Error::Success();
 }
 
-ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
-                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> row_req,
-                          ffi::Buffer<ffi::S32> row_first, ffi::Buffer<ffi::S32> row_seen, float sm_scale,
-                          float softcap, ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions(), pd = pool.dimensions(), td = table.dimensions();
+// float32 to bfloat16, rounded to nearest even (XLA's convert); a NaN stays a (quiet) NaN.
+inline uint16_t ToBf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline void StoreRow(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void StoreRow(uint16_t* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(src + i);
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = ToBf16(src[i]);
+}
+
+// The step's new keys and values into `layer` of the pool, in place (the pool is the call's aliased result): XLA's
+// CPU scatter into a bfloat16 array converts the whole pool to float32 and back, seconds a step. Slots outside the
+// pool are skipped.
+template <typename KV>
+void WriteKV(KV* pool, const float* k, const float* v, const int32_t* slots, int64_t rows, const Problem& p) {
+  const int64_t d = p.head_dim, kv_width = 2 * p.num_kv_heads * d, limit = p.num_pages * p.page_size;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t slot = slots[r];
+    if (slot < 0 || slot >= limit) continue;
+    KV* dst = pool + (p.layer * limit + slot) * kv_width;  // slot = page * page_size + offset
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      StoreRow(dst + 2 * h * d, k + (r * p.num_kv_heads + h) * d, d);
+      StoreRow(dst + (2 * h + 1) * d, v + (r * p.num_kv_heads + h) * d, d);
+    }
+  }
+}
+
+ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                          ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer pool_in, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> row_req, ffi::Buffer<ffi::S32> row_first,
+                          ffi::Buffer<ffi::S32> row_seen, float sm_scale, float softcap,
+                          ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> pool) {
+  auto qd = q.dimensions(), pd = pool->dimensions(), td = table.dimensions(), kd = k.dimensions();
   if (qd.size() != 3 || pd.size() != 5 || td.size() != 2) {
     return ffi::Error::InvalidArgument("paged attention: q [T, Hq, D], pool [L, N, S, 2Hkv, D], table [R, P]");
+  }
+  if (kd.size() != 3 || kd[0] != qd[0] || kd[1] * 2 != pd[3] || kd[2] != pd[4] || v.element_count() != k.element_count() ||
+      slots.element_count() != qd[0]) {
+    return ffi::Error::InvalidArgument("paged attention: k and v [T, Hkv, D], slots [T]");
+  }
+  if (pool->untyped_data() != pool_in.untyped_data()) {  // not aliased (the Python side always asks for it)
+    std::memcpy(pool->untyped_data(), pool_in.untyped_data(), pool->size_bytes());
   }
   Problem p;
   p.q = q.typed_data();
@@ -423,11 +613,15 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
   if (qd[2] != p.head_dim || p.group * p.num_kv_heads != qd[1] || p.num_reqs == 0) {
     return ffi::Error::InvalidArgument("paged attention: q's heads and head_dim do not match the pool's");
   }
-  if (pool.element_type() == ffi::DataType::F32) {
-    return Run(p, reinterpret_cast<const float*>(pool.untyped_data()), qd[0]);
+  if (pool->element_type() == ffi::DataType::F32) {
+    auto* data = reinterpret_cast<float*>(pool->untyped_data());
+    WriteKV(data, k.typed_data(), v.typed_data(), slots.typed_data(), qd[0], p);
+    return Run(p, static_cast<const float*>(data), qd[0]);
   }
-  if (pool.element_type() == ffi::DataType::BF16) {
-    return Run(p, reinterpret_cast<const uint16_t*>(pool.untyped_data()), qd[0]);
+  if (pool->element_type() == ffi::DataType::BF16) {
+    auto* data = reinterpret_cast<uint16_t*>(pool->untyped_data());
+    WriteKV(data, k.typed_data(), v.typed_data(), slots.typed_data(), qd[0], p);
+    return Run(p, static_cast<const uint16_t*>(data), qd[0]);
   }
   return ffi::Error::InvalidArgument("paged attention: the pool must be float32 or bfloat16");
 }
@@ -437,6 +631,9 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SgjaxPagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots
                                   .Arg<ffi::AnyBuffer>()          // pool
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()   // page table
@@ -445,4 +642,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SgjaxPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // row_seen
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("softcap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Ret<ffi::AnyBuffer>());        // pool, aliased to the argument

@@ -21,7 +21,18 @@ HEADS = {"mha": (4, 4), "gqa4": (8, 2), "gqa8": (8, 1), "gqa3": (9, 3)}
 EXTRA = {
     "page16-d64": dict(q_lens=[1, 20, 1], prefix_lens=[40, 13, 0], page_size=16, head_dim=64),
     "page16-d80": dict(q_lens=[3, 1], prefix_lens=[50, 33], page_size=16, head_dim=80),
-    "long-decode": dict(q_lens=[1, 1, 1, 1, 1], prefix_lens=[300, 17, 160, 64, 1], page_size=16, head_dim=64),
+    "long-decode": dict(q_lens=[1, 1, 1, 1, 1], prefix_lens=[300, 17, 160, 64, 1], page_size=16, head_dim=64,
+                        num_tokens=7),
+    # decode rows at head_dim 128 and 256 (the row kernel's wider accumulators), one row a page's first key
+    "decode-d128": dict(q_lens=[1, 1, 1], prefix_lens=[40, 200, 16], page_size=16, head_dim=128),
+    "decode-d256": dict(q_lens=[1, 1], prefix_lens=[70, 31], page_size=16, head_dim=256),
+}
+# Windows on pages of 16: a decode row's first page is partial, its first key mid-page (the row kernel's mask);
+# with a softcap the rows take the general path.
+WINDOWED16 = {
+    "window-page16-decode": dict(EXTRA["long-decode"], window=37),
+    "window-page16-d128": dict(EXTRA["decode-d128"], window=50),
+    "window-page16-softcap": dict(EXTRA["long-decode"], window=20, softcap=2.0),
 }
 
 
@@ -54,12 +65,13 @@ def test_matches_per_request_attention(case, heads):
     np.testing.assert_array_equal(flat[slots, 1::2], np.asarray(v)[:total])
 
 
-@pytest.mark.parametrize("case", sorted(WINDOWED))
+@pytest.mark.parametrize("case", sorted({**WINDOWED, **WINDOWED16}))
 @pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
 def test_sliding_window_and_softcap(case, traced):
-    rng = np.random.default_rng(sorted(WINDOWED).index(case))
-    args, expected, total = make_case(rng, num_heads=8, num_kv_heads=2, **WINDOWED[case])
-    _, extra = windowed_args(WINDOWED[case])
+    spec = {**WINDOWED, **WINDOWED16}[case]
+    rng = np.random.default_rng(sorted({**WINDOWED, **WINDOWED16}).index(case))
+    args, expected, total = make_case(rng, num_heads=8, num_kv_heads=2, **spec)
+    _, extra = windowed_args(spec)
     q, k, v, pool, layer, meta = args
 
     def attend(q, k, v, pool, meta, window):  # traced: the window a scanned layer loop gives (one per layer)
@@ -74,7 +86,7 @@ def test_sliding_window_and_softcap(case, traced):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("case", ["mixed", "page16-d64"])
+@pytest.mark.parametrize("case", ["mixed", "page16-d64", "long-decode", "decode-d128"])
 def test_bfloat16_pool_reads_as_float32(case, arch):
     """A bfloat16 pool: the kernel widens each key and value; the same as the float32 kernel on the rounded pool."""
     args, _, total = make_case(np.random.default_rng(3), num_heads=8, num_kv_heads=2, **{**CASES, **EXTRA}[case])
@@ -85,6 +97,11 @@ def test_bfloat16_pool_reads_as_float32(case, arch):
                      rounded.astype(jnp.float32), layer, meta), arch=arch)
     assert pool16.dtype == jnp.bfloat16
     np.testing.assert_allclose(out16[:total], out32[:total], atol=1e-5, rtol=1e-5)
+    # the kernel writes the new keys and values itself, rounded as XLA's convert rounds (to nearest even)
+    flat = np.asarray(pool16[layer].reshape(-1, pool.shape[-2], q.shape[-1]).view(np.uint16))
+    slots = np.asarray(meta.slot_mapping)[:total]
+    np.testing.assert_array_equal(flat[slots, 0::2], np.asarray(k.astype(jnp.bfloat16)).view(np.uint16)[:total])
+    np.testing.assert_array_equal(flat[slots, 1::2], np.asarray(v.astype(jnp.bfloat16)).view(np.uint16)[:total])
 
 
 def test_out_of_range_pages_are_clamped_not_read_past_the_pool():
