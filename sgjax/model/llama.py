@@ -75,10 +75,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarr
     return inv.astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
-    """HF's rotate-half RoPE. x: [T, H, D]; positions: [T]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+def rope_tables(positions, inv_freq):
+    """(cos, sin), each f32[..., T, D/2], of positions [T] at frequencies inv_freq [..., D/2]: made once a step for
+    each distinct set of frequencies, not in every layer (XLA's CPU fused them into each use, a sine and a cosine per
+    query and key element, ~8% of a decode step)."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[..., None, :]
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x, rope):
+    """HF's rotate-half RoPE. x: [T, H, D]; rope: rope_tables' (cos, sin) for x's positions."""
+    cos, sin = rope[0][:, None, :], rope[1][:, None, :]
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -134,10 +141,11 @@ def dots(h, matrices, cfg: ModelConfig, out_dtype=None):
 
 
 def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, experts_fn=None):
-    """One transformer block on the ragged rows; writes its K/V into the pool at `layer` = (index, window, inv_freq):
-    the layer's index, sliding window (0: none) and RoPE frequencies (Gemma 3's local and global layers differ).
+    """One transformer block on the ragged rows; writes its K/V into the pool at `layer` = (index, window, rope):
+    the layer's index, sliding window (0: none) and RoPE tables (rope_tables; Gemma 3's local and global layers
+    differ).
     Returns ((x, pool), expert token counts i32[E] of the real rows, or None for a dense MLP)."""
-    index, window, inv_freq = layer
+    index, window, rope = layer
     num_rows = x.shape[0]
     with jax.named_scope("qkv"):
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
@@ -152,7 +160,7 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
         k = k.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm and cfg.qk_norm_per_head:
             q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         v = v.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
     with jax.named_scope("attention"):
         # Only the families that have them pass a window or a soft cap: Llama's call stays the plain signature.
@@ -250,7 +258,9 @@ def head(weights, x, batch: StepBatch, cfg: ModelConfig, output: str = "logits")
 
 
 def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits", experts_fn=None):
-    rope = layer_rope(cfg)
+    freqs, kind = np.unique(layer_rope(cfg), axis=0, return_inverse=True)  # one set (Llama) or two (Gemma 3)
+    kind = kind.reshape(-1)
+    tables = rope_tables(batch.positions, jnp.asarray(freqs))  # [K, T, D/2] each
     x = embed_rows(weights.embed, batch, cfg, input_embeds)
     block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, experts_fn=experts_fn)
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
@@ -260,12 +270,13 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"
         # calls one function L times; XLA inlines it), not L times. On the H200 the unrolled SmolLM2 spent 40-75 s
         # tracing and ~60 s lowering each step shape (its Pallas kernels built again for every layer), against 6-7 s
         # of XLA compilation.
-        jitted = {win: jax.jit(lambda x, pool, w, i, inv, win=win: block(x, pool, w, (i, win, inv)))
+        jitted = {win: jax.jit(lambda x, pool, w, i, rope, win=win: block(x, pool, w, (i, win, rope)))
                   for win in set(windows)}
         stats = []
         for i, w in enumerate(weights.layers):
             with jax.named_scope(f"layer{i}"):
-                (x, pool), counts = jitted[windows[i]](x, pool, w, jnp.int32(i), jnp.asarray(rope[i]))
+                rope = (tables[0][kind[i]], tables[1][kind[i]])
+                (x, pool), counts = jitted[windows[i]](x, pool, w, jnp.int32(i), rope)
                 stats.append(counts)
         return head(weights, x, batch, cfg, output), pool, (jnp.stack(stats) if cfg.is_moe else None)
     # Scanned: stacked layers, or per-layer ones whose products are all native (the kernel reads each layer's
@@ -284,11 +295,12 @@ def _forward(weights, pool, batch, cfg, attention, input_embeds, output="logits"
     same = len(set(windows)) == 1  # every layer alike (Llama, Mistral): the window stays a static int
 
     def body(carry, inputs):
-        w, i, win, inv = inputs
-        return block(*carry, w if pick is None else pick(w, i), (i, windows[0] if same else win, inv))
+        w, i, win, k = inputs
+        rope = (tables[0][0], tables[1][0]) if len(freqs) == 1 else (tables[0][k], tables[1][k])
+        return block(*carry, w if pick is None else pick(w, i), (i, windows[0] if same else win, rope))
 
     scanned = (stacked, jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(windows, jnp.int32),
-               jnp.asarray(rope))
+               jnp.asarray(kind, jnp.int32))
     (x, pool), stats = jax.lax.scan(body, (x, pool), scanned)
     return head(weights, x, batch, cfg, output), pool, stats
 
@@ -306,7 +318,8 @@ class LayerCalls:
 
         def run(x, pool, w, index, inv, batch, *, window):
             with matmul_precision(cfg.dtype):
-                (x, pool), counts = _block(x, pool, w, (index, window, inv), batch, cfg, attention, experts_fn)
+                rope = rope_tables(batch.positions, inv)
+                (x, pool), counts = _block(x, pool, w, (index, window, rope), batch, cfg, attention, experts_fn)
             return x, pool, counts
 
         run.__name__ = run.__qualname__ = name  # its compile events' fun_name
