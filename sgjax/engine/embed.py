@@ -63,7 +63,7 @@ def readout(cfg: ModelConfig, weights, attention: str, page_size: int, prompts: 
     batch = build_batch([list(p) for p in prompts], [len(p) for p in prompts], tables, page_size,
                         bucket(sum(map(len, prompts)), 16), num_reqs, width)
     pool = allocate_pool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                         dtype=jnp.dtype(cfg.dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
+                         dtype=jnp.dtype(cfg.pool_dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
     out = jitted_readout(cfg, attention, kind, mesh, moe_kernel)(weights, pool, jax.tree.map(to_device, batch))
     local = out if out.is_fully_addressable else out.addressable_data(0)
     return np.asarray(local)[:len(prompts)]

@@ -22,8 +22,8 @@ import jax
 
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.images import ImageEncoder
-from sgjax.engine.loading import (VISION, apply_process_settings, check_args, default_dtype, default_weight_dtype,
-                                  load_model_cached, pool_pages)
+from sgjax.engine.loading import (VISION, apply_process_settings, check_args, default_dtype, default_kv_dtype,
+                                  default_weight_dtype, load_model_cached, pool_pages)
 from sgjax.engine import distributed, mesh as tp
 from sgjax.engine import scoring, sinks
 from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
@@ -78,6 +78,9 @@ class Engine:
     def _start(self, args: ServerArgs, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None,
                vision=None) -> None:
         platform = jax.devices()[0].platform
+        attention = args.attention_backend or default_backend(platform)
+        kv_dtype = default_kv_dtype(args, cfg.dtype, cfg.weight_dtype or cfg.dtype, attention, platform)
+        cfg = cfg.replace(kv_dtype=None if kv_dtype == cfg.dtype else kv_dtype)
         self.mesh = tp.make_mesh(args.tp_size)
         tp.check_model(cfg, args.tp_size, args.ep_size)
         self._fatal_message: str | None = None
@@ -105,7 +108,7 @@ class Engine:
         self.max_total_tokens = (num_pages - 1) * args.page_size
         self.runner = Runner(run_cfg, weights, num_pages=num_pages, page_size=args.page_size,
                              max_context=self.context_length,
-                             attention=args.attention_backend or default_backend(platform),
+                             attention=attention,
                              max_top_logprobs=args.max_top_logprobs_num,
                              coarse=None if args.step_buckets is None else args.step_buckets == "coarse",
                              max_reqs=args.max_running_requests, mesh=run_mesh,

@@ -36,6 +36,7 @@ def default_dtype(args: ServerArgs) -> str:
 # Set to 0, auto keeps a float32 model's matrices float32 on every CPU (the test suite does: HF parity, and the same
 # numbers on every CI machine).
 AUTO_BF16_ENV = "SGJAX_AUTO_BF16"
+BF16_POOL_BACKENDS = ("cpu", "ref")  # the attention backends that take a bf16 pool under float32 queries
 
 
 def cpu_has_bf16_dots() -> bool:
@@ -64,6 +65,34 @@ def default_weight_dtype(args: ServerArgs, model_dtype: str, platform: str | Non
     return model_dtype
 
 
+def default_kv_dtype(args: ServerArgs, model_dtype: str, weight_dtype: str, attention: str,
+                     platform: str | None = None) -> str:
+    """--kv-cache-dtype resolved: the model's dtype, or bfloat16 for a float32 model (keys and values rounded to
+    bf16 as written; scores and sums stay float32) where the attention backend reads such a pool (cpu, ref). auto
+    is the model's dtype, except where auto already took bf16 matrices on a CPU (default_weight_dtype) and the
+    weights are not float32: a bf16 pool there halves the bytes a decode step's attention reads (docs/engine.md),
+    as vLLM's CPU backend keeps its cache in the model's bf16. fp8 is refused by name."""
+    given = args.kv_cache_dtype
+    if given in ("fp8_e4m3", "fp8_e5m2"):
+        raise ValueError(f"kv_cache_dtype {given!r}: an fp8 KV cache is not supported; use auto, float32 or bfloat16")
+    if given not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {given!r}")
+    if given == "auto":
+        platform = platform or jax.devices()[0].platform
+        auto_bf16 = (platform == "cpu" and model_dtype == "float32" and weight_dtype != "float32"
+                     and args.tp_size == 1 and args.nnodes == 1 and os.environ.get(AUTO_BF16_ENV, "1") != "0"
+                     and cpu_has_bf16_dots() and attention in BF16_POOL_BACKENDS)
+        return "bfloat16" if auto_bf16 else model_dtype
+    if given != model_dtype:
+        if model_dtype == "bfloat16":
+            raise ValueError("kv_cache_dtype 'float32': a float32 KV cache for a bfloat16 model is not supported; "
+                             "use auto or bfloat16")
+        if attention not in BF16_POOL_BACKENDS:
+            raise ValueError(f"kv_cache_dtype 'bfloat16' under a float32 model needs an attention backend that reads "
+                             f"a bf16 pool with float32 queries ({', '.join(BF16_POOL_BACKENDS)}), not {attention!r}")
+    return given
+
+
 def apply_process_settings(args: ServerArgs) -> None:
     """The settings an engine applies to its process (checked first): the GIL's switch interval and JAX's
     persistent compilation cache (unless the environment set one), every program cached however fast it compiled
@@ -86,9 +115,7 @@ def check_args(args: ServerArgs, model_dtype: str) -> None:
     """The settings that name something sgjax does not have: a one-line error naming the setting, before loading."""
     if args.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
-    if args.kv_cache_dtype not in ("auto", model_dtype):
-        raise ValueError(f"kv_cache_dtype {args.kv_cache_dtype!r}: a KV cache dtype other than the model's "
-                         f"({model_dtype}) is not supported yet; use auto")
+    default_kv_dtype(args, model_dtype, model_dtype, "cpu", "cpu")  # the value alone; the engine resolves it
     if args.grammar_backend not in ("sgjax", "none"):
         raise ValueError(f"grammar_backend {args.grammar_backend!r} is not supported: sgjax compiles regexes and JSON "
                          f"schemas with its own compressed FSM (grammar_backend 'sgjax', or 'none' to refuse them)")
@@ -152,7 +179,7 @@ def pool_pages(args: ServerArgs, cfg: ModelConfig, platform: str) -> int:
         if args.max_total_tokens < args.page_size:
             raise ValueError(f"max_total_tokens must be >= page_size, got {args.max_total_tokens}")
         return -(-args.max_total_tokens // args.page_size)
-    itemsize = 2 if cfg.dtype == "bfloat16" else 4
+    itemsize = 2 if cfg.pool_dtype == "bfloat16" else 4
     # per device: with tensor parallelism each holds its share of the KV heads (args.tp_size divides them, mesh.py)
     bytes_per_token = cfg.num_layers * 2 * (cfg.num_kv_heads // args.tp_size) * cfg.head_dim * itemsize
     stats = jax.devices()[0].memory_stats() or {}

@@ -137,7 +137,7 @@ class Runner:
         if self.leader is not None:
             self.leader.reset()
         pool = allocate_pool(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
-                             dtype=jnp.dtype(cfg.dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
+                             dtype=jnp.dtype(cfg.pool_dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
         place = self._to_device if mesh is not None else jnp.asarray
         future = place(np.zeros(self.max_reqs, np.int32))
         expert_tokens = place(np.zeros((cfg.num_layers, cfg.num_experts), np.int32)) if cfg.is_moe else None
@@ -150,6 +150,7 @@ class Runner:
         lost state). Waits for the steps in flight: the engine asks between steps."""
         cfg = self.cfg
         out = {"attention_backend": self.attention, "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype or cfg.dtype,
+               "kv_cache_dtype": cfg.pool_dtype,
                "matmul": cfg.matmul, "compiled_shapes": len(self.shapes_seen), "traces": self.traces}
         if cfg.is_moe:
             out["moe_kernel"] = self.moe_kernel

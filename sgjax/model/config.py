@@ -46,6 +46,10 @@ class ModelConfig:
     # runs each dot as bf16 x bf16 with float32 accumulation and keeps the rest (norms, attention, residual,
     # sampler) in float32; a run setting (engine/loading.py), not the checkpoint's.
     weight_dtype: str | None = None
+    # The KV pool's dtype when it is not `dtype`'s: "bfloat16" under float32 activations stores keys and values
+    # rounded to bf16 (scores and sums stay float32), halving the bytes a decode step's attention reads; a run
+    # setting (engine/loading.default_kv_dtype).
+    kv_dtype: str | None = None
     # How the dense matrices are stored: "kn" [in, out] (what the forward multiplies by), or "nk" [out, in] (HF's
     # own layout) for bf16 matrices on a CPU, where XLA's bf16 product against [N, K] runs ~1.5x faster at decode's
     # few rows (weights.with_matrix_layout; a run setting, like weight_dtype).
@@ -84,6 +88,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.weight_dtype not in (None, "float32", "bfloat16", "int8", "int4"):
             raise ValueError(f"weight_dtype must be float32, bfloat16, int8 or int4, got {self.weight_dtype!r}")
+        if self.kv_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"kv_dtype must be float32 or bfloat16, got {self.kv_dtype!r}")
         if self.matmul not in ("xla", "cpu"):
             raise ValueError(f"matmul must be xla or cpu, got {self.matmul!r}")
         if self.matrix_layout not in ("kn", "nk"):
@@ -101,6 +107,11 @@ class ModelConfig:
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
+
+    @property
+    def pool_dtype(self) -> str:
+        """The KV pool's dtype."""
+        return self.kv_dtype or self.dtype
 
     @property
     def q_size(self) -> int:

@@ -193,10 +193,13 @@ def test_real_smollm2_bf16_greedy_text_equals_float32(smollm2, smollm2_tokenizer
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = {"max_new_tokens": 16, "temperature": 0.0}
     texts = {}
-    for weight_dtype in ("float32", "bfloat16"):
-        with Engine.from_weights(cfg, weights, tok, **{**SMALL, "weight_dtype": weight_dtype}) as eng:
-            texts[weight_dtype] = [o["text"] for o in eng.generate(prompts, sampling_params=params)]
-    assert texts["bfloat16"] == texts["float32"]
+    # the CPU's auto on a machine with bf16 dots: bf16 matrices and a bf16 KV pool (engine/loading.py)
+    for weight_dtype, kv in (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")):
+        with Engine.from_weights(cfg, weights, tok, **{**SMALL, "weight_dtype": weight_dtype,
+                                                       "kv_cache_dtype": kv}) as eng:
+            texts[weight_dtype, kv] = [o["text"] for o in eng.generate(prompts, sampling_params=params)]
+    assert texts["bfloat16", "float32"] == texts["float32", "float32"]
+    assert texts["bfloat16", "bfloat16"] == texts["float32", "float32"]
     assert isinstance(cfg, ModelConfig) and np.asarray(weights.embed).dtype == np.float32  # the shared copy kept
 
 
