@@ -24,7 +24,7 @@ class ServerArgs:
     # with bf16 dot instructions (engine/loading.default_weight_dtype); bfloat16 under a float32 model runs bf16
     # dots with float32 accumulation (half the weight bytes; activations stay float32).
     weight_dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) or the model's dtype spelled out; fp8 is not supported
+    kv_cache_dtype: str = "auto"  # auto, the model's dtype, or bfloat16 under float32 (loading.default_kv_dtype)
     tokenizer_path: str | None = None  # the tokenizer's GGUF file or HF directory, when not the model's
     chat_template: str | None = None  # a jinja file or a built-in name (model/chat_templates.py) for the chat routes
     trust_remote_code: bool = False  # accepted for SGLang's launch lines; sgjax runs no model code from checkpoints
@@ -109,8 +109,10 @@ ENGINE_FLAGS = [
                                "block of 64 for integer dot products) or int4 (groups of 32 weights along a row, "
                                "4 bits each with a float32 scale, as llama.cpp's Q4_0)")),
     ("kv_cache_dtype", dict(choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
-                            help="KV cache dtype: auto (the model's); a dtype other than the model's is refused "
-                                 "(fp8 caches are not supported yet)")),
+                            help="KV cache dtype: auto (the model's; bfloat16 for a float32 model on a CPU where "
+                                 "auto took bf16 or int weights), the model's, or bfloat16 under a float32 model "
+                                 "(cpu and ref attention: keys and values stored rounded, scores in float32); fp8 "
+                                 "caches are refused")),
     ("tokenizer_path", dict(help="tokenizer GGUF file or HF directory (default: the model's)")),
     ("chat_template", dict(help="chat template for the chat routes: a jinja file or a built-in name "
                                 "(chatml, llama-3); default: the tokenizer's")),
