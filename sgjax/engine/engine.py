@@ -54,6 +54,7 @@ class Engine:
         args = ServerArgs.from_kwargs(model_path, kwargs)
         dtype = default_dtype(args)
         check_args(args, dtype)
+        apply_process_settings(args)  # before loading: casting the weights compiles programs the cache keeps
         mesh = tp.make_mesh(args.tp_size)  # before loading: a tp_size the host cannot give fails at once
         cfg, weights = load_model_cached(args.model_path, dtype, args.load_format,
                                          mesh=mesh if args.tp_size > 1 else None, ep_size=args.ep_size,

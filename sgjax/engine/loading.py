@@ -46,11 +46,35 @@ def cpu_has_bf16_dots() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def cpu_has_int8_dots() -> bool:
+    """Whether this CPU has the int8 dot-product instructions the native int8 / int4 products use (VNNI or AMX)."""
+    from sgjax.kernels.cpu import cpu_flags
+
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
+
+
+def q4_1_file(path: str | None) -> bool:
+    """Whether the model is a GGUF file whose layer matrices are all Q4_1 (the default SmolLM2's): int4's groups of
+    32 with a scale and a low hold such blocks exactly (tests/engine/test_weight_dtype.py), so int4 runs the file's
+    own weights, where bf16 rounds them."""
+    from sgjax.model.gguf_meta import GGUFError, layer_matrix_types
+    from sgjax.model.paths import resolve_model_path
+
+    try:
+        path = resolve_model_path(path)
+        return path.endswith(".gguf") and os.path.isfile(path) and layer_matrix_types(path) == {"Q4_1"}
+    except (FileNotFoundError, GGUFError):  # the loader reports it
+        return False
+
+
 def default_weight_dtype(args: ServerArgs, model_dtype: str, platform: str | None = None) -> str:
-    """--weight-dtype resolved. auto is the model's dtype, except for a float32 model on one CPU with bf16 dot
-    instructions: bf16 matrices there (float32 activations, accumulation, norms and attention), which decode about
-    twice as fast (docs/engine.md), as SGLang's and vLLM's `--dtype auto` run a float32 checkpoint in half
-    precision. `SGJAX_AUTO_BF16=0` or `--weight-dtype float32` keeps float32."""
+    """--weight-dtype resolved. auto is the model's dtype, except for a float32 model on one CPU:
+    - a Q4_1 GGUF (q4_1_file) where the native kernel and int8 dot instructions are: int4, the file's own weights,
+      at llama.cpp's bytes per weight (single-stream decode is bound by them: docs/engine.md);
+    - else, with bf16 dot instructions: bf16 matrices (float32 activations, accumulation, norms and attention),
+      about twice float32's decode speed, as SGLang's and vLLM's `--dtype auto` run a float32 checkpoint in half
+      precision.
+    `SGJAX_AUTO_BF16=0` or `--weight-dtype float32` keeps float32."""
     if args.weight_dtype not in ("auto", "float32", "bfloat16", "int8", "int4"):
         raise ValueError(f"weight_dtype must be auto, float32, bfloat16, int8 or int4, got {args.weight_dtype!r}")
     if args.weight_dtype in ("int8", "int4") and (args.tp_size > 1 or args.nnodes > 1):
@@ -59,10 +83,18 @@ def default_weight_dtype(args: ServerArgs, model_dtype: str, platform: str | Non
     if args.weight_dtype != "auto":
         return args.weight_dtype
     platform = platform or jax.devices()[0].platform
-    if (platform == "cpu" and model_dtype == "float32" and args.tp_size == 1 and args.nnodes == 1
-            and os.environ.get(AUTO_BF16_ENV, "1") != "0" and cpu_has_bf16_dots()):
-        return "bfloat16"
-    return model_dtype
+    if not (platform == "cpu" and model_dtype == "float32" and args.tp_size == 1 and args.nnodes == 1
+            and os.environ.get(AUTO_BF16_ENV, "1") != "0"):
+        return model_dtype
+    if args.load_format == "auto" and cpu_has_int8_dots() and q4_1_file(args.model_path) and native_kernels():
+        return "int4"
+    return "bfloat16" if cpu_has_bf16_dots() else model_dtype
+
+
+def native_kernels() -> bool:
+    from sgjax.kernels.cpu import available
+
+    return available()
 
 
 def default_kv_dtype(args: ServerArgs, model_dtype: str, weight_dtype: str, attention: str,

@@ -126,3 +126,10 @@ def open_gguf(path: str) -> GGUFFile:
 
 def read_metadata(path: str) -> dict:
     return open_gguf(path).metadata
+
+
+def layer_matrix_types(path: str) -> frozenset[str]:
+    """The quantization types (GGML names: Q4_1, Q8_0, F16, ...) of a GGUF's layer matrices (the 2-D blk.*
+    tensors), from its header alone."""
+    return frozenset(t.tensor_type.name for t in open_gguf(path).tensors
+                     if t.name.startswith("blk.") and len(t.shape) == 2)

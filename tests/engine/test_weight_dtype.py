@@ -160,18 +160,28 @@ def test_tiny_model_logprobs_close_to_float32(tiny):
         assert sum(x == y for x, y in zip(a["output_ids"], b["output_ids"])) >= 4
 
 
-def test_auto_is_the_models_dtype_and_the_setting_is_checked(tiny, monkeypatch):
+def test_auto_is_the_models_dtype_and_the_setting_is_checked(tiny, monkeypatch, tmp_path):
     assert loading.default_weight_dtype(ServerArgs(), "float32") == "float32"  # SGJAX_AUTO_BF16=0 (tests/conftest)
     assert loading.default_weight_dtype(ServerArgs(), "bfloat16") == "bfloat16"
-    # auto on a CPU with bf16 dot instructions: bf16 matrices for a float32 model on one device, nowhere else
+    # auto on a CPU with bf16 dot instructions: bf16 matrices for a float32 model on one device, nowhere else;
+    # int4 for a Q4_1 GGUF (the default SmolLM2) where the CPU has int8 dots
     monkeypatch.setenv(loading.AUTO_BF16_ENV, "1")
-    for has, platform, args, expected in [(True, "cpu", ServerArgs(), "bfloat16"),
-                                          (False, "cpu", ServerArgs(), "float32"),
-                                          (True, "gpu", ServerArgs(), "float32"),
-                                          (True, "cpu", ServerArgs(tp_size=2), "float32"),
-                                          (True, "cpu", ServerArgs(weight_dtype="float32"), "float32")]:
-        monkeypatch.setattr(loading, "cpu_has_bf16_dots", lambda has=has: has)
-        assert loading.default_weight_dtype(args, "float32", platform) == expected, (has, platform, args)
+    hf_dir = str(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    for bf16, int8, platform, args, expected in [
+            (True, False, "cpu", ServerArgs(), "bfloat16"),
+            (True, True, "cpu", ServerArgs(), "int4"),
+            (False, True, "cpu", ServerArgs(), "int4"),
+            (True, True, "cpu", ServerArgs(model_path=hf_dir), "bfloat16"),
+            (True, True, "cpu", ServerArgs(load_format="dummy"), "bfloat16"),
+            (False, False, "cpu", ServerArgs(), "float32"),
+            (True, True, "gpu", ServerArgs(), "float32"),
+            (True, True, "cpu", ServerArgs(tp_size=2), "float32"),
+            (True, True, "cpu", ServerArgs(weight_dtype="float32"), "float32")]:
+        monkeypatch.setattr(loading, "cpu_has_bf16_dots", lambda has=bf16: has)
+        monkeypatch.setattr(loading, "cpu_has_int8_dots", lambda has=int8: has)
+        assert loading.default_weight_dtype(args, "float32", platform) == expected, (bf16, int8, platform, args)
+    assert loading.q4_1_file(None) and not loading.q4_1_file(hf_dir) and not loading.q4_1_file("/no/such.gguf")
     monkeypatch.setenv(loading.AUTO_BF16_ENV, "0")
     assert loading.default_weight_dtype(ServerArgs(), "float32", "cpu") == "float32"
     assert loading.default_weight_dtype(ServerArgs(weight_dtype="bfloat16"), "float32") == "bfloat16"
