@@ -101,9 +101,10 @@ def default_kv_dtype(args: ServerArgs, model_dtype: str, weight_dtype: str, atte
                      platform: str | None = None) -> str:
     """--kv-cache-dtype resolved: the model's dtype, or bfloat16 for a float32 model (keys and values rounded to
     bf16 as written; scores and sums stay float32) where the attention backend reads such a pool (cpu, ref). auto
-    is the model's dtype, except where auto already took bf16 matrices on a CPU (default_weight_dtype) and the
-    weights are not float32: a bf16 pool there halves the bytes a decode step's attention reads (docs/engine.md),
-    as vLLM's CPU backend keeps its cache in the model's bf16. fp8 is refused by name."""
+    is the model's dtype, except on a CPU where auto narrows the matrices (default_weight_dtype), the weights are
+    not float32 and the native attention writes the pool: a bf16 pool there halves the bytes a decode step's
+    attention reads (docs/engine.md), as vLLM's CPU backend keeps its cache in the model's bf16. fp8 is refused
+    by name."""
     given = args.kv_cache_dtype
     if given in ("fp8_e4m3", "fp8_e5m2"):
         raise ValueError(f"kv_cache_dtype {given!r}: an fp8 KV cache is not supported; use auto, float32 or bfloat16")
@@ -113,7 +114,7 @@ def default_kv_dtype(args: ServerArgs, model_dtype: str, weight_dtype: str, atte
         platform = platform or jax.devices()[0].platform
         auto_bf16 = (platform == "cpu" and model_dtype == "float32" and weight_dtype != "float32"
                      and args.tp_size == 1 and args.nnodes == 1 and os.environ.get(AUTO_BF16_ENV, "1") != "0"
-                     and cpu_has_bf16_dots() and attention in BF16_POOL_BACKENDS)
+                     and cpu_has_bf16_dots() and attention == "cpu")  # ref's scatter would convert the pool
         return "bfloat16" if auto_bf16 else model_dtype
     if given != model_dtype:
         if model_dtype == "bfloat16":

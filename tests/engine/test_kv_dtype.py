@@ -26,6 +26,7 @@ def test_auto_and_the_values_checked(monkeypatch):
             (True, "float32", "cpu", "cpu", ServerArgs(), "float32"),
             (False, "bfloat16", "cpu", "cpu", ServerArgs(), "float32"),
             (True, "bfloat16", "pallas", "cpu", ServerArgs(), "float32"),
+            (True, "bfloat16", "ref", "cpu", ServerArgs(), "float32"),  # XLA's scatter would convert the pool
             (True, "bfloat16", "cpu", "gpu", ServerArgs(), "float32"),
             (True, "bfloat16", "cpu", "cpu", ServerArgs(tp_size=2), "float32"),
             (True, "bfloat16", "cpu", "cpu", ServerArgs(kv_cache_dtype="float32"), "float32")]:
