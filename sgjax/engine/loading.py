@@ -163,6 +163,13 @@ def load_model_cached(path, dtype, load_format="auto", mesh=None, ep_size=1, wei
     key = (path, dtype, load_format) if mesh is None else (path, dtype, load_format, mesh, ep_size)
     if weight_dtype not in (None, dtype):
         wkey = key + ("weight_dtype", weight_dtype)
+        if (wkey not in MODELS and key not in MODELS and weight_dtype == "int4" and mesh is None
+                and load_format == "auto" and q4_1_file(path)):
+            # the file's Q4_1 blocks become the int4 matrices as they are (no float32 copy, nothing rounded)
+            from sgjax.model.loader import load_gguf
+            from sgjax.model.paths import resolve_model_path
+
+            MODELS[wkey] = with_weight_dtype(*load_gguf(resolve_model_path(path), dtype, keep_q4_1=True), "int4")
         if wkey not in MODELS:
             had = key in MODELS
             MODELS[wkey] = with_weight_dtype(*load_model_cached(path, dtype, load_format, mesh, ep_size), weight_dtype)

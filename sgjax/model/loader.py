@@ -14,6 +14,7 @@ from sgjax.model import gguf_meta, weights as W
 from sgjax.model.config import ModelConfig, config_from_gguf, config_from_hf_dir
 from sgjax.model.families import FAMILY
 from sgjax.model.paths import ModelNotFoundError, resolve_model_path
+from sgjax.model.quant import Int4Matrix, dequantized, int4_from_q4_1
 
 ORBAX_CONFIG = "sgjax_config.json"
 
@@ -46,8 +47,12 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str, dtype: str = "float32", host: bool = False) -> tuple[ModelConfig, W.Weights]:
-    from gguf import dequantize
+def load_gguf(path: str, dtype: str = "float32", host: bool = False,
+              keep_q4_1: bool = False) -> tuple[ModelConfig, W.Weights]:
+    """keep_q4_1: the layer matrices stored as Q4_1 blocks become Int4Matrix leaves holding them as they are
+    ([out, in]; quant.int4_from_q4_1), not float32: what with_weight_dtype(.., "int4") finishes (load_model_cached),
+    without dequantizing and quantizing them again."""
+    from gguf import GGMLQuantizationType, dequantize
 
     reader = gguf_meta.open_gguf(path)
     meta = gguf_meta.read_metadata(path)
@@ -60,19 +65,22 @@ def load_gguf(path: str, dtype: str = "float32", host: bool = False) -> tuple[Mo
     per_layer: dict[str, list] = {}
     flat: dict[str, np.ndarray] = {}
     for t in reader.tensors:
+        parts = t.name.split(".")
+        leaf = by_layer.get(".".join(parts[2:])) if parts[0] == "blk" else None
+        kept = (keep_q4_1 and leaf is not None and leaf.name in W.NK_LEAVES
+                and t.tensor_type == GGMLQuantizationType.Q4_1)
         try:
-            w = dequantize(t.data, t.tensor_type).astype(np.float32)
+            w = int4_from_q4_1(np.asarray(t.data)) if kept else dequantize(t.data, t.tensor_type).astype(np.float32)
         except Exception as e:
             raise WeightFileError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
-        parts = t.name.split(".")
         if parts[0] == "blk":
             layer, kind = int(parts[1]), parts[2]
-            leaf = by_layer.get(".".join(parts[2:]))
             if leaf is None:
                 raise WeightFileError(f"{path}: unexpected tensor {t.name!r}")
             if kind in ("attn_q", "attn_k") and unpermute:
-                w = _unpermute(w, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
-            if leaf.transposed:
+                heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
+                w = Int4Matrix(_unpermute(w.q, heads), _unpermute(w.scale, heads)) if kept else _unpermute(w, heads)
+            if leaf.transposed and not kept:  # Int4Matrix is [out, in], as the file
                 w = w.T
             per_layer.setdefault(leaf.name, [None] * cfg.num_layers)[layer] = w
         elif t.name in top:
@@ -81,7 +89,12 @@ def load_gguf(path: str, dtype: str = "float32", host: bool = False) -> tuple[Mo
     for ours, items in per_layer.items():
         if any(x is None for x in items):
             raise WeightFileError(f"{path}: tensor {ours} is missing for some layers")
-        flat[ours] = np.stack(items)
+        if all(isinstance(x, Int4Matrix) for x in items):
+            flat[ours] = Int4Matrix(np.stack([x.q for x in items]), np.stack([x.scale for x in items]))
+        elif any(isinstance(x, Int4Matrix) for x in items):  # some layers Q4_1, others not: all as float32
+            flat[ours] = np.stack([np.asarray(dequantized(x)).T if isinstance(x, Int4Matrix) else x for x in items])
+        else:
+            flat[ours] = np.stack(items)
     return cfg, _assemble(cfg, flat, path, host)
 
 

@@ -106,3 +106,21 @@ def quantize_int4(w) -> Int4Matrix:
     u = u.reshape(*lead, k // BLOCK, BLOCK)
     packed = (u[..., : BLOCK // 2] | (u[..., BLOCK // 2:] << 4)).astype(xp.uint8)
     return Int4Matrix(packed.reshape(*lead, k // 2), xp.stack([scale, low.astype(xp.float32)], axis=-1))
+
+
+def int4_from_q4_1(blocks: np.ndarray) -> Int4Matrix:
+    """A GGUF Q4_1 tensor's rows of blocks (uint8 [..., N, K / 32 * 20]: per 32 weights an fp16 step d and minimum
+    m, then 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31, each m + d * u) as an Int4Matrix
+    holding the same weights: (scale, low) = (d, m), the nibbles repacked into runs of BLOCK. numpy in and out."""
+    *lead, width = blocks.shape
+    groups = width // 20
+    if width % 20 or groups % 2:
+        raise ValueError(f"Q4_1 rows of {width} bytes are not an even number of 20-byte blocks")
+    b = np.ascontiguousarray(blocks).reshape(*lead, groups, 20)
+    pairs = np.stack([b[..., 0:2].copy().view(np.float16)[..., 0], b[..., 2:4].copy().view(np.float16)[..., 0]],
+                     axis=-1).astype(np.float32)
+    qs = b[..., 4:]
+    u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [..., groups, 32]: the group's weights in order
+    runs = u.reshape(*lead, groups // 2, BLOCK)
+    packed = (runs[..., : BLOCK // 2] | (runs[..., BLOCK // 2:] << 4)).astype(np.uint8)
+    return Int4Matrix(packed.reshape(*lead, groups * GROUP // 2), pairs)

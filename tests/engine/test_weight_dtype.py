@@ -21,6 +21,7 @@ from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import build_batch
 from sgjax.model import llama
 from sgjax.model.llama import forward
+from sgjax.model.loader import _unpermute, load_gguf
 from sgjax.model.presets import TINY_LLAMA
 from sgjax.model.quant import Int4Matrix, Int8Matrix, dequantized
 from sgjax.model.weights import (INT8_LEAVES, MATMUL_LEAVES, NK_LEAVES, TOP_MATRICES, LayerWeights, dummy_weights,
@@ -327,14 +328,20 @@ def test_real_smollm2_q4_1_blocks_kept_as_int4(smollm2, smollm2_path):
 
     cfg, weights, _ = smollm2
     _, cast = with_weight_dtype(cfg, weights, "int4")
+    # auto / --weight-dtype int4 on this file: its blocks read as they are (loading.load_model_cached)
+    kept_cfg, kept = with_weight_dtype(*load_gguf(smollm2_path, "float32", keep_q4_1=True), "int4")
+    assert kept_cfg == dataclasses.replace(cfg, weight_dtype="int4", matrix_layout="nk")
     tensors = {t.name: t for t in gguf.GGUFReader(smollm2_path).tensors}
     for layer in (0, cfg.num_layers - 1):
-        for name, field in (("ffn_down", "w_down"), ("ffn_up", "w_up"), ("attn_v", "wv")):
+        for name, field in (("ffn_down", "w_down"), ("ffn_up", "w_up"), ("attn_v", "wv"), ("attn_q", "wq")):
             t = tensors[f"blk.{layer}.{name}.weight"]
             assert t.tensor_type.name == "Q4_1"
             want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.shape[::-1].tolist())  # [out, in]
-            m = getattr(cast.layers, field) if isinstance(cast.layers, LayerWeights) else getattr(
-                cast.layers[layer], field)
-            m = Int4Matrix(m.q[layer], m.scale[layer]) if m.q.ndim == 3 else m
-            err = np.abs(np.asarray(dequantized(m)) - want).max()
-            assert err <= 1e-6 * np.abs(want).max(), (layer, name, err)
+            if name == "attn_q":  # llama.cpp's rotary row order, undone by the loader
+                want = _unpermute(want, cfg.num_heads)
+            for source, tol in ((cast, 1e-6), (kept, 0.0)):  # quantized again: to float32 rounding; kept: exact
+                m = getattr(source.layers, field) if isinstance(source.layers, LayerWeights) else getattr(
+                    source.layers[layer], field)
+                m = Int4Matrix(m.q[layer], m.scale[layer]) if m.q.ndim == 3 else m
+                err = np.abs(np.asarray(dequantized(m)) - want).max()
+                assert err <= tol * np.abs(want).max(), (layer, name, tol, err)
