@@ -319,6 +319,20 @@ def test_real_smollm2_quantized_greedy_answers(smollm2):
         assert texts[0].startswith(" Paris") and texts[1].startswith("\n    if n == "), (kind, texts)
 
 
+def test_real_smollm2_cpu_auto_engine(smollm2_path, monkeypatch):
+    """What auto gives the default model on a CPU with bf16 and int8 dots (the tests pin float32 otherwise): the
+    file's Q4_1 blocks read as int4 and a bf16 KV pool; the answers float32 gives, reported as such."""
+    monkeypatch.setenv(loading.AUTO_BF16_ENV, "1")
+    monkeypatch.setattr(loading, "cpu_has_bf16_dots", lambda: True)
+    monkeypatch.setattr(loading, "cpu_has_int8_dots", lambda: True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    with Engine(smollm2_path, **SMALL) as eng:
+        info = eng.get_server_info()
+        texts = [o["text"] for o in eng.generate(prompts, sampling_params={"max_new_tokens": 8, "temperature": 0.0})]
+    assert (info["weight_dtype"], info["kv_cache_dtype"], info["dtype"]) == ("int4", "bfloat16", "float32")
+    assert texts[0].startswith(" Paris") and texts[1].startswith("\n    if n == "), texts
+
+
 def test_real_smollm2_q4_1_blocks_kept_as_int4(smollm2, smollm2_path):
     """The default SmolLM2 file stores its matrices as GGUF Q4_1 blocks (32 weights as 4-bit steps above the
     block's minimum, an fp16 step and minimum). Read as float32, then --weight-dtype int4: each group's minimum and
