@@ -307,40 +307,45 @@ inline __m512 SumLanes16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, 0x88), _mm512_shuffle_f32x4(c01, c23, 0xDD));
 }
 
-// AttendRow for pages of 16 slots and head_dim 16 * DV, without a softcap: a page's 16 scores of a query head are
-// one vector (SumLanes16), its softmax is vector code, and each query head's accumulator stays in registers over
-// the page. A bfloat16 page is widened once per head into float32 tiles the query heads share. The next page is
-// prefetched slot by slot as this one is read: a row's pages lie anywhere in the pool, beyond the hardware
-// prefetcher's reach, and one core's demand misses alone fetch about half the memory's speed.
+// Rows [r0, r1) of one request (a decode row, or a block of a prefill chunk's rows) against KV heads [h0, h1), for
+// pages of 16 slots and head_dim 16 * DV, without a softcap: a query head's 16 scores of a page are one vector
+// (SumLanes16), its softmax is vector code, and its accumulator stays in registers over the page. The page is read
+// once for all the rows: a bf16 page widened once per head into float32 tiles, a float32 one in place (no
+// transposed copy). The next page is prefetched slot by slot as this one is read: a request's pages lie anywhere
+// in the pool, beyond the hardware prefetcher's reach, and one core's demand misses alone fetch about half the
+// memory's speed.
 template <typename KV, int DV>
-void AttendRow16(const Problem& p, const KV* pool, int64_t r, int64_t h0, int64_t h1) {
+void AttendRows16(const Problem& p, const KV* pool, int64_t r0, int64_t r1, int64_t h0, int64_t h1) {
   constexpr int64_t ps = 16, d = 16 * DV;
-  const int64_t g_count = p.group, heads = (h1 - h0) * g_count;
+  const int64_t g_count = p.group, heads = (h1 - h0) * g_count, units = (r1 - r0) * heads;
   const int64_t kv_width = 2 * p.num_kv_heads * d, q_stride = p.num_kv_heads * g_count * d;
   const int64_t slot_bytes = kv_width * static_cast<int64_t>(sizeof(KV));
-  const int64_t first = p.row_first[r];
-  const int64_t seen = std::min<int64_t>(p.row_seen[r], p.pages_per_req * ps);
-  const int64_t req = std::clamp<int64_t>(p.row_req[r], 0, p.num_reqs - 1);
+  const int64_t cap = p.pages_per_req * ps;
+  int64_t lo = INT64_MAX, hi = 0;  // the keys any row sees
+  for (int64_t r = r0; r < r1; ++r) {
+    if (std::min<int64_t>(p.row_seen[r], cap) > p.row_first[r]) {
+      lo = std::min<int64_t>(lo, p.row_first[r]);
+      hi = std::max<int64_t>(hi, std::min<int64_t>(p.row_seen[r], cap));
+    }
+  }
+  const int64_t req = std::clamp<int64_t>(p.row_req[r0], 0, p.num_reqs - 1);
   thread_local std::vector<float> buf;
-  buf.resize(heads * (d + ps + 2) + 2 * ps * d + ps * ps);
-  float* acc = buf.data();          // [heads, d]
-  float* e = acc + heads * d;       // [heads, ps]: a page's weights
-  float* m = e + heads * ps;        // [heads]
-  float* l = m + heads;             // [heads]
-  float* kf = l + heads;            // [ps, d]: a bf16 page's keys of one head in float32
+  buf.resize(units * (d + 2) + ps + 2 * ps * d);
+  float* acc = buf.data();          // [units, d]: unit (row - r0) * heads + (h - h0) * G + g
+  float* m = acc + units * d;       // [units]
+  float* l = m + units;             // [units]
+  float* e = l + units;             // [ps]: a page's weights of one unit
+  float* kf = e + ps;               // [ps, d]: a bf16 page's keys of one head in float32
   float* vf = kf + ps * d;          // [ps, d]: its values
-  float* part = vf + ps * d;        // [ps, 16]: one query head's per-key partial dot products
-  std::fill(acc, acc + heads * d, 0.0f);
-  std::fill(m, m + heads, -INFINITY);
-  std::fill(l, l + heads, 0.0f);
-  const float* q = p.q + r * q_stride + h0 * g_count * d;
-  for (int64_t page = first / ps; page * ps < seen; ++page) {
+  std::fill(acc, acc + units * d, 0.0f);
+  std::fill(m, m + units, -INFINITY);
+  std::fill(l, l + units, 0.0f);
+  for (int64_t page = (lo == INT64_MAX ? 0 : lo / ps); lo != INT64_MAX && page * ps < hi; ++page) {
     const int64_t id = std::clamp<int64_t>(p.table[req * p.pages_per_req + page], 0, p.num_pages - 1);
     const KV* base = pool + ((p.layer * p.num_pages + id) * ps) * kv_width;
-    const int64_t s0 = std::max<int64_t>(first - page * ps, 0), s1 = std::min<int64_t>(seen - page * ps, ps);
-    const __mmask16 live = static_cast<__mmask16>(((1u << s1) - 1u) & ~((1u << s0) - 1u));
+    const int64_t t0 = std::max<int64_t>(lo - page * ps, 0), t1 = std::min<int64_t>(hi - page * ps, ps);
     const char* next = nullptr;
-    if ((page + 1) * ps < seen) {
+    if ((page + 1) * ps < hi) {
       const int64_t nid = std::clamp<int64_t>(p.table[req * p.pages_per_req + page + 1], 0, p.num_pages - 1);
       next = reinterpret_cast<const char*>(pool + ((p.layer * p.num_pages + nid) * ps) * kv_width);
     }
@@ -355,7 +360,7 @@ void AttendRow16(const Problem& p, const KV* pool, int64_t r, int64_t h0, int64_
         vals = kp + d;
         stride = kv_width;
       } else {
-        for (int64_t s = s0; s < s1; ++s) {
+        for (int64_t s = t0; s < t1; ++s) {
           for (int j = 0; j < DV; ++j) {
             _mm512_storeu_ps(kf + s * d + 16 * j, Load16(kp + s * kv_width + 16 * j));
             _mm512_storeu_ps(vf + s * d + 16 * j, Load16(kp + s * kv_width + d + 16 * j));
@@ -367,53 +372,76 @@ void AttendRow16(const Problem& p, const KV* pool, int64_t r, int64_t h0, int64_
       }
       if (next != nullptr) {  // this head's share of the next page: its slots' K and V lines
         const int64_t per_head = (slot_bytes + (h1 - h0) - 1) / (h1 - h0);
-        const char* lo = next + (h - h0) * per_head;
-        const char* hi = next + std::min<int64_t>((h - h0 + 1) * per_head, slot_bytes);
+        const char* a = next + (h - h0) * per_head;
+        const char* b = next + std::min<int64_t>((h - h0 + 1) * per_head, slot_bytes);
         for (int64_t s = 0; s < ps; ++s) {
-          for (const char* x = lo + s * slot_bytes; x < hi + s * slot_bytes; x += 64) _mm_prefetch(x, _MM_HINT_T0);
+          for (const char* x = a + s * slot_bytes; x < b + s * slot_bytes; x += 64) _mm_prefetch(x, _MM_HINT_T0);
         }
       }
-      for (int64_t g = 0; g < g_count; ++g) {
-        const int64_t u = (h - h0) * g_count + g;
-        const float* qu = q + u * d;
-        __m512 qv[DV];
-        for (int j = 0; j < DV; ++j) qv[j] = _mm512_loadu_ps(qu + 16 * j);
-        __m512 dots[ps];
-        for (int64_t s = 0; s < ps; ++s) {
-          __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
-          if ((live >> s) & 1) {
-            const float* k = keys + s * stride;
-            for (int j = 0; j < DV; j += 2) {
-              x0 = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + 16 * j), x0);
-              if (j + 1 < DV) x1 = _mm512_fmadd_ps(qv[j + 1], _mm512_loadu_ps(k + 16 * j + 16), x1);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t s0 = std::max<int64_t>(p.row_first[r] - page * ps, 0);
+        const int64_t s1 = std::min<int64_t>(std::min<int64_t>(p.row_seen[r], cap) - page * ps, ps);
+        if (s1 <= s0) continue;  // this row sees no key of the page
+        const __mmask16 live = static_cast<__mmask16>(((1u << s1) - 1u) & ~((1u << s0) - 1u));
+        for (int64_t g = 0; g < g_count; ++g) {
+          const int64_t u = (r - r0) * heads + (h - h0) * g_count + g;
+          const float* qu = p.q + r * q_stride + (h * g_count + g) * d;
+          __m512 qv[DV];
+          for (int j = 0; j < DV; ++j) qv[j] = _mm512_loadu_ps(qu + 16 * j);
+          __m512 dots[ps];
+          for (int64_t s = 0; s < ps; ++s) {
+            __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+            if ((live >> s) & 1) {
+              const float* k = keys + s * stride;
+              for (int j = 0; j < DV; j += 2) {
+                x0 = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + 16 * j), x0);
+                if (j + 1 < DV) x1 = _mm512_fmadd_ps(qv[j + 1], _mm512_loadu_ps(k + 16 * j + 16), x1);
+              }
             }
+            dots[s] = _mm512_add_ps(x0, x1);
           }
-          dots[s] = _mm512_add_ps(x0, x1);
+          const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                               _mm512_mul_ps(SumLanes16(dots), _mm512_set1_ps(p.sm_scale)));
+          const float m_new = std::max(m[u], _mm512_reduce_max_ps(sc));
+          const float rescale = std::exp(m[u] - m_new);  // exp(-inf) = 0 before the first key
+          const __m512 w = ExpVec(_mm512_sub_ps(sc, _mm512_set1_ps(m_new)));  // masked keys: 0
+          l[u] = l[u] * rescale + _mm512_reduce_add_ps(w);
+          m[u] = m_new;
+          _mm512_storeu_ps(e, w);
+          __m512 a[DV];
+          for (int j = 0; j < DV; ++j) {
+            a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + u * d + 16 * j), _mm512_set1_ps(rescale));
+          }
+          for (int64_t s = s0; s < s1; ++s) {
+            const __m512 ws = _mm512_set1_ps(e[s]);
+            const float* v = vals + s * stride;
+            for (int j = 0; j < DV; ++j) a[j] = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 16 * j), a[j]);
+          }
+          for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc + u * d + 16 * j, a[j]);
         }
-        const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
-                                             _mm512_mul_ps(SumLanes16(dots), _mm512_set1_ps(p.sm_scale)));
-        const float m_new = std::max(m[u], _mm512_reduce_max_ps(sc));
-        const float rescale = std::exp(m[u] - m_new);  // exp(-inf) = 0 before the first key
-        const __m512 w = ExpVec(_mm512_sub_ps(sc, _mm512_set1_ps(m_new)));  // masked keys: 0
-        l[u] = l[u] * rescale + _mm512_reduce_add_ps(w);
-        m[u] = m_new;
-        _mm512_storeu_ps(e, w);
-        __m512 a[DV];
-        for (int j = 0; j < DV; ++j) a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + u * d + 16 * j), _mm512_set1_ps(rescale));
-        for (int64_t s = s0; s < s1; ++s) {
-          const __m512 ws = _mm512_set1_ps(e[s]);
-          const float* v = vals + s * stride;
-          for (int j = 0; j < DV; ++j) a[j] = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 16 * j), a[j]);
-        }
-        for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc + u * d + 16 * j, a[j]);
       }
     }
   }
-  for (int64_t u = 0; u < heads; ++u) {
-    float* o = p.out + r * q_stride + h0 * g_count * d + u * d;
-    const float inv = l[u] > 0.0f ? 1.0f / l[u] : 0.0f;  // a row that sees nothing (padding) gives zeros
-    for (int64_t i = 0; i < d; ++i) o[i] = acc[u * d + i] * inv;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t j = 0; j < heads; ++j) {
+      const int64_t u = (r - r0) * heads + j;
+      float* o = p.out + r * q_stride + h0 * g_count * d + j * d;
+      const float inv = l[u] > 0.0f ? 1.0f / l[u] : 0.0f;  // a row that sees nothing (padding) gives zeros
+      for (int64_t i = 0; i < d; ++i) o[i] = acc[u * d + i] * inv;
+    }
   }
+}
+
+// The row kernel for this shape, or null (the general paths).
+template <typename KV>
+using RowsFn = void (*)(const Problem&, const KV*, int64_t, int64_t, int64_t, int64_t);
+template <typename KV>
+RowsFn<KV> Rows16(const Problem& p) {
+  if (p.page_size != 16 || p.softcap > 0.0f) return nullptr;
+  if (p.head_dim == 64) return AttendRows16<KV, 4>;
+  if (p.head_dim == 128) return AttendRows16<KV, 8>;
+  if (p.head_dim == 256) return AttendRows16<KV, 16>;
+  return nullptr;
 }
 #endif
 
@@ -513,16 +541,18 @@ ffi::Error Run(const Problem& p, const KV* pool, int64_t num_rows) {
     const int64_t step = one ? p.num_kv_heads / split : 1;
     for (int64_t h = 0; h < p.num_kv_heads; h += step) work.emplace_back(b, h);
   }
+#if defined(__AVX512F__)
+  const RowsFn<KV> rows16 = Rows16<KV>(p);
+#endif
   auto fn = [&](int64_t i) {
     const auto& b = blocks[work[i].first];
     const int64_t h = work[i].second;
-    if (b.second - b.first == 1) {
-      const int64_t h1 = std::min(h + p.num_kv_heads / split, p.num_kv_heads);
+    const bool one = b.second - b.first == 1;
+    const int64_t h1 = one ? std::min(h + p.num_kv_heads / split, p.num_kv_heads) : h + 1;
 #if defined(__AVX512F__)
-      if (p.page_size == 16 && p.softcap <= 0.0f && p.head_dim == 64) return AttendRow16<KV, 4>(p, pool, b.first, h, h1);
-      if (p.page_size == 16 && p.softcap <= 0.0f && p.head_dim == 128) return AttendRow16<KV, 8>(p, pool, b.first, h, h1);
-      if (p.page_size == 16 && p.softcap <= 0.0f && p.head_dim == 256) return AttendRow16<KV, 16>(p, pool, b.first, h, h1);
+    if (rows16 != nullptr) return rows16(p, pool, b.first, b.second, h, h1);
 #endif
+    if (one) {
       AttendRow<KV>(p, pool, b.first, h, h1);
     } else {
       AttendBlock<KV>(p, pool, b.first, b.second, h);

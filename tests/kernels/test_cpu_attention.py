@@ -27,12 +27,13 @@ EXTRA = {
     "decode-d128": dict(q_lens=[1, 1, 1], prefix_lens=[40, 200, 16], page_size=16, head_dim=128),
     "decode-d256": dict(q_lens=[1, 1], prefix_lens=[70, 31], page_size=16, head_dim=256),
 }
-# Windows on pages of 16: a decode row's first page is partial, its first key mid-page (the row kernel's mask);
-# with a softcap the rows take the general path.
+# Windows on pages of 16: a row's first page is partial, its first key mid-page (the rows kernel's mask), in a
+# decode row and in a prefill block's rows; with a softcap the rows take the general path.
 WINDOWED16 = {
     "window-page16-decode": dict(EXTRA["long-decode"], window=37),
     "window-page16-d128": dict(EXTRA["decode-d128"], window=50),
     "window-page16-softcap": dict(EXTRA["long-decode"], window=20, softcap=2.0),
+    "window-page16-prefill": dict(EXTRA["page16-d64"], window=7),  # a block's rows each with their own first key
 }
 
 
