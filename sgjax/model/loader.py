@@ -14,7 +14,7 @@ from sgjax.model import gguf_meta, weights as W
 from sgjax.model.config import ModelConfig, config_from_gguf, config_from_hf_dir
 from sgjax.model.families import FAMILY
 from sgjax.model.paths import ModelNotFoundError, resolve_model_path
-from sgjax.model.quant import Int4Matrix, dequantized, int4_from_q4_1
+from sgjax.model.quant import Int4Matrix, int4_from_q4_1
 
 ORBAX_CONFIG = "sgjax_config.json"
 
@@ -89,10 +89,8 @@ def load_gguf(path: str, dtype: str = "float32", host: bool = False,
     for ours, items in per_layer.items():
         if any(x is None for x in items):
             raise WeightFileError(f"{path}: tensor {ours} is missing for some layers")
-        if all(isinstance(x, Int4Matrix) for x in items):
+        if isinstance(items[0], Int4Matrix):  # keep_q4_1's callers take files whose every layer matrix is Q4_1
             flat[ours] = Int4Matrix(np.stack([x.q for x in items]), np.stack([x.scale for x in items]))
-        elif any(isinstance(x, Int4Matrix) for x in items):  # some layers Q4_1, others not: all as float32
-            flat[ours] = np.stack([np.asarray(dequantized(x)).T if isinstance(x, Int4Matrix) else x for x in items])
         else:
             flat[ours] = np.stack(items)
     return cfg, _assemble(cfg, flat, path, host)
