@@ -3,8 +3,9 @@
 //
 // y_i[M, N_i] = x[M, K] @ W_i[layer]^T * scale_i[layer] for one to a few matrices W_i that share x (q, k and v;
 // gate and up): W_i [L, N_i, K] (stacked layers, `layer` picks one: a scanned loop reads its layer's matrix where
-// it lies instead of slicing a copy) or [N_i, K]; int8 with a float32 scale per output row (weight-only int8), or
-// bfloat16 / float32 without. Activations and accumulation are float32; a weight is widened in registers.
+// it lies instead of slicing a copy) or [N_i, K]; int8 with a float32 scale per output row (weight-only int8) or
+// per group of 32 weights along a row (a GGUF Q8_0 file's), packed int4 with a (scale, low) pair per group of 32,
+// or bfloat16 / float32 without. Activations and accumulation are float32; a weight is widened in registers.
 //
 // The few-row products of decode are bound by reading the weights: the work items are chunks of output rows of
 // every matrix, each read once for all of x's rows (x stays in L1/L2), on XLA's intra-op threads.
@@ -282,16 +283,21 @@ void Tiles(const std::vector<std::vector<uint32_t>>& xt, int64_t rows, int64_t k
 }
 
 
-// 16 rows of int8 weights from row n (those from `end` on zero), k block b, widened to bf16 (exact: int8 values
-// are bf16 values).
-TileA WidenInt8(const int8_t* w, int64_t k, int64_t end, int64_t n, int64_t b, uint16_t* buf) {
+// 16 rows of int8 weights from row n (those from `end` on zero), k block b (a group of 32), widened to bf16:
+// exact where the scale is per row (int8 values are bf16 values; the tiles' results are scaled), each times its
+// group's scale and rounded where there is one per group (`groups`: [N, K / 32], else null).
+TileA WidenInt8(const int8_t* w, const float* groups, int64_t k, int64_t end, int64_t n, int64_t b, uint16_t* buf) {
   const int live = static_cast<int>(std::min<int64_t>(16, end - n));
   std::memset(buf + live * 32, 0, (16 - live) * 64);
   for (int r = 0; r < live; ++r) {
     const int8_t* src = w + (n + r) * k + b * 32;
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-    const __m512 hi =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+    if (groups != nullptr) {
+      const __m512 scale = _mm512_set1_ps(groups[(n + r) * (k / 32) + b]);
+      lo = _mm512_mul_ps(lo, scale);
+      hi = _mm512_mul_ps(hi, scale);
+    }
     _mm512_storeu_si512(buf + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
   }
   return {buf, 64};
@@ -385,57 +391,99 @@ void Int8Rows(const QuantizedX& xq, int64_t m0, const int8_t* w, int64_t k, cons
   }
 }
 
-// int4 matrices (model/quant.Int4Matrix): a run of 32 bytes holds 64 steps u (low nibbles the first 32, high the
-// next), widened to bytes in order; lanes 0-7 and 8-15 take their group's scale, and each group's low times x's
-// group sum is added once per row.
-template <int MR>
-void Int4Rows(const QuantizedX& xq, int64_t m0, const uint8_t* w, int64_t k, const float* params, float* y,
-              int64_t ldy, int64_t n0, int64_t n1) {
+// Matrices whose weights are, per group of 32 along a row, low + scale * u with u an unsigned byte: int4
+// (model/quant.Int4Matrix: a run of 32 bytes holds 64 steps u, low nibbles the first 32, high the next, widened to
+// bytes in order) and int8 with a scale per group (Q8_0's: u = q + 128, low = -128 * scale).
+// block(n, b) gives row n's 64 weights from 64 b as u and its two groups' scales; vpdpbusd's lanes 0-7 and 8-15
+// sum the two groups, which take their scales. lows(n, g) gives row n's lows of groups g to g + 15 (zero past the
+// row), each times x's group sum into the accumulators once per row (a scalar sum per group cost a 4-row pass
+// ~15%).
+// The mask of the first `count` lanes (all past 16, none below 0).
+inline __mmask16 Lanes(int64_t count) { return static_cast<__mmask16>((1u << std::clamp<int64_t>(count, 0, 16)) - 1); }
+
+struct GroupBlock {
+  __m512i u;
+  float s[2];
+};
+
+template <int MR, typename Block, typename Lows>
+void GroupRows(const QuantizedX& xq, int64_t m0, int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1,
+               Block block, Lows lows) {
   const int64_t blocks = k / 64, groups = k / 32;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   const int8_t* xr = xq.q.data() + m0 * k;
   const float* xs = xq.scale.data() + m0 * blocks;
   const float* sums = xq.group_sums.data() + m0 * groups;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * k / 2;
-    const float* p = params + n * groups * 2;  // (scale, low) per group
     __m512 acc[MR][2];
-    float lows[MR] = {};
     for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
-      const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nibble)),
-                                            _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), 1);
-      const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(p[4 * b]), _mm256_set1_ps(p[4 * b + 2]), 1);
+      const GroupBlock g = block(n, b);
+      const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(g.s[0]), _mm256_set1_ps(g.s[1]), 1);
       for (int m = 0; m < MR; ++m) {
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xr + m * k + b * 64));
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g.u, _mm512_loadu_si512(xr + m * k + b * 64));
         acc[m][b & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, _mm512_set1_ps(xs[m * blocks + b])),
                                         acc[m][b & 1]);
-        lows[m] += p[4 * b + 1] * sums[m * groups + 2 * b] + p[4 * b + 3] * sums[m * groups + 2 * b + 1];
       }
     }
-    for (int m = 0; m < MR; ++m) {
-      y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + lows[m];
+    for (int64_t g = 0; g < groups; g += 16) {
+      const __m512 low = lows(n, g);
+      const __mmask16 live = Lanes(groups - g);
+      for (int m = 0; m < MR; ++m) {
+        acc[m][0] = _mm512_fmadd_ps(low, _mm512_maskz_loadu_ps(live, sums + m * groups + g), acc[m][0]);
+      }
     }
+    for (int m = 0; m < MR; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
   }
 }
+
+inline GroupBlock Int4Block(const uint8_t* w, const float* params, int64_t k, int64_t n, int64_t b) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * k / 2 + b * 32));
+  const float* p = params + (n * (k / 32) + 2 * b) * 2;  // (scale, low) per group
+  return {_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nibble)),
+                             _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), 1),
+          {p[0], p[2]}};
+}
+
+
+// Row n's lows of groups g to g + 15: every second float of its (scale, low) pairs.
+inline __m512 Int4Lows(const float* params, int64_t k, int64_t n, int64_t g) {
+  const int64_t live = std::min<int64_t>(16, k / 32 - g);
+  const float* p = params + (n * (k / 32) + g) * 2;
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_permutex2var_ps(_mm512_maskz_loadu_ps(Lanes(2 * live), p), odd,
+                                _mm512_maskz_loadu_ps(Lanes(2 * live - 16), p + 16));
+}
+
+inline GroupBlock Int8Block(const int8_t* w, const float* scale, int64_t k, int64_t n, int64_t b) {
+  const float* s = scale + n * (k / 32) + 2 * b;
+  return {_mm512_xor_si512(_mm512_loadu_si512(w + n * k + b * 64), _mm512_set1_epi8(static_cast<char>(0x80))),
+          {s[0], s[1]}};
+}
+
+// Row n's lows of groups g to g + 15: -128 times their scales.
+inline __m512 Int8Lows(const float* scale, int64_t k, int64_t n, int64_t g) {
+  return _mm512_mul_ps(_mm512_set1_ps(-128.0f), _mm512_maskz_loadu_ps(Lanes(k / 32 - g), scale + n * (k / 32) + g));
+}
+
 #endif
 
-// int4 elsewhere: a row widened to float32 (scaled), then the widening loop's float32 path over it.
-template <int MR>
-void Int4Widened(const float* x, const uint8_t* w, int64_t k, const float* wscale, float* y, int64_t ldy,
-                 int64_t n0, int64_t n1) {
+// int4, and int8 with group scales, elsewhere: a row widened to float32 (value(n, i): weight i of row n, scaled),
+// then the widening loop's float32 path over it.
+template <int MR, typename Value>
+void WidenedRows(const float* x, int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1, Value value) {
   std::vector<float> row(k);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* packed = w + n * k / 2;
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t run = i / 64, j = i % 64;
-      const uint8_t byte = packed[run * 32 + j % 32];
-      const float* p = wscale + (n * (k / 32) + i / 32) * 2;  // (scale, low)
-      row[i] = p[1] + p[0] * static_cast<float>(j < 32 ? byte & 0x0F : byte >> 4);
-    }
+    for (int64_t i = 0; i < k; ++i) row[i] = value(n, i);
     Rows<float, MR>(x, row.data(), k, nullptr, y + n, ldy, 0, 1);
   }
+}
+
+inline float Int4Value(const uint8_t* w, const float* params, int64_t k, int64_t n, int64_t i) {
+  const int64_t run = i / 64, j = i % 64;
+  const uint8_t byte = w[n * k / 2 + run * 32 + j % 32];
+  const float* p = params + (n * (k / 32) + i / 32) * 2;  // (scale, low)
+  return p[1] + p[0] * static_cast<float>(j < 32 ? byte & 0x0F : byte >> 4);
 }
 
 // fn(mr, m) over x's rows in passes of kMR rows and one of the rest; mr() is the pass's row count, a constant.
@@ -453,10 +501,11 @@ void ForRows(int64_t rows, Fn fn) {
 
 struct Matrix {
   const void* w;       // this layer's [N, K]
-  const float* scale;  // this layer's [N], or null
+  const float* scale;  // this layer's [N] (int8), [N, K / 32] (int8 grouped), [N, K / 32, 2] (int4), or null
   ffi::DataType type;
   float* y;            // [M, N]
   int64_t n;
+  bool grouped;        // int8 with a scale per group of 32
 };
 
 ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
@@ -500,11 +549,14 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       default: return ffi::Error::InvalidArgument("matmul: weights must be float32, bfloat16, int8 or packed int4");
     }
     bytes += n * width;
-    const int64_t per_row = int4 ? k / 16 : 1;  // scales (int4: a (scale, low) pair per group of 32)
-    const bool scaled = static_cast<int64_t>(s->element_count()) == depth * n * per_row &&
-                        s->element_type() == ffi::DataType::F32;
+    const int64_t count = static_cast<int64_t>(s->element_count());
+    // int8 with a scale per group of 32 (k = 32: the same as one per row)
+    const bool grouped = type == ffi::DataType::S8 && k % 32 == 0 && k > 32 && count == depth * n * (k / 32);
+    const int64_t per_row = int4 ? k / 16 : grouped ? k / 32 : 1;  // scales (int4: a (scale, low) pair per group)
+    const bool scaled = count == depth * n * per_row && s->element_type() == ffi::DataType::F32;
     if (type == ffi::DataType::S8 && !scaled) {
-      return ffi::Error::InvalidArgument("matmul: int8 weights need a float32 scale [L, N] or [N]");
+      return ffi::Error::InvalidArgument(
+          "matmul: int8 weights need a float32 scale per row [L, N] / [N] or per 32 [L, N, K / 32] / [N, K / 32]");
     }
     if (int4 && !scaled) {
       return ffi::Error::InvalidArgument(
@@ -515,7 +567,7 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     }
     mats.push_back({static_cast<const char*>(w->untyped_data()) + l * n * width,
                     scaled ? reinterpret_cast<const float*>(s->untyped_data()) + l * n * per_row : nullptr, type,
-                    reinterpret_cast<float*>((*y)->untyped_data()), n});
+                    reinterpret_cast<float*>((*y)->untyped_data()), n, grouped});
   }
   // Items of whole output rows, about kItemsPerThread per thread over all the matrices (long runs of a weight
   // matrix stream best), at least kRowsPerItem rows.
@@ -587,13 +639,20 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       int64_t rest = n0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
       if (int_tiles) {
-        rest = tiles(mat, n0, n1, mat.scale, [&](int64_t n, int64_t b, uint16_t* buf) {
-          return WidenInt8(w, k, n1, n, b, buf);
+        const float* groups = mat.grouped ? mat.scale : nullptr;
+        rest = tiles(mat, n0, n1, mat.grouped ? nullptr : mat.scale, [&](int64_t n, int64_t b, uint16_t* buf) {
+          return WidenInt8(w, groups, k, n1, n, b, buf);
         });
       }
 #endif
       ForRows(rows, [&](auto mr, int64_t m) {
-        Int8Rows<mr()>(xq, m, w, k, mat.scale, mat.y + m * mat.n, mat.n, rest, n1);
+        if (mat.grouped) {
+          GroupRows<mr()>(xq, m, k, mat.y + m * mat.n, mat.n, rest, n1,
+                          [&](int64_t n, int64_t b) { return Int8Block(w, mat.scale, k, n, b); },
+                          [&](int64_t n, int64_t g) { return Int8Lows(mat.scale, k, n, g); });
+        } else {
+          Int8Rows<mr()>(xq, m, w, k, mat.scale, mat.y + m * mat.n, mat.n, rest, n1);
+        }
       });
       return;
     }
@@ -608,15 +667,20 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       }
 #endif
       ForRows(rows, [&](auto mr, int64_t m) {
-        Int4Rows<mr()>(xq, m, w, k, mat.scale, mat.y + m * mat.n, mat.n, rest, n1);
+        GroupRows<mr()>(xq, m, k, mat.y + m * mat.n, mat.n, rest, n1,
+                        [&](int64_t n, int64_t b) { return Int4Block(w, mat.scale, k, n, b); },
+                        [&](int64_t n, int64_t g) { return Int4Lows(mat.scale, k, n, g); });
       });
       return;
     }
 #endif
-    if (mat.type == ffi::DataType::U8) {
-      const auto* w = static_cast<const uint8_t*>(mat.w);
+    if (mat.type == ffi::DataType::U8 || mat.grouped) {
       ForRows(rows, [&](auto mr, int64_t m) {
-        Int4Widened<mr()>(xp + m * k, w, k, mat.scale, mat.y + m * mat.n, mat.n, n0, n1);
+        WidenedRows<mr()>(xp + m * k, k, mat.y + m * mat.n, mat.n, n0, n1, [&](int64_t n, int64_t i) {
+          if (mat.grouped) return static_cast<float>(static_cast<const int8_t*>(mat.w)[n * k + i]) *
+                                  mat.scale[n * (k / 32) + i / 32];
+          return Int4Value(static_cast<const uint8_t*>(mat.w), mat.scale, k, n, i);
+        });
       });
       return;
     }

@@ -21,7 +21,7 @@ import numpy as np
 from sgjax.model.batch import StepBatch
 from sgjax.model.config import ModelConfig, RopeScaling
 from sgjax.model.moe import moe_mlp
-from sgjax.model.quant import Int4Matrix, Int8Matrix
+from sgjax.model.quant import Int8Matrix, is_quantized
 from sgjax.model.weights import NK_LEAVES, Weights
 
 # Under config.matmul "cpu", products of at most this many rows go through kernels/cpu_matmul.cc: decode's few
@@ -97,10 +97,10 @@ def dot(h, w, nk: bool = False, out_dtype=None):
     one row of such a product is computed as two (XLA's CPU runs a one-row bf16 product ~8x slower than a two-row
     one, docs/engine.md)."""
     out_dtype = out_dtype or h.dtype
-    if isinstance(w, Int8Matrix):  # bf16 holds every int8 exactly; the scale is per output row
+    if isinstance(w, Int8Matrix) and not w.grouped:  # bf16 holds every int8 exactly; the scale is per output row
         out = dot(h.astype(jnp.bfloat16), w.q.astype(jnp.bfloat16), nk, jnp.float32)
         return (out * (w.scale if nk else w.scale[..., None, :])).astype(out_dtype)
-    if isinstance(w, Int4Matrix):  # [out, in] always; scales per group along a row
+    if is_quantized(w):  # [out, in] always; scales per group along a row
         return dot(h.astype(jnp.bfloat16), w.widened(jnp.bfloat16), True, out_dtype)
     if w.dtype == h.dtype and not nk:
         return (h @ w).astype(out_dtype)
@@ -128,7 +128,7 @@ def dots(h, matrices, cfg: ModelConfig, out_dtype=None):
         from sgjax.kernels.cpu import cpu_matmul
 
         def pair(m):
-            return (m.q, m.scale) if isinstance(m, (Int8Matrix, Int4Matrix)) else (m, None)
+            return (m.q, m.scale) if is_quantized(m) else (m, None)
 
         picks = [m for m in matrices if isinstance(m, LayerPick)]
         pairs = [[pair(a) for a in m.layers] if isinstance(m, LayerPick) else pair(m) for m in matrices]
@@ -238,7 +238,7 @@ def embed_rows(embed, batch: StepBatch, cfg: ModelConfig, input_embeds=None):
 
 def embed_lookup(embed, ids):
     """Rows `ids` of the embedding (a quantized one widened to float32)."""
-    return embed.rows(ids) if isinstance(embed, (Int8Matrix, Int4Matrix)) else embed[ids]
+    return embed.rows(ids) if is_quantized(embed) else embed[ids]
 
 
 def head(weights, x, batch: StepBatch, cfg: ModelConfig, output: str = "logits"):

@@ -1,5 +1,5 @@
 """Quantized matrices: --weight-dtype int8, each output row of a matrix as int8 with a float32 scale (the row's
-largest magnitude / 127), and int4, each group of 32 weights along a row as 4-bit steps above the group's minimum
+largest magnitude / 127; a GGUF Q8_0 file's matrices keep its scale per 32 weights of a row instead), and int4, each group of 32 weights along a row as 4-bit steps above the group's minimum
 (a float32 scale and minimum per group, as llama.cpp's Q4_1 blocks of 32). Activations, accumulation and
 everything outside the matrices stay in the model's dtype. On a CPU the few-row products of decode read them
 directly (kernels/cpu_matmul.cc: a quarter or an eighth of float32's bytes); elsewhere a product widens the matrix to
@@ -18,7 +18,9 @@ import numpy as np
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int8Matrix:
-    """q int8[..., N, K] ([out, in], config.matrix_layout "nk") and scale f32[..., N]; stacked layers lead both."""
+    """q int8[..., N, K] ([out, in], config.matrix_layout "nk") and scale f32[..., N] (one per output row), or
+    f32[..., N, K / GROUP] (one per GROUP weights along a row: a GGUF Q8_0 file's blocks, kept by the loader);
+    stacked layers lead both."""
 
     q: jax.Array
     scale: jax.Array
@@ -31,10 +33,26 @@ class Int8Matrix:
     def dtype(self):
         return self.q.dtype
 
+    @property
+    def grouped(self) -> bool:
+        """A scale per GROUP of a row (Q8_0's), not per row."""
+        return self.scale.ndim == self.q.ndim
+
     def rows(self, ids):
         """Rows `ids` of the matrix as float32 (an embedding lookup)."""
-        return self.q[ids].astype(jnp.float32) * self.scale[ids][..., None]
+        return Int8Matrix(self.q[ids], self.scale[ids]).widened(jnp.float32)
 
+    def widened(self, dtype=jnp.float32):
+        """The matrix [..., N, K] in `dtype` (q * scale in float32 first)."""
+        q = self.q.astype(jnp.float32)
+        if not self.grouped:
+            return (q * self.scale[..., None]).astype(dtype)
+        groups = q.reshape(*q.shape[:-1], q.shape[-1] // GROUP, GROUP) * self.scale[..., None]
+        return groups.reshape(q.shape).astype(dtype)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, (Int8Matrix, Int4Matrix))
 
 
 def quantize(w) -> Int8Matrix:
@@ -49,12 +67,10 @@ def quantize(w) -> Int8Matrix:
 
 
 def dequantized(w, dtype=jnp.float32):
-    if isinstance(w, Int4Matrix):
-        return w.widened(dtype)
-    return (w.q.astype(jnp.float32) * w.scale[..., None]).astype(dtype)
+    return w.widened(dtype)
 
 
-GROUP = 32  # int4 weights per (scale, low) pair, along a row
+GROUP = 32  # weights along a row per int4 (scale, low) pair, or per grouped int8 scale
 BLOCK = 64  # int4 weights per packed run of 32 bytes: byte j holds weight j (low nibble) and j + 32 (high)
 
 
@@ -124,3 +140,15 @@ def int4_from_q4_1(blocks: np.ndarray) -> Int4Matrix:
     runs = u.reshape(*lead, groups // 2, BLOCK)
     packed = (runs[..., : BLOCK // 2] | (runs[..., BLOCK // 2:] << 4)).astype(np.uint8)
     return Int4Matrix(packed.reshape(*lead, groups * GROUP // 2), pairs)
+
+
+def int8_from_q8_0(blocks: np.ndarray) -> Int8Matrix:
+    """A GGUF Q8_0 tensor's rows of blocks (uint8 [..., N, K / 32 * 34]: per 32 weights an fp16 scale d, then 32
+    int8 q, each weight d * q) as a grouped Int8Matrix holding the same weights. numpy in and out."""
+    *lead, width = blocks.shape
+    if width % 34:
+        raise ValueError(f"Q8_0 rows of {width} bytes are not whole 34-byte blocks")
+    b = np.ascontiguousarray(blocks).reshape(*lead, width // 34, 34)
+    scale = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = b[..., 2:].copy().view(np.int8).reshape(*lead, width // 34 * GROUP)
+    return Int8Matrix(q, scale)

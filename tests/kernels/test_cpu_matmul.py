@@ -1,6 +1,7 @@
 """The CPU's matrix products (kernels/cpu_matmul.cc through XLA's FFI) against numpy, on every code path: the
 widening FMA loops (AVX-512, AVX2, plain C++), and, where this CPU has them and K is a multiple of 64, the bf16
-dot-product (vdpbf16ps: x rounded to bf16) and int8 / int4 dot-product (vpdpbusd: x quantized per block of 64) paths;
+dot-product (vdpbf16ps: x rounded to bf16) and int8 / int4 dot-product (vpdpbusd: x quantized per block of 64) paths,
+int8 with a scale per row or per 32 (Q8_0's blocks);
 stacked layers read in place, several matrices in one call, x's row counts around the 4-row passes; the spinning
 helpers under concurrent calls; and the refusals."""
 
@@ -10,13 +11,14 @@ import platform
 import subprocess
 import sys
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from sgjax.kernels import cpu
-from sgjax.model.quant import Int4Matrix, Int8Matrix, dequantized, quantize, quantize_int4
+from sgjax.model.quant import Int4Matrix, Int8Matrix, dequantized, int8_from_q8_0, quantize, quantize_int4
 
 ARCHS = ["native"] + (["x86-64-v3", "x86-64"] if platform.machine() in ("x86_64", "AMD64") else [])
 
@@ -49,7 +51,7 @@ def _expected(x, w, scale, arch, amx=None):
         x = _round_bf16(x) if _dot_path(arch, "avx512_bf16", k) else x
         return x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
     tiles = arch == "native" and amx and k % 64 == 0 and x.shape[0] > 4  # int8 / int4 on AMX tiles
-    if isinstance(w, Int4Matrix):  # the widened weights (each times its group's scale)
+    if isinstance(w, (Int4Matrix, Int8Matrix)):  # grouped: the widened weights (each times its group's scale)
         wide = np.asarray(dequantized(w), np.float64)
         if tiles:  # x and the widened weights rounded to bf16
             return _round_bf16(x).astype(np.float64) @ _round_bf16(wide).astype(np.float64).T
@@ -78,12 +80,23 @@ def _matrices(rng, kind, n, k, layers=0):
     if kind == "int4":
         m = quantize_int4(w)
         return m.q, m.scale
+    if kind == "int8g":  # a GGUF Q8_0 tensor's blocks, as the loader keeps them
+        m = int8_from_q8_0(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
+        return m.q, m.scale
     return (w if kind == "float32" else jnp.asarray(w, jnp.bfloat16)), None
 
 
-# K: multiples of 64; of 16 only; a scalar tail (int4 rows are runs of 64 weights, model/quant.BLOCK)
+def _reference(kind, w, scale):
+    """(weights, scale) as _expected takes them: int4 and grouped int8 as their matrices (scales inside)."""
+    if kind in ("int4", "int8g"):
+        return (Int4Matrix if kind == "int4" else Int8Matrix)(np.asarray(w), np.asarray(scale)), None
+    return (np.asarray(w) if kind == "int8" else w), scale
+
+
+# K: multiples of 64; of 16 only; a scalar tail (int4 rows are runs of 64 weights, model/quant.BLOCK; grouped int8
+# rows groups of 32: 96 takes the widening loop)
 KINDS = [(kind, k) for kind in ("float32", "bfloat16", "int8", "int4") for k in (576, 128, 80, 37)
-         if kind != "int4" or k % 64 == 0]
+         if kind != "int4" or k % 64 == 0] + [("int8g", k) for k in (576, 128, 96)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -96,12 +109,11 @@ def test_matches_numpy_on_every_path(arch, kind, k):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         w, scale = _matrices(rng, kind, 37, k)
         (out,) = cpu.cpu_matmul(jnp.asarray(x), 0, [(jnp.asarray(w), scale)], arch=arch)
-        expected = _expected(x, {"int8": np.asarray(w), "int4": Int4Matrix(np.asarray(w), np.asarray(scale))}.get(
-            kind, w), scale, arch)
+        expected = _expected(x, *_reference(kind, w, scale), arch)
         np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4", "int8g"])
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "vector"])
 def test_tiles_and_vector_loop(amx, kind):
     """Products on the matrix unit (AMX tiles, where the CPU has them: bf16 at any row count, int8 / int4 widened
@@ -112,17 +124,16 @@ def test_tiles_and_vector_loop(amx, kind):
         assert there == cpu.has_amx()
         for n, k in ((37, 576), (200, 128), (64, 1536)):
             w, scale = _matrices(rng, kind, n, k)
-            ref = Int4Matrix(np.asarray(w), np.asarray(scale)) if kind == "int4" else np.asarray(w) if \
-                kind == "int8" else w
+            ref, ref_scale = _reference(kind, w, scale)
             for rows in (1, 5, 16, 17, 40):
                 x = rng.standard_normal((rows, k)).astype(np.float32)
                 (out,) = jax.jit(lambda x, w, s: cpu.cpu_matmul(x, 0, [(w, s)]))(jnp.asarray(x), jnp.asarray(w), scale)
-                expected = _expected(x, ref, None if kind == "int4" else scale, "native", amx=there and amx)
+                expected = _expected(x, ref, ref_scale, "native", amx=there and amx)
                 np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4 * np.sqrt(k) * np.abs(
                     expected).max() / 3)
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4", "int8g"])
 def test_stacked_layers_in_place_and_several_matrices_per_call(kind):
     """[L, N, K] matrices with a traced layer index (clamped into range), three matrices of different widths in one
     call (q, k and v), inside a scan as the forward runs them; and each layer as its own buffer, picked the same."""
@@ -137,10 +148,8 @@ def test_stacked_layers_in_place_and_several_matrices_per_call(kind):
     _, outs = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32)))()
     for i in range(layers):
         for (w, s), out in zip(mats, outs):
-            w_i = {"int8": lambda: np.asarray(w[i]), "int4": lambda: Int4Matrix(np.asarray(w[i]), s[i])}.get(
-                kind, lambda: w[i])()
             np.testing.assert_allclose(np.asarray(out[i]), _expected(
-                np.asarray(x), w_i, None if s is None or kind == "int4" else s[i], "native"), rtol=1e-4, atol=2e-3)
+                np.asarray(x), *_reference(kind, w[i], None if s is None else s[i]), "native"), rtol=1e-4, atol=2e-3)
     (past,) = cpu.cpu_matmul(x, 99, [(jnp.asarray(mats[0][0]), mats[0][1])])  # clamped to the last layer
     np.testing.assert_array_equal(np.asarray(past), np.asarray(outs[0][-1]))
 
@@ -209,6 +218,22 @@ def test_quantize_rows():
         assert not np.asarray(m.q)[1, 2].any() and np.abs(np.asarray(m.q)).max() == 127
     flat = quantize(w[0])
     np.testing.assert_allclose(np.asarray(flat.rows(jnp.asarray([4, 0]))), np.asarray(dequantized(flat))[[4, 0]])
+
+
+def test_int8_from_q8_0_blocks():
+    """A GGUF Q8_0 tensor read as a grouped Int8Matrix (the loader's keep_blocks) holds gguf's own dequantized
+    weights exactly: q as stored, a float32 scale per 32 weights of a row; rows() looks embeddings up widened."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((2, 3, 96)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    m = int8_from_q8_0(blocks)
+    assert m.q.dtype == np.int8 and m.q.shape == (2, 3, 96) and m.scale.shape == (2, 3, 3) and m.grouped
+    assert not quantize(w).grouped
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(np.asarray(dequantized(m)), want)
+    np.testing.assert_array_equal(np.asarray(Int8Matrix(m.q[0], m.scale[0]).rows(jnp.asarray([2, 0]))), want[0][[2, 0]])
+    with pytest.raises(ValueError, match="34-byte blocks"):
+        int8_from_q8_0(blocks[..., :-1])
 
 
 def test_quantize_int4_groups():
