@@ -36,6 +36,17 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def smollm2_q8_0_path(smollm2_path, tmp_path_factory):
+    """The default SmolLM2 written again with every matrix as GGUF Q8_0 blocks (model/gguf_write.py; ~4 s), as
+    llama.cpp's Q8_0 files store them: no such model installs here."""
+    from sgjax.model.gguf_write import requantize
+
+    path = str(tmp_path_factory.mktemp("q8_0") / "SmolLM2-135M-Instruct.Q8_0.gguf")
+    requantize(smollm2_path, path, "Q8_0")
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path):
     from sgjax.model.tokenizer import load_tokenizer
 

@@ -53,24 +53,30 @@ def cpu_has_int8_dots() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
 
 
-def q4_1_file(path: str | None) -> bool:
-    """Whether the model is a GGUF file whose layer matrices are all Q4_1 (the default SmolLM2's): int4's groups of
-    32 with a scale and a low hold such blocks exactly (tests/engine/test_weight_dtype.py), so int4 runs the file's
-    own weights, where bf16 rounds them."""
+BLOCK_DTYPES = {frozenset({"Q4_1"}): "int4", frozenset({"Q8_0"}): "int8"}
+
+
+def block_dtype(path: str | None) -> str | None:
+    """The weight dtype that holds a GGUF's layer matrices exactly as its blocks, where they are all of one such
+    type: int4 for Q4_1 (the default SmolLM2's: a scale and a low per 32 weights), int8 with a scale per 32 for
+    Q8_0 (tests/engine/test_weight_dtype.py); else None. With it the model runs the file's own weights, where bf16
+    rounds them."""
     from sgjax.model.gguf_meta import GGUFError, layer_matrix_types
     from sgjax.model.paths import resolve_model_path
 
     try:
         path = resolve_model_path(path)
-        return path.endswith(".gguf") and os.path.isfile(path) and layer_matrix_types(path) == {"Q4_1"}
+        if not (path.endswith(".gguf") and os.path.isfile(path)):
+            return None
+        return BLOCK_DTYPES.get(layer_matrix_types(path))
     except (FileNotFoundError, GGUFError):  # the loader reports it
-        return False
+        return None
 
 
 def default_weight_dtype(args: ServerArgs, model_dtype: str, platform: str | None = None) -> str:
     """--weight-dtype resolved. auto is the model's dtype, except for a float32 model on one CPU:
-    - a Q4_1 GGUF (q4_1_file) where the native kernel and int8 dot instructions are: int4, the file's own weights,
-      at llama.cpp's bytes per weight (single-stream decode is bound by them: docs/engine.md);
+    - a Q4_1 or Q8_0 GGUF (block_dtype) where the native kernel and int8 dot instructions are: int4 or int8, the
+      file's own weights at llama.cpp's bytes per weight (single-stream decode is bound by them: docs/engine.md);
     - else, with bf16 dot instructions: bf16 matrices (float32 activations, accumulation, norms and attention),
       about twice float32's decode speed, as SGLang's and vLLM's `--dtype auto` run a float32 checkpoint in half
       precision.
@@ -86,8 +92,9 @@ def default_weight_dtype(args: ServerArgs, model_dtype: str, platform: str | Non
     if not (platform == "cpu" and model_dtype == "float32" and args.tp_size == 1 and args.nnodes == 1
             and os.environ.get(AUTO_BF16_ENV, "1") != "0"):
         return model_dtype
-    if args.load_format == "auto" and cpu_has_int8_dots() and q4_1_file(args.model_path) and native_kernels():
-        return "int4"
+    kept = block_dtype(args.model_path) if args.load_format == "auto" else None
+    if kept and cpu_has_int8_dots() and native_kernels():
+        return kept
     return "bfloat16" if cpu_has_bf16_dots() else model_dtype
 
 
@@ -163,13 +170,15 @@ def load_model_cached(path, dtype, load_format="auto", mesh=None, ep_size=1, wei
     key = (path, dtype, load_format) if mesh is None else (path, dtype, load_format, mesh, ep_size)
     if weight_dtype not in (None, dtype):
         wkey = key + ("weight_dtype", weight_dtype)
-        if (wkey not in MODELS and key not in MODELS and weight_dtype == "int4" and mesh is None
-                and load_format == "auto" and q4_1_file(path)):
-            # the file's Q4_1 blocks become the int4 matrices as they are (no float32 copy, nothing rounded)
+        if (wkey not in MODELS and key not in MODELS and mesh is None and load_format == "auto"
+                and weight_dtype == block_dtype(path)):
+            # the file's Q4_1 / Q8_0 blocks become the int4 / int8 matrices as they are (no float32 copy, nothing
+            # rounded)
             from sgjax.model.loader import load_gguf
             from sgjax.model.paths import resolve_model_path
 
-            MODELS[wkey] = with_weight_dtype(*load_gguf(resolve_model_path(path), dtype, keep_q4_1=True), "int4")
+            MODELS[wkey] = with_weight_dtype(*load_gguf(resolve_model_path(path), dtype, keep_blocks=True),
+                                             weight_dtype)
         if wkey not in MODELS:
             had = key in MODELS
             MODELS[wkey] = with_weight_dtype(*load_model_cached(path, dtype, load_format, mesh, ep_size), weight_dtype)

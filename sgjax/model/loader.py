@@ -14,7 +14,7 @@ from sgjax.model import gguf_meta, weights as W
 from sgjax.model.config import ModelConfig, config_from_gguf, config_from_hf_dir
 from sgjax.model.families import FAMILY
 from sgjax.model.paths import ModelNotFoundError, resolve_model_path
-from sgjax.model.quant import Int4Matrix, int4_from_q4_1
+from sgjax.model.quant import int4_from_q4_1, int8_from_q8_0, is_quantized
 
 ORBAX_CONFIG = "sgjax_config.json"
 
@@ -48,9 +48,10 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def load_gguf(path: str, dtype: str = "float32", host: bool = False,
-              keep_q4_1: bool = False) -> tuple[ModelConfig, W.Weights]:
-    """keep_q4_1: the layer matrices stored as Q4_1 blocks become Int4Matrix leaves holding them as they are
-    ([out, in]; quant.int4_from_q4_1), not float32: what with_weight_dtype(.., "int4") finishes (load_model_cached),
+              keep_blocks: bool = False) -> tuple[ModelConfig, W.Weights]:
+    """keep_blocks: the matrices stored as blocks our quantized formats hold exactly stay as they are, [out, in]:
+    a layer's Q4_1 matrices as Int4Matrix (quant.int4_from_q4_1), any Q8_0 matrix (the embedding too) as a grouped
+    Int8Matrix (quant.int8_from_q8_0); what with_weight_dtype(.., "int4" / "int8") finishes (load_model_cached),
     without dequantizing and quantizing them again."""
     from gguf import GGMLQuantizationType, dequantize
 
@@ -62,15 +63,16 @@ def load_gguf(path: str, dtype: str = "float32", host: bool = False,
     by_layer = {W.gguf_name(cfg, leaf): leaf for leaf in present if leaf.layer}  # "attn_q.weight" (under blk.{i}.)
     top = {W.gguf_name(cfg, leaf): leaf for leaf in present if not leaf.layer}
     unpermute = FAMILY[cfg.architecture].gguf_unpermute_qk
+    kept_as = {GGMLQuantizationType.Q4_1: int4_from_q4_1, GGMLQuantizationType.Q8_0: int8_from_q8_0}
     per_layer: dict[str, list] = {}
     flat: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
-        leaf = by_layer.get(".".join(parts[2:])) if parts[0] == "blk" else None
-        kept = (keep_q4_1 and leaf is not None and leaf.name in W.NK_LEAVES
-                and t.tensor_type == GGMLQuantizationType.Q4_1)
+        leaf = by_layer.get(".".join(parts[2:])) if parts[0] == "blk" else top.get(t.name)
+        keep = (kept_as.get(t.tensor_type) if keep_blocks and leaf is not None and leaf.name in W.INT8_LEAVES
+                and (leaf.layer or t.tensor_type == GGMLQuantizationType.Q8_0) else None)  # int4 keeps the top int8
         try:
-            w = int4_from_q4_1(np.asarray(t.data)) if kept else dequantize(t.data, t.tensor_type).astype(np.float32)
+            w = keep(np.asarray(t.data)) if keep else dequantize(t.data, t.tensor_type).astype(np.float32)
         except Exception as e:
             raise WeightFileError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
         if parts[0] == "blk":
@@ -79,18 +81,20 @@ def load_gguf(path: str, dtype: str = "float32", host: bool = False,
                 raise WeightFileError(f"{path}: unexpected tensor {t.name!r}")
             if kind in ("attn_q", "attn_k") and unpermute:
                 heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
-                w = Int4Matrix(_unpermute(w.q, heads), _unpermute(w.scale, heads)) if kept else _unpermute(w, heads)
-            if leaf.transposed and not kept:  # Int4Matrix is [out, in], as the file
+                w = type(w)(_unpermute(w.q, heads), _unpermute(w.scale, heads)) if keep else _unpermute(w, heads)
+            if leaf.transposed and not keep:  # kept blocks are [out, in], as the file
                 w = w.T
             per_layer.setdefault(leaf.name, [None] * cfg.num_layers)[layer] = w
-        elif t.name in top:
-            leaf = top[t.name]
-            flat[leaf.name] = w.T if leaf.transposed else w
+        elif leaf is not None:
+            flat[leaf.name] = w.T if leaf.transposed and not keep else w
     for ours, items in per_layer.items():
         if any(x is None for x in items):
             raise WeightFileError(f"{path}: tensor {ours} is missing for some layers")
-        if isinstance(items[0], Int4Matrix):  # keep_q4_1's callers take files whose every layer matrix is Q4_1
-            flat[ours] = Int4Matrix(np.stack([x.q for x in items]), np.stack([x.scale for x in items]))
+        kinds = {type(x) for x in items}
+        if len(kinds) > 1:
+            raise WeightFileError(f"{path}: tensor {ours} is stored in different formats across layers")
+        if is_quantized(items[0]):
+            flat[ours] = type(items[0])(np.stack([x.q for x in items]), np.stack([x.scale for x in items]))
         else:
             flat[ours] = np.stack(items)
     return cfg, _assemble(cfg, flat, path, host)

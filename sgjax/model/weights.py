@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgjax.model.config import ModelConfig
-from sgjax.model.quant import Int4Matrix, quantize, quantize_int4
+from sgjax.model.quant import is_quantized, quantize, quantize_int4
 
 Array = Any
 
@@ -179,7 +179,7 @@ def with_weight_dtype(cfg: ModelConfig, weights: Weights, weight_dtype: str | No
             changes = {f.name: (quantize_int4 if cfg.weight_dtype == "int4" and f.name not in TOP_MATRICES
                                 else quantize)(getattr(obj, f.name)) for f in dataclasses.fields(obj)
                        if f.name in INT8_LEAVES and getattr(obj, f.name) is not None
-                       and not isinstance(getattr(obj, f.name), Int4Matrix)}  # a Q4_1 file's blocks, kept
+                       and not is_quantized(getattr(obj, f.name))}  # a GGUF's Q4_1 / Q8_0 blocks, kept
             return dataclasses.replace(obj, **changes)
         changes = {f.name: getattr(obj, f.name).astype(leaf_dtype(cfg, f.name)) for f in dataclasses.fields(obj)
                    if f.name in MATMUL_LEAVES and getattr(obj, f.name) is not None}
@@ -235,7 +235,7 @@ def with_matrix_layout(cfg: ModelConfig, weights: Weights, layout: str) -> tuple
     def flip(obj):
         changes = {f.name: jnp.swapaxes(getattr(obj, f.name), -1, -2) for f in dataclasses.fields(obj)
                    if f.name in NK_LEAVES and getattr(obj, f.name) is not None
-                   and not isinstance(getattr(obj, f.name), Int4Matrix)}  # kept blocks: [out, in] always
+                   and not is_quantized(getattr(obj, f.name))}  # kept blocks: [out, in] always
         return dataclasses.replace(obj, **changes)
 
     layers = tuple(map(flip, weights.layers)) if isinstance(weights.layers, (tuple, list)) else flip(weights.layers)
@@ -306,11 +306,12 @@ def assemble(cfg: ModelConfig, arrays: Mapping[str, Any], host: bool = False) ->
     out = {}
     for name, shape in expected.items():
         a = arrays[name]
-        if isinstance(a, Int4Matrix):  # kept as the file's blocks (loader.load_gguf): [out, in]
-            if tuple(a.shape) != shape[:-2] + shape[:-3:-1]:
-                raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)} [out, in], the config expects {shape}")
+        if is_quantized(a):  # kept as the file's blocks (loader.load_gguf): [out, in]
+            nk = shape[:-2] + shape[:-3:-1] if LEAF[name].transposed else shape
+            if tuple(a.shape) != nk:
+                raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)} [out, in], the config expects {nk}")
             put = np.asarray if host else jnp.asarray
-            out[name] = Int4Matrix(put(a.q), put(a.scale))
+            out[name] = type(a)(put(a.q), put(a.scale))
             continue
         if tuple(a.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)}, the config expects {shape}")

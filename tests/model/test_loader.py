@@ -87,6 +87,32 @@ def test_corrupt_gguf(smollm2_path, tmp_path):
         load_model(str(tmp_path / "junk.gguf"))
 
 
+def test_gguf_written_again_and_blocks_kept_only_when_each_matrix_is_alike(smollm2_path, tmp_path):
+    """model/gguf_write: a copy with only layer 0's matrices as Q8_0 keeps the metadata (the same config) and the
+    other tensors' bytes; its layer matrices are then of two kinds, so auto keeps no blocks (engine/loading
+    .block_dtype), and asking the loader to keep them is refused by name rather than stacking unlike layers."""
+    from sgjax.engine.loading import block_dtype
+    from sgjax.model import gguf_meta
+    from sgjax.model.gguf_write import requantize
+
+    mixed = str(tmp_path / "mixed.gguf")
+    requantize(smollm2_path, mixed, "Q8_0", which=lambda name: name.startswith("blk.0."))
+    assert gguf_meta.layer_matrix_types(mixed) == {"Q4_1", "Q8_0"} and block_dtype(mixed) is None
+    assert gguf_meta.read_metadata(mixed)["general.file_type"] == 7
+    before = {t.name: t for t in gguf_meta.open_gguf(smollm2_path).tensors}
+    for t in gguf_meta.open_gguf(mixed).tensors:
+        assert t.shape == before[t.name].shape
+        if not t.name.startswith("blk.0."):
+            assert t.tensor_type == before[t.name].tensor_type
+            np.testing.assert_array_equal(t.data, before[t.name].data)
+        elif len(t.shape) == 2:
+            assert t.tensor_type.name == "Q8_0"
+    cfg, _ = loader.load_gguf(mixed)
+    assert cfg == loader.load_gguf(smollm2_path)[0]
+    with pytest.raises(WeightFileError, match="different formats across layers"):
+        loader.load_gguf(mixed, keep_blocks=True)
+
+
 @pytest.mark.parametrize("config, named", [
     ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}},
      "longrope"),
