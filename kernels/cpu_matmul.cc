@@ -64,6 +64,8 @@ inline Vec LoadW(const uint16_t* p) {
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+// The mask of the first `count` lanes (all past 16, none below 0).
+inline __mmask16 Lanes(int64_t count) { return static_cast<__mmask16>((1u << std::clamp<int64_t>(count, 0, 16)) - 1); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kLanes = 8;
 using Vec = __m256;
@@ -196,12 +198,17 @@ struct alignas(64) TileConfig {
 };
 
 // x's rows m0.. (16 at most, the rest zero) as B operands, per block of 32 k: [K / 32][16 k pairs][16 rows] pairs.
+// A transpose of pairs: each (block, pair) gathers the 16 rows' pair (a scalar copy was ~4% of a prefill).
 std::vector<uint32_t> PackTileX(const uint16_t* xb, int64_t rows, int64_t k) {
-  std::vector<uint32_t> out((k / 32) * 256, 0);
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t i = 0; i < k; i += 2) {
-      out[(i / 32) * 256 + ((i % 32) / 2) * 16 + m] =
-          static_cast<uint32_t>(xb[m * k + i]) | (static_cast<uint32_t>(xb[m * k + i + 1]) << 16);
+  std::vector<uint32_t> out((k / 32) * 256);
+  const auto* pairs = reinterpret_cast<const int*>(xb);  // row m's pair j at m * k / 2 + j
+  const __mmask16 live = Lanes(rows);
+  const __m512i row = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(static_cast<int>(k / 2)));
+  for (int64_t b = 0; b < k / 32; ++b) {
+    for (int64_t p = 0; p < 16; ++p) {
+      _mm512_storeu_si512(out.data() + b * 256 + p * 16,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row, pairs + b * 16 + p, 4));
     }
   }
   return out;
@@ -209,11 +216,41 @@ std::vector<uint32_t> PackTileX(const uint16_t* xb, int64_t rows, int64_t k) {
 
 using TileA = std::pair<const void*, int64_t>;
 
+// One pass of tile products: NT (1-2) tiles of 16 output rows (their A operands per k block in ops[2 b + t])
+// against MC (1-2) chunks of 16 x rows from chunk `chunk`, over every k block; C tile t + 2 m goes to c + 256 (t + 2
+// m). A 2 x 2 block loads four operands for four products, where four A tiles against one chunk loaded five.
+template <int NT, int MC>
+void TilePass(const std::vector<std::vector<uint32_t>>& xt, size_t chunk, const TileA* ops, int64_t blocks, float* c) {
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if constexpr (MC == 2) _tile_zero(2);
+  if constexpr (NT == 2 && MC == 2) _tile_zero(3);
+  const uint32_t* x0 = xt[chunk].data();
+  const uint32_t* x1 = MC == 2 ? xt[chunk + 1].data() : nullptr;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const TileA* o = ops + b * 2;
+    _tile_loadd(4, o[0].first, o[0].second);
+    if constexpr (NT == 2) _tile_loadd(5, o[1].first, o[1].second);
+    _tile_loadd(6, x0 + b * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) _tile_dpbf16ps(1, 5, 6);
+    if constexpr (MC == 2) {
+      _tile_loadd(7, x1 + b * 256, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NT == 2) _tile_stored(1, c + 256, 64);
+  if constexpr (MC == 2) _tile_stored(2, c + 512, 64);
+  if constexpr (NT == 2 && MC == 2) _tile_stored(3, c + 768, 64);
+}
+
 // The tile products of output rows [n0, n1) for all `rows` x rows (xt: their chunks of 16 as B operands), each
 // output row times row_scale (or not: null). a(n, b, buf) gives the A operand of rows [n, n + 16) and k block b as
 // (pointer, stride in bytes): the weights where they lie (bf16: n1 - n0 a multiple of 16), or widened into buf,
-// 16 x 32 bf16, rows from n1 on zero (int8, int4: any n1). Each 64 rows' operands are taken once, then used for
-// every chunk of x while they are in L2 (a prefill's hundreds of rows).
+// 16 x 32 bf16, rows from n1 on zero (int8, int4: any n1). Each 32 rows' operands are taken once, then used for
+// every chunk of x while they are in L1 / L2 (a prefill's hundreds of rows), two chunks a pass.
 template <typename A>
 void Tiles(const std::vector<std::vector<uint32_t>>& xt, int64_t rows, int64_t k, float* y, int64_t ldy, int64_t n0,
            int64_t n1, const float* row_scale, A a) {
@@ -221,61 +258,39 @@ void Tiles(const std::vector<std::vector<uint32_t>>& xt, int64_t rows, int64_t k
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
   _tile_loadconfig(&config);
   const int64_t blocks = k / 32;
-  thread_local std::vector<uint16_t> wide;  // widened operands: [block][4 tiles][16 x 32]
-  thread_local std::vector<TileA> ops;      // [block][4 tiles]
-  if (static_cast<int64_t>(wide.size()) < blocks * 4 * 512) wide.resize(blocks * 4 * 512);
-  if (static_cast<int64_t>(ops.size()) < blocks * 4) ops.resize(blocks * 4);
-  alignas(64) float c[16 * 16];
-  auto scatter = [&](int64_t m0, int64_t count_m, int64_t n) {  // c[i][m] is y[m0 + m][n + i]
-    const int count = static_cast<int>(std::min<int64_t>(16, n1 - n));
+  thread_local std::vector<uint16_t> wide;  // widened operands: [block][2 tiles][16 x 32]
+  thread_local std::vector<TileA> ops;      // [block][2 tiles]
+  if (static_cast<int64_t>(wide.size()) < blocks * 2 * 512) wide.resize(blocks * 2 * 512);
+  if (static_cast<int64_t>(ops.size()) < blocks * 2) ops.resize(blocks * 2);
+  alignas(64) float c[4 * 256];
+  // tile[i][m] is y[m0 + m][n + i]: each x row's 16 gathered (a scalar copy was ~10% of a prefill)
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  auto scatter = [&](const float* tile, int64_t m0, int64_t n) {
+    const __mmask16 live = Lanes(n1 - n);
+    const int64_t count_m = std::min<int64_t>(16, rows - m0);
+    const __m512 scale = row_scale ? _mm512_maskz_loadu_ps(live, row_scale + n) : _mm512_set1_ps(1.0f);
     for (int64_t m = 0; m < count_m; ++m) {
-      float* out = y + (m0 + m) * ldy + n;
-      for (int i = 0; i < count; ++i) out[i] = row_scale ? c[i * 16 + m] * row_scale[n + i] : c[i * 16 + m];
+      const __m512 v = _mm512_i32gather_ps(column, tile + m, 4);
+      _mm512_mask_storeu_ps(y + (m0 + m) * ldy + n, live, row_scale ? _mm512_mul_ps(v, scale) : v);
     }
   };
+  const size_t chunks = xt.size();
   for (int64_t n = n0; n < n1;) {
-    const int tiles = n + 64 <= n1 ? 4 : 1;  // four accumulators share each B load
+    const int tiles = n + 32 <= n1 ? 2 : 1;
     for (int64_t b = 0; b < blocks; ++b) {
-      for (int t = 0; t < tiles; ++t) ops[b * 4 + t] = a(n + 16 * t, b, wide.data() + (b * 4 + t) * 512);
+      for (int t = 0; t < tiles; ++t) ops[b * 2 + t] = a(n + 16 * t, b, wide.data() + (b * 2 + t) * 512);
     }
-    for (size_t chunk = 0; chunk < xt.size(); ++chunk) {
-      const uint32_t* xb = xt[chunk].data();
-      const int64_t m0 = 16 * static_cast<int64_t>(chunk), count_m = std::min<int64_t>(16, rows - m0);
-      if (tiles == 4) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t b = 0; b < blocks; ++b) {
-          const TileA* o = ops.data() + b * 4;
-          _tile_loadd(4, xb + b * 256, 64);
-          _tile_loadd(5, o[0].first, o[0].second);
-          _tile_loadd(6, o[1].first, o[1].second);
-          _tile_dpbf16ps(0, 5, 4);
-          _tile_dpbf16ps(1, 6, 4);
-          _tile_loadd(5, o[2].first, o[2].second);
-          _tile_loadd(6, o[3].first, o[3].second);
-          _tile_dpbf16ps(2, 5, 4);
-          _tile_dpbf16ps(3, 6, 4);
-        }
-        _tile_stored(0, c, 64);
-        scatter(m0, count_m, n);
-        _tile_stored(1, c, 64);
-        scatter(m0, count_m, n + 16);
-        _tile_stored(2, c, 64);
-        scatter(m0, count_m, n + 32);
-        _tile_stored(3, c, 64);
-        scatter(m0, count_m, n + 48);
-      } else {
-        _tile_zero(0);
-        for (int64_t b = 0; b < blocks; ++b) {
-          _tile_loadd(4, xb + b * 256, 64);
-          _tile_loadd(5, ops[b * 4].first, ops[b * 4].second);
-          _tile_dpbf16ps(0, 5, 4);
-        }
-        _tile_stored(0, c, 64);
-        scatter(m0, count_m, n);
+    for (size_t chunk = 0; chunk < chunks;) {
+      const int pair = chunk + 1 < chunks ? 2 : 1;
+      if (tiles == 2 && pair == 2) TilePass<2, 2>(xt, chunk, ops.data(), blocks, c);
+      else if (tiles == 2) TilePass<2, 1>(xt, chunk, ops.data(), blocks, c);
+      else if (pair == 2) TilePass<1, 2>(xt, chunk, ops.data(), blocks, c);
+      else TilePass<1, 1>(xt, chunk, ops.data(), blocks, c);
+      for (int m = 0; m < pair; ++m) {
+        for (int t = 0; t < tiles; ++t) scatter(c + 256 * (t + 2 * m), 16 * static_cast<int64_t>(chunk + m), n + 16 * t);
       }
+      chunk += pair;
     }
     n += 16 * tiles;
   }
@@ -398,9 +413,6 @@ void Int8Rows(const QuantizedX& xq, int64_t m0, const int8_t* w, int64_t k, cons
 // sum the two groups, which take their scales. lows(n, g) gives row n's lows of groups g to g + 15 (zero past the
 // row), each times x's group sum into the accumulators once per row (a scalar sum per group cost a 4-row pass
 // ~15%).
-// The mask of the first `count` lanes (all past 16, none below 0).
-inline __mmask16 Lanes(int64_t count) { return static_cast<__mmask16>((1u << std::clamp<int64_t>(count, 0, 16)) - 1); }
-
 struct GroupBlock {
   __m512i u;
   float s[2];
