@@ -247,9 +247,9 @@ void TilePass(const std::vector<std::vector<uint32_t>>& xt, size_t chunk, const 
 }
 
 // The tile products of output rows [n0, n1) for all `rows` x rows (xt: their chunks of 16 as B operands), each
-// output row times row_scale (or not: null). a(n, b, buf) gives the A operand of rows [n, n + 16) and k block b as
-// (pointer, stride in bytes): the weights where they lie (bf16: n1 - n0 a multiple of 16), or widened into buf,
-// 16 x 32 bf16, rows from n1 on zero (int8, int4: any n1). Each 32 rows' operands are taken once, then used for
+// output row times row_scale (or not: null). a(n, buf, ops) sets ops[2 b] to the A operand of rows [n, n + 16)
+// and k block b, for every b, as (pointer, stride in bytes): the weights where they lie (bf16: n1 - n0 a multiple
+// of 16), or widened into buf, [block][16 x 32] bf16, rows from n1 on zero (int8, int4: any n1). Each 32 rows' operands are taken once, then used for
 // every chunk of x while they are in L1 / L2 (a prefill's hundreds of rows), two chunks a pass.
 template <typename A>
 void Tiles(const std::vector<std::vector<uint32_t>>& xt, int64_t rows, int64_t k, float* y, int64_t ldy, int64_t n0,
@@ -258,7 +258,7 @@ void Tiles(const std::vector<std::vector<uint32_t>>& xt, int64_t rows, int64_t k
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
   _tile_loadconfig(&config);
   const int64_t blocks = k / 32;
-  thread_local std::vector<uint16_t> wide;  // widened operands: [block][2 tiles][16 x 32]
+  thread_local std::vector<uint16_t> wide;  // widened operands: [2 tiles][block][16 x 32]
   thread_local std::vector<TileA> ops;      // [block][2 tiles]
   if (static_cast<int64_t>(wide.size()) < blocks * 2 * 512) wide.resize(blocks * 2 * 512);
   if (static_cast<int64_t>(ops.size()) < blocks * 2) ops.resize(blocks * 2);
@@ -278,9 +278,7 @@ void Tiles(const std::vector<std::vector<uint32_t>>& xt, int64_t rows, int64_t k
   const size_t chunks = xt.size();
   for (int64_t n = n0; n < n1;) {
     const int tiles = n + 32 <= n1 ? 2 : 1;
-    for (int64_t b = 0; b < blocks; ++b) {
-      for (int t = 0; t < tiles; ++t) ops[b * 2 + t] = a(n + 16 * t, b, wide.data() + (b * 2 + t) * 512);
-    }
+    for (int t = 0; t < tiles; ++t) a(n + 16 * t, wide.data() + t * blocks * 512, ops.data() + t);
     for (size_t chunk = 0; chunk < chunks;) {
       const int pair = chunk + 1 < chunks ? 2 : 1;
       if (tiles == 2 && pair == 2) TilePass<2, 2>(xt, chunk, ops.data(), blocks, c);
@@ -298,44 +296,63 @@ void Tiles(const std::vector<std::vector<uint32_t>>& xt, int64_t rows, int64_t k
 }
 
 
-// 16 rows of int8 weights from row n (those from `end` on zero), k block b (a group of 32), widened to bf16:
-// exact where the scale is per row (int8 values are bf16 values; the tiles' results are scaled), each times its
-// group's scale and rounded where there is one per group (`groups`: [N, K / 32], else null).
-TileA WidenInt8(const int8_t* w, const float* groups, int64_t k, int64_t end, int64_t n, int64_t b, uint16_t* buf) {
-  const int live = static_cast<int>(std::min<int64_t>(16, end - n));
-  std::memset(buf + live * 32, 0, (16 - live) * 64);
-  for (int r = 0; r < live; ++r) {
-    const int8_t* src = w + (n + r) * k + b * 32;
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-    if (groups != nullptr) {
-      const __m512 scale = _mm512_set1_ps(groups[(n + r) * (k / 32) + b]);
-      lo = _mm512_mul_ps(lo, scale);
-      hi = _mm512_mul_ps(hi, scale);
-    }
-    _mm512_storeu_si512(buf + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+// The A operands of rows [n, n + 16) (those from `end` on zero) for every k block b (a group of 32), widened to
+// bf16 into buf ([block][16 x 32]) and pointed to by ops[2 b]. A row at a time, along it: block by block across
+// the 16 rows, each load of a row's scales missed the cache (~40% of a 16-row step's widening).
+void PointOps(int64_t blocks, int live, uint16_t* buf, TileA* ops) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (live < 16) std::memset(buf + b * 512 + live * 32, 0, (16 - live) * 64);
+    ops[2 * b] = {buf + b * 512, 64};
   }
-  return {buf, 64};
 }
 
-// 16 rows of packed int4 weights (model/quant.Int4Matrix: runs of 64, weight j of a run in byte j's low nibble,
-// j + 32 in its high one; a (scale, low) pair per group of 32) from row n (those from `end` on zero), k block b (a
-// group), widened to bf16.
-TileA WidenInt4(const uint8_t* w, const float* pairs, int64_t k, int64_t end, int64_t n, int64_t b, uint16_t* buf) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
+// int8: exact where the scale is per row (int8 values are bf16 values; the tiles' results are scaled), each times
+// its group's scale and rounded where there is one per group (`groups`: [N, K / 32], else null).
+void WidenInt8(const int8_t* w, const float* groups, int64_t k, int64_t end, int64_t n, uint16_t* buf, TileA* ops) {
+  const int64_t blocks = k / 32;
   const int live = static_cast<int>(std::min<int64_t>(16, end - n));
-  std::memset(buf + live * 32, 0, (16 - live) * 64);
+  PointOps(blocks, live, buf, ops);
   for (int r = 0; r < live; ++r) {
-    __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * (k / 2) + (b / 2) * 32));
-    bytes = _mm256_and_si256(b % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
-    const float* p = pairs + ((n + r) * (k / 32) + b) * 2;
-    const __m512 scale = _mm512_set1_ps(p[0]), low = _mm512_set1_ps(p[1]);
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes)));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1)));
-    _mm512_storeu_si512(buf + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                         _mm512_fmadd_ps(q1, scale, low), _mm512_fmadd_ps(q0, scale, low))));
+    const int8_t* row = w + (n + r) * k;
+    const float* scale = groups == nullptr ? nullptr : groups + (n + r) * blocks;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* src = row + b * 32;
+      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+      __m512 hi =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+      if (scale != nullptr) {
+        const __m512 s = _mm512_set1_ps(scale[b]);
+        lo = _mm512_mul_ps(lo, s);
+        hi = _mm512_mul_ps(hi, s);
+      }
+      _mm512_storeu_si512(buf + b * 512 + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
   }
-  return {buf, 64};
+}
+
+// Packed int4 (model/quant.Int4Matrix: runs of 64, weight j of a run in byte j's low nibble, j + 32 in its high
+// one; a (scale, low) pair per group of 32): a run's two groups from one load.
+void WidenInt4(const uint8_t* w, const float* pairs, int64_t k, int64_t end, int64_t n, uint16_t* buf, TileA* ops) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int64_t blocks = k / 32;
+  const int live = static_cast<int>(std::min<int64_t>(16, end - n));
+  PointOps(blocks, live, buf, ops);
+  for (int r = 0; r < live; ++r) {
+    const uint8_t* row = w + (n + r) * (k / 2);
+    const float* p = pairs + (n + r) * blocks * 2;
+    for (int64_t run = 0; run < k / 64; ++run) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + run * 32));
+      for (int half = 0; half < 2; ++half) {
+        const int64_t b = 2 * run + half;
+        const __m256i u = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+        const __m512 scale = _mm512_set1_ps(p[2 * b]), low = _mm512_set1_ps(p[2 * b + 1]);
+        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u)));
+        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1)));
+        _mm512_storeu_si512(buf + b * 512 + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                                      _mm512_fmadd_ps(q1, scale, low), _mm512_fmadd_ps(q0, scale, low))));
+      }
+    }
+  }
 }
 #endif
 
@@ -634,8 +651,8 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       int64_t rest = n0;  // the output rows the vector loop computes
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
       if (!xt.empty()) {
-        rest = tiles(mat, n0, n0 + (n1 - n0) / 16 * 16, nullptr, [&](int64_t n, int64_t b, uint16_t*) {
-          return TileA{w + n * k + b * 32, 2 * k};
+        rest = tiles(mat, n0, n0 + (n1 - n0) / 16 * 16, nullptr, [&](int64_t n, uint16_t*, TileA* ops) {
+          for (int64_t b = 0; b < k / 32; ++b) ops[2 * b] = TileA{w + n * k + b * 32, 2 * k};
         });  // the last rows of a matrix that are not 16 on the vector loop (the same numerics)
       }
 #endif
@@ -652,8 +669,8 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
       if (int_tiles) {
         const float* groups = mat.grouped ? mat.scale : nullptr;
-        rest = tiles(mat, n0, n1, mat.grouped ? nullptr : mat.scale, [&](int64_t n, int64_t b, uint16_t* buf) {
-          return WidenInt8(w, groups, k, n1, n, b, buf);
+        rest = tiles(mat, n0, n1, mat.grouped ? nullptr : mat.scale, [&](int64_t n, uint16_t* buf, TileA* ops) {
+          WidenInt8(w, groups, k, n1, n, buf, ops);
         });
       }
 #endif
@@ -673,8 +690,8 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       int64_t rest = n0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
       if (int_tiles) {
-        rest = tiles(mat, n0, n1, nullptr, [&](int64_t n, int64_t b, uint16_t* buf) {
-          return WidenInt4(w, mat.scale, k, n1, n, b, buf);
+        rest = tiles(mat, n0, n1, nullptr, [&](int64_t n, uint16_t* buf, TileA* ops) {
+          WidenInt4(w, mat.scale, k, n1, n, buf, ops);
         });
       }
 #endif
