@@ -35,15 +35,25 @@ def smollm2_path():
     return default_model_path()
 
 
+def _written_again(smollm2_path, tmp_path_factory, qtype):
+    from sgjax.model.gguf_write import requantize
+
+    path = str(tmp_path_factory.mktemp(qtype.lower()) / f"SmolLM2-135M-Instruct.{qtype}.gguf")
+    requantize(smollm2_path, path, qtype)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_q8_0_path(smollm2_path, tmp_path_factory):
     """The default SmolLM2 written again with every matrix as GGUF Q8_0 blocks (model/gguf_write.py; ~4 s), as
     llama.cpp's Q8_0 files store them: no such model installs here."""
-    from sgjax.model.gguf_write import requantize
+    return _written_again(smollm2_path, tmp_path_factory, "Q8_0")
 
-    path = str(tmp_path_factory.mktemp("q8_0") / "SmolLM2-135M-Instruct.Q8_0.gguf")
-    requantize(smollm2_path, path, "Q8_0")
-    return path
+
+@pytest.fixture(scope="session")
+def smollm2_q4_0_path(smollm2_path, tmp_path_factory):
+    """The same with every matrix as Q4_0 blocks (a step per 32 weights, no minimum)."""
+    return _written_again(smollm2_path, tmp_path_factory, "Q4_0")
 
 
 @pytest.fixture(scope="session")

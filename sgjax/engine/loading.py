@@ -53,14 +53,15 @@ def cpu_has_int8_dots() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
 
 
-BLOCK_DTYPES = {frozenset({"Q4_1"}): "int4", frozenset({"Q8_0"}): "int8"}
+BLOCK_DTYPES = {frozenset({"Q4_0"}): "int4", frozenset({"Q4_1"}): "int4", frozenset({"Q4_0", "Q4_1"}): "int4",
+                frozenset({"Q8_0"}): "int8"}
 
 
 def block_dtype(path: str | None) -> str | None:
-    """The weight dtype that holds a GGUF's layer matrices exactly as its blocks, where they are all of one such
-    type: int4 for Q4_1 (the default SmolLM2's: a scale and a low per 32 weights), int8 with a scale per 32 for
-    Q8_0 (tests/engine/test_weight_dtype.py); else None. With it the model runs the file's own weights, where bf16
-    rounds them."""
+    """The weight dtype that holds a GGUF's layer matrices exactly as its blocks, where they are all of such
+    types: int4 for Q4_0 and Q4_1 (the default SmolLM2's: a scale and a low per 32 weights), int8 with a scale per
+    32 for Q8_0 (tests/engine/test_weight_dtype.py); else None. With it the model runs the file's own weights,
+    where bf16 rounds them."""
     from sgjax.model.gguf_meta import GGUFError, layer_matrix_types
     from sgjax.model.paths import resolve_model_path
 
@@ -75,7 +76,7 @@ def block_dtype(path: str | None) -> str | None:
 
 def default_weight_dtype(args: ServerArgs, model_dtype: str, platform: str | None = None) -> str:
     """--weight-dtype resolved. auto is the model's dtype, except for a float32 model on one CPU:
-    - a Q4_1 or Q8_0 GGUF (block_dtype) where the native kernel and int8 dot instructions are: int4 or int8, the
+    - a Q4_0, Q4_1 or Q8_0 GGUF (block_dtype) where the native kernel and int8 dot instructions are: int4 or int8, the
       file's own weights at llama.cpp's bytes per weight (single-stream decode is bound by them: docs/engine.md);
     - else, with bf16 dot instructions: bf16 matrices (float32 activations, accumulation, norms and attention),
       about twice float32's decode speed, as SGLang's and vLLM's `--dtype auto` run a float32 checkpoint in half

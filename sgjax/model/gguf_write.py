@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 # general.file_type (llama.cpp's LLAMA_FTYPE_MOSTLY_*) of a file whose matrices are mostly of the type
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
 
 
 def requantize(src: str, dst: str, qtype: str = "Q8_0", which: Callable[[str], bool] | None = None) -> None:

@@ -14,7 +14,7 @@ from sgjax.model import gguf_meta, weights as W
 from sgjax.model.config import ModelConfig, config_from_gguf, config_from_hf_dir
 from sgjax.model.families import FAMILY
 from sgjax.model.paths import ModelNotFoundError, resolve_model_path
-from sgjax.model.quant import int4_from_q4_1, int8_from_q8_0, is_quantized
+from sgjax.model.quant import int4_from_q4_0, int4_from_q4_1, int8_from_q8_0, is_quantized
 
 ORBAX_CONFIG = "sgjax_config.json"
 
@@ -50,7 +50,8 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf(path: str, dtype: str = "float32", host: bool = False,
               keep_blocks: bool = False) -> tuple[ModelConfig, W.Weights]:
     """keep_blocks: the matrices stored as blocks our quantized formats hold exactly stay as they are, [out, in]:
-    a layer's Q4_1 matrices as Int4Matrix (quant.int4_from_q4_1), any Q8_0 matrix (the embedding too) as a grouped
+    a layer's Q4_0 / Q4_1 matrices as Int4Matrix (quant.int4_from_q4_0 / _q4_1), any Q8_0 matrix (the embedding
+    too) as a grouped
     Int8Matrix (quant.int8_from_q8_0); what with_weight_dtype(.., "int4" / "int8") finishes (load_model_cached),
     without dequantizing and quantizing them again."""
     from gguf import GGMLQuantizationType, dequantize
@@ -63,7 +64,8 @@ def load_gguf(path: str, dtype: str = "float32", host: bool = False,
     by_layer = {W.gguf_name(cfg, leaf): leaf for leaf in present if leaf.layer}  # "attn_q.weight" (under blk.{i}.)
     top = {W.gguf_name(cfg, leaf): leaf for leaf in present if not leaf.layer}
     unpermute = FAMILY[cfg.architecture].gguf_unpermute_qk
-    kept_as = {GGMLQuantizationType.Q4_1: int4_from_q4_1, GGMLQuantizationType.Q8_0: int8_from_q8_0}
+    kept_as = {GGMLQuantizationType.Q4_0: int4_from_q4_0, GGMLQuantizationType.Q4_1: int4_from_q4_1,
+               GGMLQuantizationType.Q8_0: int8_from_q8_0}
     per_layer: dict[str, list] = {}
     flat: dict[str, np.ndarray] = {}
     for t in reader.tensors:

@@ -128,14 +128,33 @@ def int4_from_q4_1(blocks: np.ndarray) -> Int4Matrix:
     """A GGUF Q4_1 tensor's rows of blocks (uint8 [..., N, K / 32 * 20]: per 32 weights an fp16 step d and minimum
     m, then 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31, each m + d * u) as an Int4Matrix
     holding the same weights: (scale, low) = (d, m), the nibbles repacked into runs of BLOCK. numpy in and out."""
-    *lead, width = blocks.shape
-    groups = width // 20
-    if width % 20 or groups % 2:
-        raise ValueError(f"Q4_1 rows of {width} bytes are not an even number of 20-byte blocks")
-    b = np.ascontiguousarray(blocks).reshape(*lead, groups, 20)
+    b = _blocks(blocks, 20, "Q4_1")
     pairs = np.stack([b[..., 0:2].copy().view(np.float16)[..., 0], b[..., 2:4].copy().view(np.float16)[..., 0]],
                      axis=-1).astype(np.float32)
-    qs = b[..., 4:]
+    return _int4_from_nibbles(b[..., 4:], pairs)
+
+
+def int4_from_q4_0(blocks: np.ndarray) -> Int4Matrix:
+    """A GGUF Q4_0 tensor's rows of blocks (uint8 [..., N, K / 32 * 18]: per 32 weights an fp16 step d, then 16
+    bytes of nibbles as Q4_1's, each weight d * (u - 8)) as an Int4Matrix holding the same weights: (scale, low) =
+    (d, -8 d), exact in float32. numpy in and out."""
+    b = _blocks(blocks, 18, "Q4_0")
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return _int4_from_nibbles(b[..., 2:], np.stack([d, -8.0 * d], axis=-1))
+
+
+def _blocks(blocks: np.ndarray, size: int, name: str) -> np.ndarray:
+    """Rows of `size`-byte blocks as [..., N, groups, size] (an even number of groups: int4's runs are two)."""
+    *lead, width = blocks.shape
+    if width % size or (width // size) % 2:
+        raise ValueError(f"{name} rows of {width} bytes are not an even number of {size}-byte blocks")
+    return np.ascontiguousarray(blocks).reshape(*lead, width // size, size)
+
+
+def _int4_from_nibbles(qs: np.ndarray, pairs: np.ndarray) -> Int4Matrix:
+    """[..., groups, 16] bytes (a group's weights 0-15 in the low nibbles, 16-31 in the high) and its (scale, low)
+    pairs as an Int4Matrix: the nibbles repacked into runs of BLOCK."""
+    *lead, groups, _ = qs.shape
     u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [..., groups, 32]: the group's weights in order
     runs = u.reshape(*lead, groups // 2, BLOCK)
     packed = (runs[..., : BLOCK // 2] | (runs[..., BLOCK // 2:] << 4)).astype(np.uint8)

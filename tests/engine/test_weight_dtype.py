@@ -161,11 +161,12 @@ def test_tiny_model_logprobs_close_to_float32(tiny):
         assert sum(x == y for x, y in zip(a["output_ids"], b["output_ids"])) >= 4
 
 
-def test_auto_is_the_models_dtype_and_the_setting_is_checked(tiny, monkeypatch, tmp_path, smollm2_q8_0_path):
+def test_auto_is_the_models_dtype_and_the_setting_is_checked(tiny, monkeypatch, tmp_path, smollm2_q8_0_path,
+                                                            smollm2_q4_0_path):
     assert loading.default_weight_dtype(ServerArgs(), "float32") == "float32"  # SGJAX_AUTO_BF16=0 (tests/conftest)
     assert loading.default_weight_dtype(ServerArgs(), "bfloat16") == "bfloat16"
     # auto on a CPU with bf16 dot instructions: bf16 matrices for a float32 model on one device, nowhere else;
-    # int4 for a Q4_1 GGUF (the default SmolLM2), int8 for a Q8_0 one, where the CPU has int8 dots
+    # int4 for a Q4_1 GGUF (the default SmolLM2) or a Q4_0 one, int8 for a Q8_0 one, where the CPU has int8 dots
     monkeypatch.setenv(loading.AUTO_BF16_ENV, "1")
     hf_dir = str(tmp_path)
     (tmp_path / "config.json").write_text("{}")
@@ -175,6 +176,7 @@ def test_auto_is_the_models_dtype_and_the_setting_is_checked(tiny, monkeypatch, 
             (True, True, "cpu", ServerArgs(), "int4"),
             (False, True, "cpu", ServerArgs(), "int4"),
             (True, True, "cpu", q8_0, "int8"),
+            (True, True, "cpu", ServerArgs(model_path=smollm2_q4_0_path), "int4"),
             (True, False, "cpu", q8_0, "bfloat16"),
             (True, True, "gpu", q8_0, "float32"),
             (True, True, "cpu", ServerArgs(model_path=hf_dir), "bfloat16"),
@@ -363,18 +365,20 @@ def test_real_smollm2_cpu_auto_engine(smollm2, smollm2_path, smollm2_q8_0_path, 
         assert ta == tb and abs(la - lb) < 0.1, (a["text"], b["text"], la, lb)
 
 
-@pytest.mark.parametrize("blocks", ["Q4_1", "Q8_0"])
-def test_real_smollm2_blocks_kept(smollm2, smollm2_path, smollm2_q8_0_path, blocks):
+@pytest.mark.parametrize("blocks", ["Q4_1", "Q8_0", "Q4_0"])
+def test_real_smollm2_blocks_kept(smollm2, smollm2_path, smollm2_q8_0_path, smollm2_q4_0_path, blocks):
     """The default SmolLM2 file stores its layer matrices as GGUF Q4_1 blocks (32 weights as 4-bit steps above the
     block's minimum, an fp16 step and minimum) and its embedding as Q8_0 (32 int8 and an fp16 scale). Read as they
     are (auto, or --weight-dtype int4 on it: loading.load_model_cached) the int4 and grouped int8 matrices hold the
-    file's weights exactly; and so do the int8 ones of its Q8_0 copy. Read as float32, then --weight-dtype int4:
+    file's weights exactly; and so do the int8 ones of its Q8_0 copy and the int4 ones of its Q4_0 copy (a step d
+    per 32 weights, each d * (u - 8): (scale, low) = (d, -8 d)). Read as float32, then --weight-dtype int4:
     each group's minimum and step are the block's, up to float32 rounding (a 4-bit grid of its own would be off by
     up to 1/30 of a group's range; bf16 rounds by 1/256 of a weight)."""
     import gguf
 
     cfg, weights, _ = smollm2
-    path, kind = (smollm2_path, "int4") if blocks == "Q4_1" else (smollm2_q8_0_path, "int8")
+    path, kind = {"Q4_1": (smollm2_path, "int4"), "Q8_0": (smollm2_q8_0_path, "int8"),
+                  "Q4_0": (smollm2_q4_0_path, "int4")}[blocks]
     sources = [(with_weight_dtype(*load_gguf(path, "float32", keep_blocks=True), kind), 0.0)]  # kept: exact
     if blocks == "Q4_1":  # quantized again: to float32 rounding
         sources.append(((None, with_weight_dtype(cfg, weights, "int4")[1]), 1e-6))
@@ -388,8 +392,10 @@ def test_real_smollm2_blocks_kept(smollm2, smollm2_path, smollm2_q8_0_path, bloc
         return values if rows is None else _unpermute(values, rows)  # llama.cpp's rotary row order, undone
 
     embed = kept.embed
-    assert tensors["token_embd.weight"].tensor_type.name == "Q8_0" and isinstance(embed, Int8Matrix) and embed.grouped
-    np.testing.assert_array_equal(np.asarray(dequantized(embed)), want("token_embd.weight"))
+    if blocks != "Q4_0":  # the Q4_0 copy's embedding is Q4_0 too: int4 keeps the top int8, quantized again
+        assert tensors["token_embd.weight"].tensor_type.name == "Q8_0" and isinstance(embed, Int8Matrix)
+        assert embed.grouped
+        np.testing.assert_array_equal(np.asarray(dequantized(embed)), want("token_embd.weight"))
     for layer in (0, cfg.num_layers - 1):
         for name, field in (("ffn_down", "w_down"), ("ffn_up", "w_up"), ("attn_v", "wv"), ("attn_q", "wq")):
             assert tensors[f"blk.{layer}.{name}.weight"].tensor_type.name == blocks

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from sgjax.kernels import cpu
-from sgjax.model.quant import Int4Matrix, Int8Matrix, dequantized, int8_from_q8_0, quantize, quantize_int4
+from sgjax.model.quant import (Int4Matrix, Int8Matrix, dequantized, int4_from_q4_0, int8_from_q8_0, quantize,
+                               quantize_int4)
 
 ARCHS = ["native"] + (["x86-64-v3", "x86-64"] if platform.machine() in ("x86_64", "AMD64") else [])
 
@@ -83,20 +84,23 @@ def _matrices(rng, kind, n, k, layers=0):
     if kind == "int8g":  # a GGUF Q8_0 tensor's blocks, as the loader keeps them
         m = int8_from_q8_0(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
         return m.q, m.scale
+    if kind == "int4q0":  # a Q4_0 tensor's: negative steps, low = -8 step
+        m = int4_from_q4_0(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0))
+        return m.q, m.scale
     return (w if kind == "float32" else jnp.asarray(w, jnp.bfloat16)), None
 
 
 def _reference(kind, w, scale):
     """(weights, scale) as _expected takes them: int4 and grouped int8 as their matrices (scales inside)."""
-    if kind in ("int4", "int8g"):
-        return (Int4Matrix if kind == "int4" else Int8Matrix)(np.asarray(w), np.asarray(scale)), None
+    if kind in ("int4", "int8g", "int4q0"):
+        return (Int8Matrix if kind == "int8g" else Int4Matrix)(np.asarray(w), np.asarray(scale)), None
     return (np.asarray(w) if kind == "int8" else w), scale
 
 
 # K: multiples of 64; of 16 only; a scalar tail (int4 rows are runs of 64 weights, model/quant.BLOCK; grouped int8
 # rows groups of 32: 96 takes the widening loop)
 KINDS = [(kind, k) for kind in ("float32", "bfloat16", "int8", "int4") for k in (576, 128, 80, 37)
-         if kind != "int4" or k % 64 == 0] + [("int8g", k) for k in (576, 128, 96)]
+         if kind != "int4" or k % 64 == 0] + [("int8g", k) for k in (576, 128, 96)] + [("int4q0", 576)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -234,6 +238,20 @@ def test_int8_from_q8_0_blocks():
     np.testing.assert_array_equal(np.asarray(Int8Matrix(m.q[0], m.scale[0]).rows(jnp.asarray([2, 0]))), want[0][[2, 0]])
     with pytest.raises(ValueError, match="34-byte blocks"):
         int8_from_q8_0(blocks[..., :-1])
+
+
+def test_int4_from_q4_0_blocks():
+    """A GGUF Q4_0 tensor (a step d per 32 weights, each d * (u - 8), d of either sign) read as an Int4Matrix holds
+    gguf's own dequantized weights exactly; rows of an odd number of blocks are refused (int4's runs are two)."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((2, 3, 128)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
+    m = int4_from_q4_0(blocks)
+    assert m.q.shape == (2, 3, 64) and m.scale.shape == (2, 3, 4, 2) and (np.asarray(m.scale)[..., 0] < 0).any()
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0)
+    np.testing.assert_array_equal(np.asarray(dequantized(m)), want)
+    with pytest.raises(ValueError, match="even number of 18-byte blocks"):
+        int4_from_q4_0(blocks[..., :54])
 
 
 def test_quantize_int4_groups():

@@ -90,7 +90,8 @@ def test_corrupt_gguf(smollm2_path, tmp_path):
 def test_gguf_written_again_and_blocks_kept_only_when_each_matrix_is_alike(smollm2_path, tmp_path):
     """model/gguf_write: a copy with only layer 0's matrices as Q8_0 keeps the metadata (the same config) and the
     other tensors' bytes; its layer matrices are then of two kinds, so auto keeps no blocks (engine/loading
-    .block_dtype), and asking the loader to keep them is refused by name rather than stacking unlike layers."""
+    .block_dtype), and asking the loader to keep them is refused by name rather than stacking unlike layers. Q4_0
+    beside Q4_1 is one kind (int4)."""
     from sgjax.engine.loading import block_dtype
     from sgjax.model import gguf_meta
     from sgjax.model.gguf_write import requantize
@@ -111,6 +112,12 @@ def test_gguf_written_again_and_blocks_kept_only_when_each_matrix_is_alike(smoll
     assert cfg == loader.load_gguf(smollm2_path)[0]
     with pytest.raises(WeightFileError, match="different formats across layers"):
         loader.load_gguf(mixed, keep_blocks=True)
+    # Q4_0 and Q4_1 layers are both int4: such a file keeps its blocks
+    fours = str(tmp_path / "fours.gguf")
+    requantize(smollm2_path, fours, "Q4_0", which=lambda name: name.startswith("blk.0."))
+    assert gguf_meta.layer_matrix_types(fours) == {"Q4_0", "Q4_1"} and block_dtype(fours) == "int4"
+    _, kept = loader.load_gguf(fours, keep_blocks=True)
+    assert kept.layers.w_up.q.shape[0] == cfg.num_layers
 
 
 @pytest.mark.parametrize("config, named", [
