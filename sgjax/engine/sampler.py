@@ -229,29 +229,13 @@ def apply_penalties(logits, batch: SamplingBatch):
 
 
 def argmax(x):
-    """jnp.argmax over the last axis (the first maximum; 0 for a row of NaN) as maxima over chunks of the row, then
-    the first chunk holding the row's maximum searched alone: XLA's CPU runs argmax's (value, index) reduction
-    unvectorized (1.4 ms for [16, 49152]; a max and a min over the whole row 0.7 ms; this 0.2). A row whose length
-    has no such chunk takes the max and the min."""
-    rows, vocab = x.shape
-    chunk = next((c for c in (128, 256, 64, 192, 96) if vocab % c == 0 and vocab > c), None)
-    if chunk is None:
-        best = jnp.max(x, axis=-1, keepdims=True)
-        index = jnp.min(jnp.where(x == best, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
-        return jnp.where(index == vocab, 0, index).astype(jnp.int32)
-    chunks = x.reshape(rows, vocab // chunk, chunk)
-    peaks = jnp.max(chunks, axis=-1)
-    best = jnp.max(peaks, axis=-1, keepdims=True)
-    first = _first_true(peaks == best)  # none where the row holds a NaN: chunk 0, index 0
-    within = _first_true(jnp.take_along_axis(chunks, first[:, None, None], axis=1)[:, 0] == best)
-    return (first * chunk + within).astype(jnp.int32)
-
-
-def _first_true(mask):
-    """The index of the first True along the last axis (0 where there is none)."""
-    width = mask.shape[-1]
-    index = jnp.min(jnp.where(mask, jnp.arange(width, dtype=jnp.int32), width), axis=-1)
-    return jnp.where(index == width, 0, index)
+    """jnp.argmax over the last axis (the first maximum; 0 for a row of NaN) as a max and a min: XLA's CPU runs
+    argmax's (value, index) reduction unvectorized (1.4 ms for [16, 49152]; sample() on 16 greedy rows took 4.5 ms
+    with it, 1.7 with this)."""
+    vocab = x.shape[-1]
+    best = jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.min(jnp.where(x == best, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.where(index == vocab, 0, index).astype(jnp.int32)
 
 
 def _at(values, index):
