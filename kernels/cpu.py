@@ -120,31 +120,6 @@ def register(arch: str = "native", target: str = TARGET) -> str:
     return names[target]
 
 
-def _amx_setting(arch: str):
-    register(arch)
-    return ctypes.cdll.LoadLibrary(library_path(arch)).SgjaxUseAmx
-
-
-@functools.lru_cache(maxsize=None)
-def has_amx(arch: str = "native") -> bool:
-    """Whether cpu_matmul's bf16 products run on the CPU's matrix unit (AMX tiles): the build, the CPU and the OS
-    have it."""
-    return available() and _amx_setting(arch)(-1) >= 0
-
-
-@contextlib.contextmanager
-def use_amx(wanted: bool, arch: str = "native"):
-    """Within: whether bf16 products run on AMX where there is one (the default), or on the vector loop (the tests
-    run both on such a CPU). Yields whether AMX is there."""
-    fn = _amx_setting(arch)
-    before = fn(int(wanted))
-    try:
-        yield before >= 0
-    finally:
-        if before >= 0:
-            fn(before)
-
-
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the native kernel is usable here (logged once when not)."""
@@ -187,19 +162,14 @@ def cpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: fl
 
 
 def cpu_matmul(x, layer, matrices, *, arch: str = "native"):
-    """x f32[M, K] against each (w, scale) of `matrices`: w [L, N, K] (layer picks one, read in place) or [N, K],
-    float32, bfloat16 or int8, or uint8 [.., N, K / 2] (model/quant.Int4Matrix's packed int4); scale f32 per output
-    row (int8: [L, N] / [N]) or per group of 32 (int4: [L, N, K / 32] / [N, K / 32]), else None. An entry may
-    instead be a list of such pairs of [N, K] matrices, one per layer, all entries alike: layer picks one (a scan
-    over per-layer buffers, none copied). Returns one f32[M, N] per entry (kernels/cpu_matmul.cc)."""
+    """x f32[M, K] against each PackedMatrix of `matrices` (stacked layers: `layer` picks one, read in place).
+    Returns one f32[M, N] per matrix (kernels/cpu_matmul.cc); a row's result never depends on the other rows."""
     target = register(arch, "sgjax_matmul")
-    groups = [m if isinstance(m, list) else [m] for m in matrices]
-    if len({len(g) for g in groups}) != 1:
-        raise ValueError("cpu_matmul: every entry needs the same number of layers")
     operands, shapes = [], []
-    for group in groups:
-        for w, scale in group:
-            operands += [w, jnp.zeros((1,), jnp.float32) if scale is None else scale.astype(jnp.float32)]
-        shapes.append(jax.ShapeDtypeStruct((x.shape[0], group[0][0].shape[-2]), jnp.float32))
+    for m in matrices:
+        if m.k != x.shape[-1]:
+            raise ValueError(f"cpu_matmul: x has K={x.shape[-1]}, a matrix K={m.k}")
+        operands += [m.panels, m.params]
+        shapes.append(jax.ShapeDtypeStruct((x.shape[0], m.n), jnp.float32))
     call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
     return call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), *operands)

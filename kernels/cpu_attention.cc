@@ -54,25 +54,6 @@ struct Problem {
   float sm_scale, softcap;
 };
 
-// sum_i a[i] * b[i]: one vector accumulator, reduced once.
-inline float Dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float out = 0.0f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  out = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  out = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-#endif
-  for (; i < n; ++i) out += a[i] * b[i];
-  return out;
-}
-
 // exp(x[i] - shift) in place, for x[i] <= shift (scores less their maximum); -inf (a masked key) gives 0.
 // Vectorized: Cephes' single-precision polynomial after a Cody-Waite reduction (about 1 ulp); std::exp is a scalar
 // call, a fifth of a decode step's kernel time before.
@@ -201,88 +182,6 @@ inline void AccumulateValues(float* acc, float rescale, const float* e, const fl
   }
 }
 
-inline const float* AsFloat(const float* x, int64_t, float*) { return x; }
-inline const float* AsFloat(const uint16_t* x, int64_t n, float* buf) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = ToFloat(x[i]);
-  return buf;
-}
-
-// `count` rows of d values at `stride` apart, as float32: in place for a float32 pool, converted into buf [count, d]
-// (stride d) for bfloat16.
-inline const float* AsFloatRows(const float* x, int64_t, int64_t, int64_t, float*) { return x; }
-inline const float* AsFloatRows(const uint16_t* x, int64_t count, int64_t stride, int64_t d, float* buf) {
-  for (int64_t s = 0; s < count; ++s) {
-    for (int64_t i = 0; i < d; ++i) buf[s * d + i] = ToFloat(x[s * stride + i]);
-  }
-  return buf;
-}
-
-// One row against KV heads [h0, h1) (a decode row, or a block of one): each slot's K and V are read in place,
-// once for all of the row's query heads, and a page's heads are contiguous, so a row that takes every head streams
-// its pages.
-template <typename KV>
-void AttendRow(const Problem& p, const KV* pool, int64_t r, int64_t h0, int64_t h1) {
-  const int64_t ps = p.page_size, d = p.head_dim, g_count = p.group, heads = (h1 - h0) * g_count;
-  const int64_t kv_width = 2 * p.num_kv_heads * d;
-  const int64_t q_stride = p.num_kv_heads * g_count * d;
-  const int64_t first = p.row_first[r];
-  const int64_t seen = std::min<int64_t>(p.row_seen[r], p.pages_per_req * ps);
-  const int64_t req = std::clamp<int64_t>(p.row_req[r], 0, p.num_reqs - 1);
-  thread_local std::vector<float> buf;
-  buf.resize(heads * (d + ps + 3) + d + ps * d);
-  float* acc = buf.data();            // [heads, D]
-  float* sc = acc + heads * d;        // [heads, ps]
-  float* m = sc + heads * ps;         // [heads]
-  float* l = m + heads;               // [heads]
-  float* rescale = l + heads;         // [heads]
-  float* kbuf = rescale + heads;      // a bf16 key in float32
-  float* vbuf = kbuf + d;             // a page's bf16 values of one head in float32, [ps, d]
-  std::fill(acc, acc + heads * d, 0.0f);
-  std::fill(m, m + heads, -INFINITY);
-  std::fill(l, l + heads, 0.0f);
-  const float* q = p.q + r * q_stride + h0 * g_count * d;  // query heads h0 * G .. h1 * G - 1, contiguous
-  for (int64_t page = first / ps; page * ps < seen; ++page) {
-    const int64_t id = std::clamp<int64_t>(p.table[req * p.pages_per_req + page], 0, p.num_pages - 1);
-    const KV* base = pool + ((p.layer * p.num_pages + id) * ps) * kv_width;
-    const int64_t s0 = std::max<int64_t>(first - page * ps, 0), s1 = std::min<int64_t>(seen - page * ps, ps);
-    for (int64_t s = s0; s < s1; ++s) {
-      for (int64_t h = h0; h < h1; ++h) {
-        const float* k = AsFloat(base + s * kv_width + 2 * h * d, d, kbuf);
-        for (int64_t g = 0; g < g_count; ++g) {
-          const int64_t u = (h - h0) * g_count + g;
-          float x = Dot(q + u * d, k, d) * p.sm_scale;
-          if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
-          sc[u * ps + s] = x;
-        }
-      }
-    }
-    for (int64_t u = 0; u < heads; ++u) {
-      float* x = sc + u * ps + s0;
-      float page_max = -INFINITY;
-      for (int64_t s = 0; s < s1 - s0; ++s) page_max = std::max(page_max, x[s]);
-      const float m_new = std::max(m[u], page_max);
-      rescale[u] = std::exp(m[u] - m_new);  // exp(-inf) = 0 before the first key
-      ExpShifted(x, s1 - s0, m_new);
-      l[u] = l[u] * rescale[u] + Sum(x, s1 - s0);
-      m[u] = m_new;
-    }
-    for (int64_t h = h0; h < h1; ++h) {
-      const KV* v = base + s0 * kv_width + (2 * h + 1) * d;
-      const float* vf = AsFloatRows(v, s1 - s0, kv_width, d, vbuf);
-      const int64_t stride = std::is_same<KV, float>::value ? kv_width : d;
-      for (int64_t g = 0; g < g_count; ++g) {
-        const int64_t u = (h - h0) * g_count + g;
-        AccumulateValues(acc + u * d, rescale[u], sc + u * ps + s0, vf, stride, s1 - s0, d);
-      }
-    }
-  }
-  for (int64_t u = 0; u < heads; ++u) {
-    float* o = p.out + r * q_stride + h0 * g_count * d + u * d;
-    const float inv = l[u] > 0.0f ? 1.0f / l[u] : 0.0f;  // a row that sees nothing (padding) gives zeros
-    for (int64_t i = 0; i < d; ++i) o[i] = acc[u * d + i] * inv;
-  }
-}
-
 #if defined(__AVX512F__)
 // 16 float32 from 16 values of the pool (float32, or bfloat16 widened: its bits are a float32's high half).
 inline __m512 Load16(const float* x) { return _mm512_loadu_ps(x); }
@@ -400,8 +299,14 @@ void AttendRows16(const Problem& p, const KV* pool, int64_t r0, int64_t r1, int6
             }
             dots[s] = _mm512_add_ps(x0, x1);
           }
-          const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
-                                               _mm512_mul_ps(SumLanes16(dots), _mm512_set1_ps(p.sm_scale)));
+          __m512 scores = _mm512_mul_ps(SumLanes16(dots), _mm512_set1_ps(p.sm_scale));
+          if (p.softcap > 0.0f) {  // Gemma 2: cap * tanh(score / cap), lane by lane (as AttendBlock does)
+            float v[ps];
+            _mm512_storeu_ps(v, scores);
+            for (int64_t s = 0; s < ps; ++s) v[s] = p.softcap * std::tanh(v[s] / p.softcap);
+            scores = _mm512_loadu_ps(v);
+          }
+          const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, scores);
           const float m_new = std::max(m[u], _mm512_reduce_max_ps(sc));
           const float rescale = std::exp(m[u] - m_new);  // exp(-inf) = 0 before the first key
           const __m512 w = ExpVec(_mm512_sub_ps(sc, _mm512_set1_ps(m_new)));  // masked keys: 0
@@ -437,7 +342,7 @@ template <typename KV>
 using RowsFn = void (*)(const Problem&, const KV*, int64_t, int64_t, int64_t, int64_t);
 template <typename KV>
 RowsFn<KV> Rows16(const Problem& p) {
-  if (p.page_size != 16 || p.softcap > 0.0f) return nullptr;
+  if (p.page_size != 16) return nullptr;
   if (p.head_dim == 64) return AttendRows16<KV, 4>;
   if (p.head_dim == 128) return AttendRows16<KV, 8>;
   if (p.head_dim == 256) return AttendRows16<KV, 16>;
@@ -524,7 +429,9 @@ void AttendBlock(const Problem& p, const KV* pool, int64_t r0, int64_t r1, int64
 
 template <typename KV>
 ffi::Error Run(const Problem& p, const KV* pool, int64_t num_rows) {
-  // Blocks: runs of consecutive rows of one request, at most kBlockRows long.
+  // Blocks: runs of consecutive rows of one request, at most kBlockRows long. A row's result does not depend on
+  // its block (batch invariance): the row kernel and AttendBlock each compute a row alone, and a shape takes one
+  // of them for every block.
   std::vector<std::pair<int64_t, int64_t>> blocks;
   for (int64_t r = 0; r < num_rows;) {
     int64_t end = r + 1;
@@ -532,31 +439,28 @@ ffi::Error Run(const Problem& p, const KV* pool, int64_t num_rows) {
     blocks.emplace_back(r, end);
     r = end;
   }
-  // A block of one row takes all its KV heads in one item (its pages stream), unless there are too few blocks to
-  // keep the threads busy; a block of several rows goes head by head (its per-head tiles).
-  const int64_t split = (static_cast<int64_t>(blocks.size()) >= 2 * sgjax_cpu::Threads()) ? 1 : p.num_kv_heads;
-  std::vector<std::pair<int64_t, int64_t>> work;  // (block, first head); each item spans heads / split heads
-  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
-    const bool one = blocks[b].second - blocks[b].first == 1;
-    const int64_t step = one ? p.num_kv_heads / split : 1;
-    for (int64_t h = 0; h < p.num_kv_heads; h += step) work.emplace_back(b, h);
-  }
 #if defined(__AVX512F__)
   const RowsFn<KV> rows16 = Rows16<KV>(p);
+#else
+  const void* rows16 = nullptr;
 #endif
+  // With the row kernel a block of one row takes all its KV heads in one item (its pages stream), unless there are
+  // too few blocks to keep the threads busy; other blocks go head by head.
+  const int64_t split = (static_cast<int64_t>(blocks.size()) >= 2 * sgjax_cpu::Threads()) ? 1 : p.num_kv_heads;
+  std::vector<std::pair<int64_t, int64_t>> work;  // (block, first head)
+  auto step_of = [&](const std::pair<int64_t, int64_t>& b) {
+    return rows16 != nullptr && b.second - b.first == 1 ? p.num_kv_heads / split : 1;
+  };
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
+    for (int64_t h = 0; h < p.num_kv_heads; h += step_of(blocks[b])) work.emplace_back(b, h);
+  }
   auto fn = [&](int64_t i) {
     const auto& b = blocks[work[i].first];
     const int64_t h = work[i].second;
-    const bool one = b.second - b.first == 1;
-    const int64_t h1 = one ? std::min(h + p.num_kv_heads / split, p.num_kv_heads) : h + 1;
 #if defined(__AVX512F__)
-    if (rows16 != nullptr) return rows16(p, pool, b.first, b.second, h, h1);
+    if (rows16 != nullptr) return rows16(p, pool, b.first, b.second, h, std::min(h + step_of(b), p.num_kv_heads));
 #endif
-    if (one) {
-      AttendRow<KV>(p, pool, b.first, h, h1);
-    } else {
-      AttendBlock<KV>(p, pool, b.first, b.second, h);
-    }
+    AttendBlock<KV>(p, pool, b.first, b.second, h);
   };
   int64_t keys = 0;  // the keys the blocks read, each block its pages once
   for (const auto& b : blocks) keys += std::max<int64_t>(0, p.row_seen[b.second - 1] - p.row_first[b.first]);

@@ -5,9 +5,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# A float32 model keeps float32 matrices on every CPU (engine/loading.default_weight_dtype): HF parity, and the same
-# numbers whichever CI machine runs the suite; tests/engine/test_weight_dtype.py runs the bf16 matrices themselves.
-os.environ.setdefault("SGJAX_AUTO_BF16", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -65,12 +62,12 @@ def smollm2_tokenizer(smollm2_path):
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_tokenizer):
-    """Our fp32 SmolLM2 (config, weights) and tokenizer, loaded once per session: through the engine's cache under
-    the key `Engine()` uses for the default model, so the tests and their engines hold one copy."""
-    from sgjax.engine.args import ServerArgs
-    from sgjax.engine.loading import default_dtype, load_model_cached
+    """Our fp32 SmolLM2 (config, weights as loaded) and tokenizer, loaded once per session: through the engine's
+    cache under the key `Engine(dtype="float32")` loads the default model from, so the tests and their engines hold
+    one copy."""
+    from sgjax.engine.loading import load_model_cached
 
-    cfg, weights = load_model_cached(None, default_dtype(ServerArgs()))
+    cfg, weights = load_model_cached(None, "float32")
     return cfg, weights, smollm2_tokenizer
 
 

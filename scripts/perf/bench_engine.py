@@ -176,9 +176,10 @@ def model_setup(args):
         weights = dummy_weights(cfg)
         return f"dummy-{args.dummy}", dtype, lambda **kw: Engine.from_weights(cfg, weights, None, **kw), cfg
     from sgjax.engine.engine import ServerArgs
-    from sgjax.engine.loading import default_dtype, load_model_cached
+    from sgjax.engine.loading import load_model_cached
+    from sgjax.engine.plan import activation_dtype
 
-    dtype = args.dtype or default_dtype(ServerArgs())
+    dtype = args.dtype or activation_dtype(ServerArgs(), platform)
     # loaded once; every Engine below shares it
     cfg, _ = load_model_cached(args.model_path, dtype, args.load_format)
     name = os.path.basename(args.model_path.rstrip("/")) if args.model_path else "smollm2-135m-instruct"

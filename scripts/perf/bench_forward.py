@@ -71,10 +71,10 @@ def run_sgjax(args):
     from roofline import copy_bandwidth, matmul_rate, roofline, time_fn
     from sgjax.kernels import allocate_pool, get_backend
     from sgjax.model.batch import build_batch
-    from sgjax.engine.runner import bucket
+    from sgjax.engine.buckets import bucket
     from sgjax.model.llama import forward
     from sgjax.model.moe import experts
-    from sgjax.model.weights import dummy_layer_weights, dummy_weights, layer_loop_for
+    from sgjax.model.weights import dummy_layer_weights, dummy_weights
 
     small = args.small
     bw = copy_bandwidth(1 << 26 if small else 4 << 30)
@@ -84,7 +84,7 @@ def run_sgjax(args):
     cfg = model_config(small, args.model)
     platform = jax.devices()[0].platform
     # on an accelerator made layer by layer: Mixtral-8x7B's 93 GB would not fit twice (stacked, then sliced)
-    weights = dummy_weights(cfg) if layer_loop_for(platform) == "scan" else dummy_layer_weights(cfg)
+    weights = dummy_weights(cfg) if platform == "cpu" else dummy_layer_weights(cfg)
     page = 16
     workloads = SMALL_WORKLOADS if small else WORKLOADS
     max_pages = max(b * -(-c // page) for _, b, c, _ in workloads) + 1

@@ -73,23 +73,26 @@ def run_one(cfg, tp_size: int, shard_vocab: bool, ep_size: int, args):
     import jax
 
     from sgjax.engine import mesh as tp
+    from sgjax.engine.args import ServerArgs
+    from sgjax.engine.loading import run_weights
+    from sgjax.engine.plan import Machine, resolve
     from sgjax.engine.runner import Runner
     from sgjax.engine.step import StepShape
-    from sgjax.kernels import default_backend
     from sgjax.model.batch import BatchShape
     from sgjax.model.weights import dummy_weights
 
-    platform = jax.devices()[0].platform
     mesh = tp.make_mesh(tp_size) if tp_size > 1 else None
     tp.check_model(cfg, tp_size, ep_size)
-    run_cfg = tp.ep_config(tp.tp_config(cfg, tp_size), ep_size)
+    plan = resolve(ServerArgs(tp_size=tp_size, ep_size=ep_size, step_buckets="fine"), cfg, Machine.here(),
+                   given=cfg.dtype)
     if mesh is None:
-        weights = dummy_weights(cfg)
+        weights = run_weights(cfg, dummy_weights(cfg), plan)
     else:
-        weights = tp.dummy_weights(tp.ep_config(cfg, ep_size), mesh, shard_vocab=shard_vocab)
-    runner = Runner(run_cfg, weights, num_pages=1 + args.pool_tokens // args.page_size, page_size=args.page_size,
-                    max_context=max(args.context, args.prefill_tokens), attention=default_backend(platform),
-                    max_top_logprobs=0, coarse=False, max_reqs=max(args.decode_batch, 4), mesh=mesh)
+        weights = run_weights(cfg, tp.dummy_weights(cfg, mesh, shard_vocab=shard_vocab,
+                                                    expert_parallel=plan.expert_parallel), plan, mesh)
+    runner = Runner(tp.tp_config(cfg, tp_size), weights, plan, num_pages=1 + args.pool_tokens // args.page_size,
+                    page_size=args.page_size, max_context=max(args.context, args.prefill_tokens), max_top_logprobs=0,
+                    max_reqs=max(args.decode_batch, 4), mesh=mesh)
     width = -(-args.context // args.page_size)
     r = args.decode_batch
     shapes = {"decode": (StepShape(BatchShape(max(16, r), r, width, r), 0, 0), r),

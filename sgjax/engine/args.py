@@ -19,12 +19,17 @@ class ServerArgs:
     # auto: the checkpoint's weights; dummy: random weights of the checkpoint's config (an HF directory's
     # config.json), with its tokenizer: serving benchmarks of large shapes where the weights are not at hand.
     load_format: str = "auto"
-    dtype: str | None = None  # float32 | bfloat16 (SGLang's spellings: auto, float, ...); default by platform
-    # The matrices' dtype (model/config.weight_dtype): auto is the model's, but bf16 for a float32 model on one CPU
-    # with bf16 dot instructions (engine/loading.default_weight_dtype); bfloat16 under a float32 model runs bf16
-    # dots with float32 accumulation (half the weight bytes; activations stay float32).
+    # float32 | bfloat16 (SGLang's spellings: auto, float, ...): the activations, and the matrices and the KV pool
+    # unless weight_dtype / kv_cache_dtype say otherwise; None / auto: the platform's default (engine/plan.py).
+    dtype: str | None = None
+    # The matrices' dtype: auto (engine/plan.py: a GGUF's own int4 / int8 blocks, or bf16, on a CPU with the dot
+    # instructions, for a float32 model), float32, bfloat16 (bf16 dots with float32 accumulation under float32
+    # activations), int8 or int4.
     weight_dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto, the model's dtype, or bfloat16 under float32 (loading.default_kv_dtype)
+    kv_cache_dtype: str = "auto"  # auto (bfloat16 beside narrowed matrices on a CPU), float32 or bfloat16
+    # Refuse to start unless a request's greedy tokens cannot depend on the other requests of its steps (SGLang's
+    # flag; the plan says which runs promise it: engine/plan.py, docs/engine.md).
+    enable_deterministic_inference: bool = False
     tokenizer_path: str | None = None  # the tokenizer's GGUF file or HF directory, when not the model's
     chat_template: str | None = None  # a jinja file or a built-in name (model/chat_templates.py) for the chat routes
     trust_remote_code: bool = False  # accepted for SGLang's launch lines; sgjax runs no model code from checkpoints
@@ -98,21 +103,26 @@ ENGINE_FLAGS = [
     ("load_format", dict(choices=["auto", "dummy"],
                          help="auto: the checkpoint's weights; dummy: random weights of the HF directory's "
                               "config.json (serving benchmarks of large shapes)")),
-    ("dtype", dict(choices=list(DTYPES), help="weights and activations dtype: float32 or bfloat16 (SGLang's "
-                   "spellings: auto is the platform's default, float32 on CPU and bfloat16 on accelerators; float is "
-                   "float32; half / float16 are refused)")),
+    ("dtype", dict(choices=list(DTYPES), help="activations, weights and KV cache dtype: float32 or bfloat16 "
+                   "(--weight-dtype / --kv-cache-dtype override the last two; SGLang's spellings: auto is the "
+                   "platform's default, float32 on CPU and bfloat16 on accelerators, and lets auto narrow the "
+                   "matrices and the pool; float is float32; half / float16 are refused)")),
     ("weight_dtype", dict(choices=["auto", "float32", "bfloat16", "int8", "int4"],
-                          help="the weight matrices' dtype: auto (the model's; bfloat16 for a float32 model on a CPU "
-                               "with AVX512-BF16 or AMX-BF16 unless SGJAX_AUTO_BF16=0), float32, bfloat16 (bf16 "
-                               "dots with float32 accumulation under float32 activations) or int8 (each output row "
-                               "int8 with a float32 scale, one device; a CPU's decode quantizes activations per "
-                               "block of 64 for integer dot products) or int4 (groups of 32 weights along a row, "
-                               "4 bits each with a float32 scale, as llama.cpp's Q4_0)")),
+                          help="the weight matrices' dtype: auto (--dtype's when given; else on a CPU, for a float32 "
+                               "model, a GGUF's Q4_0 / Q4_1 / Q8_0 blocks kept as int4 / int8 where the CPU has int8 "
+                               "dot instructions, else bfloat16 where it has bf16 ones; else the model's), float32, "
+                               "bfloat16 (bf16 dots with float32 accumulation under float32 activations), int8 "
+                               "(a scale per 32 weights of a row, or per row) or int4 (groups of 32 weights along a "
+                               "row, 4 bits each with a scale and a minimum, as llama.cpp's Q4_1)")),
     ("kv_cache_dtype", dict(choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
-                            help="KV cache dtype: auto (the model's; bfloat16 for a float32 model on a CPU where "
-                                 "auto took bf16 or int weights), the model's, or bfloat16 under a float32 model "
-                                 "(cpu and ref attention: keys and values stored rounded, scores in float32); fp8 "
-                                 "caches are refused")),
+                            help="KV cache dtype: auto (--dtype's when given; bfloat16 for a float32 model on a CPU "
+                                 "where auto narrowed the matrices; else the model's), the model's, or bfloat16 "
+                                 "under a float32 model (cpu and ref attention: keys and values stored rounded, "
+                                 "scores in float32); fp8 caches are refused")),
+    ("enable_deterministic_inference", dict(action="store_true",
+                                            help="refuse to start unless every request's greedy tokens are independent "
+                                                 "of the other requests sharing its steps (batch invariance: the CPU's "
+                                                 "native kernels for dense models give it; /server_info's plan says)")),
     ("tokenizer_path", dict(help="tokenizer GGUF file or HF directory (default: the model's)")),
     ("chat_template", dict(help="chat template for the chat routes: a jinja file or a built-in name "
                                 "(chatml, llama-3); default: the tokenizer's")),

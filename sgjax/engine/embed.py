@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgjax.engine import mesh as tp
-from sgjax.engine.runner import bucket
+from sgjax.engine.buckets import bucket
+from sgjax.engine.plan import StepPlan
+from sgjax.engine.programs import ops_for
 from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import build_batch
 from sgjax.model.config import ModelConfig
@@ -24,20 +26,21 @@ READOUTS = ("embedding", "logprobs")
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_readout(cfg: ModelConfig, attention: str, readout: str, mesh=None, moe_kernel: str = "xla"):
+def jitted_readout(cfg: ModelConfig, plan: StepPlan, readout: str, mesh=None):
     """With a mesh: attention under shard_map over the heads as in the step (a Pallas kernel cannot be split by
-    GSPMD), and a replicated output, so each process reads its own copy."""
-    attend = get_backend(attention)
+    GSPMD), and a replicated output, so each process reads its own copy. `plan`: the step plan's program part."""
+    attend = get_backend(plan.attention)
     if mesh is not None:
         attend = tp.sharded_attention(attend, mesh)
-    experts_fn = tp.experts_for(cfg, mesh, moe_kernel)
+    experts_fn = tp.experts_for(cfg, mesh, plan.moe_kernel, plan.expert_parallel)
+    ops = ops_for(plan)
 
     def run(weights, pool, batch):
         if readout == "logprobs":
-            logits, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, experts_fn=experts_fn)
+            logits, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, ops=ops, experts_fn=experts_fn)
             out = jax.nn.log_softmax(logits, axis=-1)
         else:
-            hidden, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, output="hidden",
+            hidden, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, ops=ops, output="hidden",
                                 experts_fn=experts_fn)
             out = hidden / jnp.maximum(jnp.linalg.norm(hidden, axis=-1, keepdims=True), 1e-12)
         if mesh is not None:
@@ -47,8 +50,8 @@ def jitted_readout(cfg: ModelConfig, attention: str, readout: str, mesh=None, mo
     return jax.jit(run)
 
 
-def readout(cfg: ModelConfig, weights, attention: str, page_size: int, prompts: list[list[int]], kind: str,
-            mesh=None, to_device=jnp.asarray, moe_kernel: str = "xla") -> np.ndarray:
+def readout(cfg: ModelConfig, weights, plan: StepPlan, page_size: int, prompts: list[list[int]], kind: str,
+            mesh=None, to_device=jnp.asarray) -> np.ndarray:
     """[len(prompts), hidden] float32 unit vectors (kind "embedding") or [len(prompts), vocab] float32
     log p(next token | prompt) ("logprobs"). `to_device` places a host input (across hosts: each process its own
     devices' copies, Runner._to_device). Shapes are bucketed (tokens, requests, pages) as steps are."""
@@ -63,7 +66,7 @@ def readout(cfg: ModelConfig, weights, attention: str, page_size: int, prompts: 
     batch = build_batch([list(p) for p in prompts], [len(p) for p in prompts], tables, page_size,
                         bucket(sum(map(len, prompts)), 16), num_reqs, width)
     pool = allocate_pool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                         dtype=jnp.dtype(cfg.pool_dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
-    out = jitted_readout(cfg, attention, kind, mesh, moe_kernel)(weights, pool, jax.tree.map(to_device, batch))
+                         dtype=jnp.dtype(plan.kv_dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
+    out = jitted_readout(cfg, plan.program(), kind, mesh)(weights, pool, jax.tree.map(to_device, batch))
     local = out if out.is_fully_addressable else out.addressable_data(0)
     return np.asarray(local)[:len(prompts)]

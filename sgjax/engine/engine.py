@@ -22,8 +22,9 @@ import jax
 
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.images import ImageEncoder
-from sgjax.engine.loading import (VISION, apply_process_settings, check_args, default_dtype, default_kv_dtype,
-                                  default_weight_dtype, load_model_cached, pool_pages)
+from sgjax.engine.loading import (VISION, apply_process_settings, block_dtype, check_args, load_model_cached,
+                                  pool_pages, run_weights)
+from sgjax.engine.plan import Machine, StepPlan, activation_dtype, resolve
 from sgjax.engine import distributed, mesh as tp
 from sgjax.engine import scoring, sinks
 from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
@@ -34,12 +35,11 @@ from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.engine.steplog import StepRecord, StepWatcher, record_of
 from sgjax.errors import INTERNAL, SHUTDOWN, EngineError
-from sgjax.kernels import default_backend
 from sgjax.model import chat_templates
 from sgjax.model.config import ModelConfig
-from sgjax.model.moe import default_kernel as default_moe_kernel
 from sgjax.model.tokenizer import Tokenizer, load_tokenizer
-from sgjax.model.weights import Weights, with_weight_dtype
+from sgjax.model.loader import load_config
+from sgjax.model.weights import Weights, matrices_dtype
 
 log = logging.getLogger("sgjax.engine")
 
@@ -52,52 +52,53 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs):
         """Load a model (None: the default SmolLM2) and start serving. kwargs: ServerArgs fields."""
         args = ServerArgs.from_kwargs(model_path, kwargs)
-        dtype = default_dtype(args)
-        check_args(args, dtype)
+        machine = Machine.here()
+        dtype = activation_dtype(args, machine.platform)
+        check_args(args)
         apply_process_settings(args)  # before loading: casting the weights compiles programs the cache keeps
         mesh = tp.make_mesh(args.tp_size)  # before loading: a tp_size the host cannot give fails at once
+        cfg = load_config(args.model_path, dtype, args.load_format)
+        plan = resolve(args, cfg, machine, block_dtype=block_dtype(args.model_path) if args.load_format == "auto"
+                       else None)
         cfg, weights = load_model_cached(args.model_path, dtype, args.load_format,
-                                         mesh=mesh if args.tp_size > 1 else None, ep_size=args.ep_size,
-                                         weight_dtype=default_weight_dtype(args, dtype))
+                                         mesh=mesh if args.tp_size > 1 else None, plan=plan)
         tokenizer = None
         if not args.skip_tokenizer_init:
             tokenizer = chat_templates.with_template(load_tokenizer(args.tokenizer_path or args.model_path),
                                                      args.chat_template, cfg.architecture)
-        self._start(args, cfg, weights, tokenizer, VISION.get((args.model_path, dtype, args.load_format)))
+        self._start(args, plan, cfg, weights, tokenizer, VISION.get((args.model_path, dtype, args.load_format)))
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None, **kwargs):
-        """An engine over weights already in memory (dummy weights for benchmarks, tiny models in tests).
-        Without a tokenizer the engine takes input_ids and returns output_ids only (skip_tokenizer_init)."""
+        """An engine over weights already in memory (dummy weights for benchmarks, tiny models in tests), in
+        cfg.dtype. Without a tokenizer the engine takes input_ids and returns output_ids only (skip_tokenizer_init).
+        auto keeps the matrices as given; an explicit weight_dtype casts them."""
         args = ServerArgs.from_kwargs(None, {**kwargs, "skip_tokenizer_init": tokenizer is None})
-        if args.weight_dtype != "auto":  # auto: the weights as given
-            cfg, weights = with_weight_dtype(cfg, weights, default_weight_dtype(args, cfg.dtype))
+        plan = resolve(args, cfg, Machine.here(), given=matrices_dtype(weights))
+        mesh = tp.make_mesh(args.tp_size) if args.tp_size > 1 else None
+        if mesh is not None:
+            tp.check_model(cfg, args.tp_size, args.ep_size)
         engine = cls.__new__(cls)
-        engine._start(args, cfg, weights, tokenizer)
+        engine._start(args, plan, cfg, run_weights(cfg, weights, plan, mesh), tokenizer)
         return engine
 
-    def _start(self, args: ServerArgs, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None,
-               vision=None) -> None:
-        platform = jax.devices()[0].platform
-        attention = args.attention_backend or default_backend(platform)
-        kv_dtype = default_kv_dtype(args, cfg.dtype, cfg.weight_dtype or cfg.dtype, attention, platform)
-        cfg = cfg.replace(kv_dtype=None if kv_dtype == cfg.dtype else kv_dtype)
+    def _start(self, args: ServerArgs, plan: StepPlan, cfg: ModelConfig, weights: Weights,
+               tokenizer: Tokenizer | None, vision=None) -> None:
+        """`weights` as the plan's step reads them (loading.run_weights)."""
         self.mesh = tp.make_mesh(args.tp_size)
         tp.check_model(cfg, args.tp_size, args.ep_size)
+        log.info(plan.line())
         self._fatal_message: str | None = None
         self._fatal_lock = threading.Lock()
         self._in_call: Call | None = None  # the Call the engine thread runs (a readout may hang with a lost host)
         leader, follower = distributed.roles(args, on_lost=self._fatal)  # (None, None) on one host
-        # The sharded model's config (KV heads replicated up to tp_size) and weights placed on the mesh; tp_size 1
-        # keeps the single-device program as it was.
-        run_cfg = tp.ep_config(tp.tp_config(cfg, args.tp_size), args.ep_size)
+        # The sharded model's config (KV heads replicated up to tp_size); tp_size 1 keeps the single-device program.
+        run_cfg = tp.tp_config(cfg, args.tp_size)
         run_mesh = self.mesh if args.tp_size > 1 else None
-        if run_mesh is not None:
-            weights = tp.place_weights(tp.ep_config(cfg, args.ep_size), weights, run_mesh)
         apply_process_settings(args)
-        self.args, self.model_config, self.tokenizer = args, cfg, tokenizer
+        self.args, self.plan, self.model_config, self.tokenizer = args, plan, cfg, tokenizer
         self.context_length = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_pages = 1 + pool_pages(args, run_cfg, platform)
+        num_pages = 1 + pool_pages(args, run_cfg, plan.kv_dtype)
         if args.nnodes > 1:  # rank 0's pool size everywhere (free memory may differ between hosts)
             num_pages = distributed.agree(num_pages, leader is not None)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -107,13 +108,9 @@ class Engine:
             init_new_token_ratio=0.7 * args.schedule_conservativeness,
             min_new_token_ratio=0.1 * args.schedule_conservativeness, seed=args.random_seed))
         self.max_total_tokens = (num_pages - 1) * args.page_size
-        self.runner = Runner(run_cfg, weights, num_pages=num_pages, page_size=args.page_size,
-                             max_context=self.context_length,
-                             attention=attention,
-                             max_top_logprobs=args.max_top_logprobs_num,
-                             coarse=None if args.step_buckets is None else args.step_buckets == "coarse",
-                             max_reqs=args.max_running_requests, mesh=run_mesh,
-                             moe_kernel=args.moe_kernel or default_moe_kernel(platform))
+        self.runner = Runner(run_cfg, weights, plan, num_pages=num_pages, page_size=args.page_size,
+                             max_context=self.context_length, max_top_logprobs=args.max_top_logprobs_num,
+                             max_reqs=args.max_running_requests, mesh=run_mesh)
         self.runner.leader = leader
         self._follower = follower
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
@@ -140,7 +137,7 @@ class Engine:
         self._step_seconds = 0.0
         self._closed = False
         self._preparing = 0  # async_generate calls being tokenized (read by queued_requests, event-loop thread)
-        if args.precompile if args.precompile is not None else platform != "cpu":
+        if args.precompile if args.precompile is not None else plan.platform != "cpu":
             self._precompile()  # a follower compiles the same shapes; rank 0's warm-up runs them on both
         if follower is not None:  # a follower runs no loop thread: `follow` executes rank 0's steps
             return

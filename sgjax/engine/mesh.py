@@ -40,7 +40,7 @@ except ImportError:
 # logical axis -> mesh axis; axes not named here are replicated ("vocab", "embed", "layers", "router")
 RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "expert_mlp": "tensor"}
 VOCAB_RULES = {**RULES, "vocab": "tensor"}  # the vocab-sharded alternative (scripts/perf/bench_tp.py --shard-vocab)
-# expert parallelism: whole experts per device instead of every expert's columns (ModelConfig.expert_parallel)
+# expert parallelism: whole experts per device instead of every expert's columns (the step plan's expert_parallel)
 EP_CHANGES = {"expert": "tensor", "expert_mlp": None}
 KV_LEAVES = ("wk", "wv", "bk", "bv")
 POOL_SPEC = P(None, None, None, "tensor", None)  # [L, pages, page_size, 2*Hkv, D]: K/V interleaved by head
@@ -78,11 +78,6 @@ def check_model(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
         raise ValueError(f"ep_size={ep} must divide the model's {cfg.num_experts} experts")
     if ep == 1 and cfg.mlp_width % tp:
         raise ValueError(f"tp_size={tp} must divide the model's MLP width {cfg.mlp_width}")
-
-
-def ep_config(cfg: ModelConfig, ep: int) -> ModelConfig:
-    """The config the model runs with under expert parallelism (ep > 1: whole experts per device)."""
-    return cfg.replace(expert_parallel=ep > 1) if cfg.is_moe else cfg
 
 
 def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -131,14 +126,15 @@ def _from_leaves(flat: dict[str, Any]) -> W.Weights:
                      **{k: v for k, v in flat.items() if k not in layer_names})
 
 
-def place_weights(cfg: ModelConfig, weights: W.Weights, mesh: Mesh, shard_vocab: bool = False) -> W.Weights:
+def place_weights(cfg: ModelConfig, weights: W.Weights, mesh: Mesh, shard_vocab: bool = False,
+                  expert_parallel: bool = False) -> W.Weights:
     """Stacked weights (host numpy or device arrays) on the mesh, KV heads expanded for tp > num_kv_heads. A leaf
     already placed as wanted is kept; any other is copied to the host one leaf at a time and each device gets only
     its slice (make_array_from_callback), so no device holds the whole model."""
     if isinstance(weights.layers, (tuple, list)):
         raise ValueError("place_weights takes stacked layers (place first, then unstack)")
     tp = tp_size(mesh)
-    target = _leaves(weight_shardings(_expanded_struct(cfg, weights, tp), mesh, shard_vocab, cfg.expert_parallel))
+    target = _leaves(weight_shardings(_expanded_struct(cfg, weights, tp), mesh, shard_vocab, expert_parallel))
     out = {}
     for name, a in _leaves(weights).items():
         if a is None:
@@ -179,16 +175,17 @@ def unstack_placed(weights: W.Weights, mesh: Mesh, shard_vocab: bool = False,
     return jax.jit(W.unstack_layers, out_shardings=out)(weights)
 
 
-def dummy_weights(cfg: ModelConfig, mesh: Mesh, seed: int = 0, shard_vocab: bool = False) -> W.Weights:
+def dummy_weights(cfg: ModelConfig, mesh: Mesh, seed: int = 0, shard_vocab: bool = False,
+                  expert_parallel: bool = False) -> W.Weights:
     """Random weights born sharded: the initialiser is jitted with out_shardings (jax's partitionable threefry gives
     the same values as the unsharded `weights.dummy_weights`), KV heads then expanded for tp > num_kv_heads."""
     tp = tp_size(mesh)
-    table = rules(shard_vocab, cfg.expert_parallel)
+    table = rules(shard_vocab, expert_parallel)
     if cfg.num_kv_heads % tp:
         table = {**table, "kv_heads": None}  # replicated until expanded
     flat = {name: NamedSharding(mesh, P(*(table.get(n) for n in W.LOGICAL_AXES[name])))
             for name in W.shapes(cfg)}
-    return place_weights(cfg, W.dummy_weights(cfg, seed, shardings=flat), mesh, shard_vocab)
+    return place_weights(cfg, W.dummy_weights(cfg, seed, shardings=flat), mesh, shard_vocab, expert_parallel)
 
 
 # -- attention under shard_map ---------------------------------------------------------------------------------
@@ -224,25 +221,25 @@ def sharded_attention(attend, mesh: Mesh):
 
 
 # -- experts: expert parallelism or tensor-parallel experts, under shard_map ------------------------------------
-def experts_for(cfg: ModelConfig, mesh: Mesh | None, kernel: str):
+def experts_for(cfg: ModelConfig, mesh: Mesh | None, kernel: str, expert_parallel: bool = False):
     """The forward's experts_fn: None for a dense model, model/moe.experts with `kernel` (xla | pallas) on one
     device, sharded_experts over a mesh."""
     if not cfg.is_moe:
         return None
     if mesh is not None:
-        return sharded_experts(mesh, cfg, kernel)
+        return sharded_experts(mesh, cfg, kernel, expert_parallel)
     return functools.partial(experts, activation=cfg.activation, kernel=kernel)
 
 
-def sharded_experts(mesh: Mesh, cfg: ModelConfig, kernel: str = "xla"):
+def sharded_experts(mesh: Mesh, cfg: ModelConfig, kernel: str = "xla", expert_parallel: bool = False):
     """model/moe.experts over the mesh. The residual stream is replicated (attention is tensor-parallel), so every
     device already holds every token: it routes them all (the same on every device), runs the (token, expert)
     pairs of the experts it holds, and one psum adds the devices' partial outputs: the same single all-reduce of
     [T, D] per layer as a dense tensor-parallel MLP, and no all-to-all (which only pays when the tokens themselves
-    are split over the devices, as in data-parallel attention). Expert parallelism (cfg.expert_parallel) holds
+    are split over the devices, as in data-parallel attention). Expert parallelism (expert_parallel) holds
     E / tp whole experts per device (a grouped matmul per device on tp times fewer groups); otherwise every
     device holds every expert's 1 / tp columns."""
-    ep = cfg.expert_parallel
+    ep = expert_parallel
     up_spec = P("tensor", None, None) if ep else P(None, None, "tensor")
     down_spec = P("tensor", None, None) if ep else P(None, "tensor", None)
 

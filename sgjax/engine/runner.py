@@ -4,35 +4,26 @@ One step = forward + sampler in a single jitted program, fed by a single int32 b
 per-row sampling parameters, floats bit-cast) and returning only the sampled tokens and logprobs, so a step costs
 one host->device and one device->host transfer and never syncs inside. The KV pool is donated.
 
-Shapes come from buckets (powers of two): tokens T, requests R, logits rows L, page-table width P (the `ref`
-backend reads every page-table entry, so under the fine ladder P follows the longest live context; the Pallas
-kernels read only `kv_lens` pages, so P is fixed there), penalty history W (0 unless a request uses penalties),
-top-logprobs K and mask words. Everything else is an array, so a steady workload compiles nothing new.
-
-Two bucket ladders (`Buckets`). `fine` (CPU) sizes T (from 4 rows), R, L, K and P to the batch: a CPU compile
-is cheap (the layers are scanned) and padding costs CPU time. `coarse` (accelerators) makes the shape a function of T alone
-plus switches: R = min(T, max requests), L = R or T (T only when prompt logprobs outnumber R), K 0 or the maximum,
-P the whole context, mask words 0 or the whole vocabulary, the sampler's filters on or off (engine/sampler.py,
-`Branches`: no device predicate in an accelerator's step). A GPU compile costs about 9 s (the layers are unrolled there, see docs/architecture.md) and programs
-submit asynchronously, so the fine ladder met new (T, R, L, K) combinations in the middle of timed runs. The
-coarse ladder has at most 4 shapes per T, all compiled at start, in parallel threads. Its padding is cheap on the
-H200 (`scripts/probes/probe_step_compile.py`): 3 decode rows of SmolLM2's shapes take 2.46 ms as (T, R, L) = (16, 16,
-16) against 2.34 ms fitted (16, 4, 4); Llama-3-8B's 7.38 against 7.11 ms.
+Shapes come from buckets (engine/buckets.py): tokens T, requests R, logits rows L, page-table width P (the `ref`
+backend reads every page-table entry, so under the fine ladder P follows the longest live context; the native and
+Pallas kernels read only `kv_lens` pages, so P is fixed there), penalty history W (0 unless a request uses
+penalties), top-logprobs K and mask words. Everything else is an array, so a steady workload compiles nothing new.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sgjax.engine import mesh as tp
+from sgjax.engine.buckets import Buckets, bucket
+from sgjax.engine.plan import StepPlan
 from sgjax.engine.programs import compiles, jitted_step
-from sgjax.engine.sampler import Branches, default_rows, uses_filter
+from sgjax.engine.sampler import default_rows, uses_filter
 from sgjax.engine.scheduler import Work
 from sgjax.engine.sentinels import bias_entry, future_history, future_slot, prompt_entry
 from sgjax.engine.step import DeviceState, StepShape
@@ -40,81 +31,23 @@ from sgjax.engine.step import pack as pack_step
 from sgjax.kernels import allocate_pool
 from sgjax.model.batch import BatchShape, build_batch
 from sgjax.model.config import ModelConfig
-from sgjax.model.weights import Weights, layer_loop_for, prepare
+from sgjax.model.weights import Weights
 
 
 # A sampling row's temperature is float32: far above any logit range, larger values change nothing.
 MAX_TEMPERATURE = 1e6
 
 
-def bucket(n: int, minimum: int, factor: int = 2) -> int:
-    b = minimum
-    while b < n:
-        b *= factor
-    return b
-
-
-@dataclass(frozen=True)
-class Buckets:
-    """How a batch's sizes round up to a compiled shape (see the module docstring)."""
-
-    coarse: bool
-    max_reqs: int  # the most requests a step can hold (coarse: R's ceiling)
-    max_top_logprobs: int
-
-    def tokens(self, num_tokens: int) -> int:
-        """T. Fine (CPU) from 1 row: a CPU step pays for its padded rows' matmuls, and XLA's CPU runs a one-row
-        float32 product as a matrix-vector kernel at about twice the speed of a 4-row one (one stream's decode,
-        docs/engine.md "CPU attention and step sizes")."""
-        return bucket(num_tokens, 16 if self.coarse else 1)
-
-    def reqs(self, num_tokens: int, num_reqs: int) -> int:
-        if not self.coarse:
-            return bucket(num_reqs, 4)
-        return max(min(num_tokens, bucket(self.max_reqs, 4)), bucket(num_reqs, 4))
-
-    def logits(self, num_rows: int, num_reqs: int, num_tokens: int) -> int:
-        if not self.coarse:  # from 1 row, as T: one stream's LM head is a matrix-vector product too
-            return bucket(max(num_rows, 1), 1)
-        return num_reqs if num_rows <= num_reqs else num_tokens
-
-    def top(self, wanted: int) -> int:
-        if not wanted:
-            return 0
-        if self.coarse:  # one K > 0 on an accelerator: a top-k of 20 costs about what a top-k of 1 does
-            return self.max_top_logprobs
-        return bucket(min(wanted, self.max_top_logprobs), 1)
-
-    def branches(self, filters: bool) -> Branches:
-        """Accelerators fix the sampler's optional parts in the shape (a device predicate would make the dispatch
-        wait for the forward); a CPU decides them on the device (engine/sampler.py)."""
-        return Branches.for_step(self.coarse, filters)
-
-    def tokens_ladder(self, max_tokens: int) -> list[int]:
-        """Every T bucket up to the one holding max_tokens (what precompilation walks)."""
-        out = [16]
-        while out[-1] < max_tokens:
-            out.append(out[-1] * 2)
-        return out
-
-
 class Runner:
-    def __init__(self, cfg: ModelConfig, weights: Weights, *, num_pages: int, page_size: int, max_context: int,
-                 attention: str, max_top_logprobs: int = 20, coarse: bool | None = None, max_reqs: int = 64,
-                 mesh: jax.sharding.Mesh | None = None, moe_kernel: str = "xla"):
-        """`mesh`: tensor parallelism (engine/mesh.py); then cfg is the sharded model's (mesh.tp_config) and the
-        weights are placed (mesh.place_weights), stacked."""
-        self.cfg, self.page_size, self.attention, self.mesh = cfg, page_size, attention, mesh
-        self.moe_kernel = moe_kernel  # a mixture of experts' grouped matmuls (model/moe.experts): xla | pallas
-        self.platform = jax.devices()[0].platform
-        coarse = self.platform != "cpu" if coarse is None else coarse
-        self.buckets = Buckets(coarse=coarse, max_reqs=max_reqs, max_top_logprobs=max_top_logprobs)
-        if mesh is not None and layer_loop_for(self.platform, cfg) != "scan":
-            self.weights = tp.unstack_placed(weights, mesh, shard_vocab=_vocab_sharded(weights),
-                                             expert_parallel=cfg.expert_parallel)
-        else:
-            cfg, self.weights = prepare(cfg, weights, self.platform)
-            self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, weights: Weights, plan: StepPlan, *, num_pages: int, page_size: int,
+                 max_context: int, max_top_logprobs: int = 20, max_reqs: int = 64,
+                 mesh: jax.sharding.Mesh | None = None):
+        """`weights` as the plan's step reads them (engine/loading.run_weights); `mesh`: tensor parallelism
+        (engine/mesh.py), cfg then the sharded model's (mesh.tp_config)."""
+        self.cfg, self.weights, self.plan, self.page_size, self.mesh = cfg, weights, plan, page_size, mesh
+        self.attention = plan.attention
+        self.platform = plan.platform
+        self.buckets = Buckets(coarse=plan.buckets == "coarse", max_reqs=max_reqs, max_top_logprobs=max_top_logprobs)
         self.max_pages = -(-max_context // page_size)
         self.max_top_logprobs = max_top_logprobs
         self.num_pages = num_pages
@@ -126,8 +59,7 @@ class Runner:
         self.multiprocess = mesh is not None and not all(d.process_index == jax.process_index()
                                                          for d in mesh.devices.flat)
         self.reset_pool()
-        self.step = jitted_step(cfg, attention, mesh, moe_kernel, calls=layer_loop_for(self.platform, cfg) == "calls"
-                                and mesh is None)
+        self.step = jitted_step(cfg, plan, mesh)
         self.shapes_seen: set[StepShape] = set()
 
     def reset_pool(self) -> None:
@@ -137,7 +69,8 @@ class Runner:
         if self.leader is not None:
             self.leader.reset()
         pool = allocate_pool(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
-                             dtype=jnp.dtype(cfg.pool_dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
+                             dtype=jnp.dtype(self.plan.kv_dtype),
+                             sharding=None if mesh is None else tp.pool_sharding(mesh))
         place = self._to_device if mesh is not None else jnp.asarray
         future = place(np.zeros(self.max_reqs, np.int32))
         expert_tokens = place(np.zeros((cfg.num_layers, cfg.num_experts), np.int32)) if cfg.is_moe else None
@@ -145,15 +78,15 @@ class Runner:
         self._expert_base = None  # the warm-up's routing (host), left out of the report
 
     def report(self) -> dict:
-        """The runner's part of the server info: its kernels and dtypes, the shapes it compiled, and a mixture of
-        experts' kernel and routing since the pool was made ((token, choice) pairs per layer and expert; none for a
-        lost state). Waits for the steps in flight: the engine asks between steps."""
-        cfg = self.cfg
-        out = {"attention_backend": self.attention, "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype or cfg.dtype,
-               "kv_cache_dtype": cfg.pool_dtype,
-               "matmul": cfg.matmul, "compiled_shapes": len(self.shapes_seen), "traces": self.traces}
+        """The runner's part of the server info: its step plan, the shapes it compiled, and a mixture of experts'
+        routing since the pool was made ((token, choice) pairs per layer and expert; none for a lost state). Waits
+        for the steps in flight: the engine asks between steps."""
+        cfg, plan = self.cfg, self.plan
+        out = {"attention_backend": plan.attention, "dtype": plan.dtype, "weight_dtype": plan.weight_dtype,
+               "kv_cache_dtype": plan.kv_dtype, "matmul": plan.matmul, "step_plan": plan.describe(),
+               "compiled_shapes": len(self.shapes_seen), "traces": self.traces}
         if cfg.is_moe:
-            out["moe_kernel"] = self.moe_kernel
+            out["moe_kernel"] = plan.moe_kernel
         state = self.state
         if state is not None and state.expert_tokens is not None and not state.lost():
             counts = np.asarray(jax.device_get(_local(state.expert_tokens)))
@@ -186,8 +119,7 @@ class Runner:
 
         if self.leader is not None:
             self.leader.readout(READOUTS.index(kind), prompts)
-        return readout(self.cfg, self.weights, self.attention, self.page_size, prompts, kind, self.mesh,
-                       self._to_device, self.moe_kernel)
+        return readout(self.cfg, self.weights, self.plan, self.page_size, prompts, kind, self.mesh, self._to_device)
 
     def release(self) -> None:
         """Drop the device state (shutdown): the pool's memory goes back to the device."""
@@ -207,7 +139,7 @@ class Runner:
 
     def _width(self, pages: int) -> int:
         # the kernels read only each row's pages (kv_lens), so a wide table costs nothing and compiles nothing new
-        if self.attention.startswith("pallas") or self.attention == "cpu" or self.buckets.coarse:
+        if self.attention != "ref" or self.buckets.coarse:
             return self.max_pages
         return min(bucket(pages, 16), self.max_pages)
 
@@ -455,11 +387,6 @@ class Runner:
 def _local(x):
     """A replicated step output as this process can read it: across hosts, its copy on a local device."""
     return x if x.is_fully_addressable else x.addressable_data(0)
-
-
-def _vocab_sharded(weights: Weights) -> bool:
-    spec = getattr(weights.embed.sharding, "spec", ())
-    return len(spec) > 0 and spec[0] is not None
 
 
 def uses_penalties(p) -> bool:

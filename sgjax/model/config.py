@@ -41,22 +41,9 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
-    dtype: str = "float32"  # parameter and activation dtype: float32 | bfloat16
-    # The matrices' dtype when it is not `dtype`'s (weights.MATMUL_LEAVES): "bfloat16" under float32 activations
-    # runs each dot as bf16 x bf16 with float32 accumulation and keeps the rest (norms, attention, residual,
-    # sampler) in float32; a run setting (engine/loading.py), not the checkpoint's.
-    weight_dtype: str | None = None
-    # The KV pool's dtype when it is not `dtype`'s: "bfloat16" under float32 activations stores keys and values
-    # rounded to bf16 (scores and sums stay float32), halving the bytes a decode step's attention reads; a run
-    # setting (engine/loading.default_kv_dtype).
-    kv_dtype: str | None = None
-    # How the dense matrices are stored: "kn" [in, out] (what the forward multiplies by), or "nk" [out, in] (HF's
-    # own layout) for bf16 matrices on a CPU, where XLA's bf16 product against [N, K] runs ~1.5x faster at decode's
-    # few rows (weights.with_matrix_layout; a run setting, like weight_dtype).
-    matrix_layout: str = "kn"
-    # Who multiplies by the matrices: "xla" (its dots), or "cpu": decode's few-row products through the native
-    # kernel kernels/cpu_matmul.cc (model/llama.dots), for bf16 or int8 matrices [out, in] on a CPU (a run setting).
-    matmul: str = "xla"
+    # The params' float dtype and the activations' (the dtype the model was loaded in). How a run narrows its matrices
+    # or its KV pool is the step plan's (engine/plan.py), never the checkpoint's.
+    dtype: str = "float32"
     # The few blocks a family changes (their defaults are Llama's).
     qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's q and k before RoPE
     sandwich_norms: bool = False  # Gemma 2/3: the attention and MLP outputs are normed too, before the residual
@@ -76,9 +63,6 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
-    # A run setting, not the checkpoint's (like tp_config's KV heads): with tensor parallelism, whole experts per
-    # device (expert parallelism, --ep-size = --tp-size) instead of every expert's columns split (engine/mesh.py).
-    expert_parallel: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -86,14 +70,6 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.weight_dtype not in (None, "float32", "bfloat16", "int8", "int4"):
-            raise ValueError(f"weight_dtype must be float32, bfloat16, int8 or int4, got {self.weight_dtype!r}")
-        if self.kv_dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"kv_dtype must be float32 or bfloat16, got {self.kv_dtype!r}")
-        if self.matmul not in ("xla", "cpu"):
-            raise ValueError(f"matmul must be xla or cpu, got {self.matmul!r}")
-        if self.matrix_layout not in ("kn", "nk"):
-            raise ValueError(f"matrix_layout must be kn or nk, got {self.matrix_layout!r}")
         if self.rope_scaling.kind not in ("default", "linear", "llama3"):
             raise UnsupportedModelError(f"rope scaling {self.rope_scaling.kind!r} is not supported")
         if self.activation not in ("silu", "gelu_tanh"):
@@ -107,11 +83,6 @@ class ModelConfig:
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
-
-    @property
-    def pool_dtype(self) -> str:
-        """The KV pool's dtype."""
-        return self.kv_dtype or self.dtype
 
     @property
     def q_size(self) -> int:

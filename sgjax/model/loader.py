@@ -35,6 +35,34 @@ def load_model(model_path: str | None = None, dtype: str = "float32",
     return load_hf_dir(path, dtype, host)
 
 
+def load_config(model_path: str | None = None, dtype: str = "float32", load_format: str = "auto") -> ModelConfig:
+    """The checkpoint's config alone (metadata, config.json): what the step plan is resolved from before the weights
+    are read."""
+    if load_format == "dummy" or (model_path is not None and os.path.isfile(os.path.join(model_path, "config.json"))
+                                  and _model_type(model_path) == "llava"):
+        from sgjax.model.vision import text_config_from_llava
+
+        if load_format == "dummy":
+            if model_path is None or not os.path.isdir(model_path):
+                raise ValueError(f"load_format 'dummy' needs an HF directory with config.json, got {model_path!r}")
+            return config_from_hf_dir(model_path, dtype)
+        with open(os.path.join(model_path, "config.json")) as f:
+            return text_config_from_llava(json.load(f), dtype)
+    if _is_orbax(model_path):
+        with open(os.path.join(os.path.abspath(model_path), ORBAX_CONFIG)) as f:
+            return _config_from_json(json.load(f)).replace(dtype=dtype)
+    path = resolve_model_path(model_path)
+    if path.endswith(".gguf"):
+        reader = gguf_meta.open_gguf(path)
+        return config_from_gguf(gguf_meta.read_metadata(path), {t.name for t in reader.tensors}, dtype)
+    return config_from_hf_dir(path, dtype)
+
+
+def _model_type(path: str) -> str | None:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f).get("model_type")
+
+
 def _is_orbax(path: str | None) -> bool:
     return path is not None and os.path.isfile(os.path.join(path, ORBAX_CONFIG))
 
@@ -52,7 +80,7 @@ def load_gguf(path: str, dtype: str = "float32", host: bool = False,
     """keep_blocks: the matrices stored as blocks our quantized formats hold exactly stay as they are, [out, in]:
     a layer's Q4_0 / Q4_1 matrices as Int4Matrix (quant.int4_from_q4_0 / _q4_1), any Q8_0 matrix (the embedding
     too) as a grouped
-    Int8Matrix (quant.int8_from_q8_0); what with_weight_dtype(.., "int4" / "int8") finishes (load_model_cached),
+    Int8Matrix (quant.int8_from_q8_0); what weights.cast_matrices(.., "int4" / "int8") finishes (loading.load_model_cached),
     without dequantizing and quantizing them again."""
     from gguf import GGMLQuantizationType, dequantize
 
@@ -71,7 +99,7 @@ def load_gguf(path: str, dtype: str = "float32", host: bool = False,
     for t in reader.tensors:
         parts = t.name.split(".")
         leaf = by_layer.get(".".join(parts[2:])) if parts[0] == "blk" else top.get(t.name)
-        keep = (kept_as.get(t.tensor_type) if keep_blocks and leaf is not None and leaf.name in W.INT8_LEAVES
+        keep = (kept_as.get(t.tensor_type) if keep_blocks and leaf is not None and leaf.name in W.QUANTIZED_LEAVES
                 and (leaf.layer or t.tensor_type == GGMLQuantizationType.Q8_0) else None)  # int4 keeps the top int8
         try:
             w = keep(np.asarray(t.data)) if keep else dequantize(t.data, t.tensor_type).astype(np.float32)

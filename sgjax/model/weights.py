@@ -1,10 +1,11 @@
 """The parameter pytree and its one declaration (`LEAVES`): shapes, logical axes, init, checkpoint names.
 
-Per-layer weights are stacked on a leading layer axis as loaded; `for_platform` keeps them stacked on CPU (the
-forward scans them: compile time flat in depth) and splits them into a tuple of per-layer weights on accelerators
-(the forward unrolls: scanning copied each layer's weights on the GPU, docs/architecture.md). Matrices are stored
-(in, out) so the forward is `x @ w`. Every leaf has logical axis names so that a sharding rule table can place them
-on a mesh without touching the model.
+Per-layer weights are stacked on a leading layer axis as loaded; the step plan (engine/plan.py) keeps them stacked
+where the forward scans them (CPU: compile time flat in depth) and splits them into a tuple of per-layer weights
+where it unrolls (accelerators: scanning copied each layer's weights on the GPU, docs/architecture.md). Float
+matrices are stored (in, out) so the forward is `x @ w`; quantized ones (model/quant.py) and the CPU's packed panels
+(model/native.py) are (out, in). Every leaf has logical axis names so that a sharding rule table can place them on a
+mesh without touching the model.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgjax.model.config import ModelConfig
-from sgjax.model.quant import is_quantized, quantize, quantize_int4
+from sgjax.model.quant import Int4Matrix, Int8Matrix, is_quantized, quantize, quantize_int4
 
 Array = Any
 
@@ -138,55 +139,61 @@ LEAVES: tuple[Leaf, ...] = (
     _expert("we_down", _FE, _D, ("expert_mlp", "embed"), "mlp.experts.{e}.down_proj.weight"),
 )
 LEAF = {leaf.name: leaf for leaf in LEAVES}
-# The matrices a dot reads (config.weight_dtype applies to these): every transposed leaf and the embedding (the tied
+# The matrices a dot reads (the plan's weight_dtype applies to these): every transposed leaf and the embedding (the tied
 # LM head), not the router, whose float32 logits pick the experts.
 MATMUL_LEAVES = frozenset({"embed"} | {leaf.name for leaf in LEAVES if leaf.transposed and leaf.name != "router"})
 
 
-# The dense matrices config.matrix_layout "nk" stores as [out, in]: not the router or the experts (ragged_dot and the
-# grouped-matmul kernel take [E, in, out]).
-NK_LEAVES = frozenset(leaf.name for leaf in LEAVES
-                      if leaf.transposed and leaf.name != "router" and "expert" not in leaf.axes)
-
-
-# The matrices --weight-dtype int8 and int4 quantize (model/quant.py): the dense ones and the embedding, stored
-# [out, in]; not the router or the experts. int4 keeps TOP_MATRICES (the embedding, the LM head) in int8.
-INT8_LEAVES = NK_LEAVES | {"embed"}
+# The dense matrices: every transposed leaf but the router and the experts (ragged_dot and the grouped-matmul kernel
+# take [E, in, out]). What --weight-dtype int8 / int4 quantizes (with the embedding, the tied head) and what the CPU's
+# native kernel multiplies (model/native.py).
+DENSE_LEAVES = frozenset(leaf.name for leaf in LEAVES
+                         if leaf.transposed and leaf.name != "router" and "expert" not in leaf.axes)
+QUANTIZED_LEAVES = DENSE_LEAVES | {"embed"}
+# int4 keeps these in int8: in 4 bits the tied head lost SmolLM2's greedy answers (docs/engine.md), and llama.cpp's
+# Q4 files keep them wider too.
 TOP_MATRICES = frozenset({"embed", "lm_head"})
 
 
-def leaf_dtype(cfg: ModelConfig, name: str):
-    """A leaf's float dtype (int8 matrices are quantized from the model's dtype by with_weight_dtype)."""
-    narrow = cfg.weight_dtype not in (None, "int8", "int4") and name in MATMUL_LEAVES
-    return jnp.dtype(cfg.weight_dtype if narrow else cfg.dtype)
+def matrices_dtype(weights: Weights) -> str:
+    """The matrices' dtype: float32 | bfloat16 | int8 | int4 (of the first layer's wq)."""
+    layers = weights.layers
+    wq = layers[0].wq if isinstance(layers, (tuple, list)) else layers.wq
+    if isinstance(wq, Int4Matrix):
+        return "int4"
+    if isinstance(wq, Int8Matrix):
+        return "int8"
+    return getattr(wq, "kind", None) or jnp.dtype(wq.dtype).name
 
 
-def with_weight_dtype(cfg: ModelConfig, weights: Weights, weight_dtype: str | None) -> tuple[ModelConfig, Weights]:
-    """(cfg, weights) with the matrices in weight_dtype (None or the model's dtype: unchanged); numpy leaves (host
-    weights for a mesh) stay numpy. Stacked and unrolled layers alike."""
-    if weight_dtype in (None, cfg.dtype) and cfg.weight_dtype is None:
-        return cfg, weights
-    if cfg.weight_dtype in ("int8", "int4"):
-        raise ValueError(f"{cfg.weight_dtype} matrices cannot be cast again: load the model's weights")
-    if weight_dtype in ("int8", "int4"):  # along each output row: [out, in] first
-        cfg, weights = with_matrix_layout(cfg, weights, "nk")
-    cfg = cfg.replace(weight_dtype=None if weight_dtype == cfg.dtype else weight_dtype)
+def cast_matrices(weights: Weights, weight_dtype: str) -> Weights:
+    """weights with their matrices in weight_dtype: float ones cast as they are ([in, out]), int8 / int4 quantized
+    along each output row ([out, in], model/quant.py; int4 keeps TOP_MATRICES in int8). Matrices already quantized
+    (a GGUF's kept blocks) stay. numpy leaves stay numpy; stacked and unrolled layers alike."""
+    current = matrices_dtype(weights)
+    if current == weight_dtype and current not in ("int8", "int4"):
+        return weights
+    if current in ("int8", "int4") and current != weight_dtype:
+        raise ValueError(f"{current} matrices cannot be cast to {weight_dtype}: load the model's weights")
+
+    def quantized(name, a):
+        rows = a if name == "embed" else (np.swapaxes(a, -1, -2) if isinstance(a, np.ndarray) else jnp.swapaxes(a, -1, -2))
+        return (quantize_int4 if weight_dtype == "int4" and name not in TOP_MATRICES else quantize)(rows)
 
     def cast(obj):
-        if cfg.weight_dtype in ("int8", "int4"):
-            # int4 keeps the embedding and LM head in int8 (llama.cpp's Q4 files keep them wider too): in 4 bits
-            # the tied head lost SmolLM2's greedy answers (docs/engine.md)
-            changes = {f.name: (quantize_int4 if cfg.weight_dtype == "int4" and f.name not in TOP_MATRICES
-                                else quantize)(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                       if f.name in INT8_LEAVES and getattr(obj, f.name) is not None
-                       and not is_quantized(getattr(obj, f.name))}  # a GGUF's Q4_1 / Q8_0 blocks, kept
-            return dataclasses.replace(obj, **changes)
-        changes = {f.name: getattr(obj, f.name).astype(leaf_dtype(cfg, f.name)) for f in dataclasses.fields(obj)
-                   if f.name in MATMUL_LEAVES and getattr(obj, f.name) is not None}
+        changes = {}
+        for f in dataclasses.fields(obj):
+            a = getattr(obj, f.name)
+            if a is None or is_quantized(a):
+                continue
+            if weight_dtype in ("int8", "int4") and f.name in QUANTIZED_LEAVES:
+                changes[f.name] = quantized(f.name, a)
+            elif weight_dtype not in ("int8", "int4") and f.name in MATMUL_LEAVES:
+                changes[f.name] = a.astype(jnp.dtype(weight_dtype))
         return dataclasses.replace(obj, **changes)
 
     layers = tuple(map(cast, weights.layers)) if isinstance(weights.layers, (tuple, list)) else cast(weights.layers)
-    return cfg, dataclasses.replace(cast(weights), layers=layers)
+    return dataclasses.replace(cast(weights), layers=layers)
 
 
 def hf_name(cfg: ModelConfig, leaf: Leaf) -> str:
@@ -217,6 +224,13 @@ def logical_axes(weights: Weights) -> Weights:
     return Weights(layers=layers, **axes_of(weights))
 
 
+def stack_layers(weights: Weights) -> Weights:
+    """Stacked weights (one array per leaf, layers first) from per-layer ones; stacked ones as they are."""
+    if not isinstance(weights.layers, (tuple, list)):
+        return weights
+    return dataclasses.replace(weights, layers=jax.tree.map(lambda *a: jnp.stack(a), *weights.layers))
+
+
 def unstack_layers(weights: Weights) -> Weights:
     """Per-layer weights for an unrolled forward (the GPU layout: see llama.forward)."""
     if isinstance(weights.layers, (tuple, list)):
@@ -224,57 +238,6 @@ def unstack_layers(weights: Weights) -> Weights:
     n = weights.layers.wq.shape[0]
     layers = tuple(jax.tree.map(lambda a, i=i: a[i], weights.layers) for i in range(n))
     return dataclasses.replace(weights, layers=layers)
-
-
-def with_matrix_layout(cfg: ModelConfig, weights: Weights, layout: str) -> tuple[ModelConfig, Weights]:
-    """(cfg, weights) with NK_LEAVES stored in `layout` ("kn" [in, out] or "nk" [out, in]); stacked or unrolled
-    layers alike."""
-    if layout == cfg.matrix_layout:
-        return cfg, weights
-
-    def flip(obj):
-        changes = {f.name: jnp.swapaxes(getattr(obj, f.name), -1, -2) for f in dataclasses.fields(obj)
-                   if f.name in NK_LEAVES and getattr(obj, f.name) is not None
-                   and not is_quantized(getattr(obj, f.name))}  # kept blocks: [out, in] always
-        return dataclasses.replace(obj, **changes)
-
-    layers = tuple(map(flip, weights.layers)) if isinstance(weights.layers, (tuple, list)) else flip(weights.layers)
-    return cfg.replace(matrix_layout=layout), dataclasses.replace(flip(weights), layers=layers)
-
-
-def cpu_bf16_matrices(platform: str, cfg: ModelConfig | None) -> bool:
-    """bf16 or int8 matrices under float32 activations on a CPU (config.weight_dtype), which run as layer calls
-    and [out, in]."""
-    return (platform == "cpu" and cfg is not None and cfg.weight_dtype in ("bfloat16", "int8", "int4")
-            and cfg.dtype == "float32")
-
-
-def layer_loop_for(platform: str, cfg: ModelConfig | None = None) -> str:
-    """'unrolled' on accelerators (weight traffic), 'scan' on CPU (compile time in tests and CI), but 'calls' for
-    bf16 or int8 matrices under float32 activations there (decode's few-row steps then run as one program of native
-    products, engine/programs.FewRowsStep): XLA's CPU runs a bf16 dot inside the scan's loop body 4-6x
-    slower than the float32 one (the fast bf16 dot is not used in a while loop), and an unrolled program compiles
-    for ~1 s per step shape, so the layers are host calls of one jitted block (model/llama.LayerCalls; a
-    tensor-parallel engine unrolls them instead, engine/runner.py; docs/engine.md)."""
-    if platform != "cpu":
-        return "unrolled"
-    return "calls" if cpu_bf16_matrices(platform, cfg) else "scan"
-
-
-def for_platform(weights: Weights, platform: str, cfg: ModelConfig | None = None) -> Weights:
-    return weights if layer_loop_for(platform, cfg) == "scan" else unstack_layers(weights)
-
-
-def prepare(cfg: ModelConfig, weights: Weights, platform: str) -> tuple[ModelConfig, Weights]:
-    """The (cfg, weights) a single-device forward runs on `platform`: layers unrolled or stacked (layer_loop_for),
-    bf16 matrices on a CPU [out, in] (config.matrix_layout)."""
-    weights = for_platform(weights, platform, cfg)
-    if cpu_bf16_matrices(platform, cfg):
-        from sgjax.kernels.cpu import available
-
-        cfg = cfg.replace(matmul="cpu" if available() else "xla")
-        return with_matrix_layout(cfg, weights, "nk")
-    return cfg, weights
 
 
 def shardings(weights: Weights, mesh: jax.sharding.Mesh, rules: Mapping[str, str | None]) -> Weights:
@@ -315,7 +278,7 @@ def assemble(cfg: ModelConfig, arrays: Mapping[str, Any], host: bool = False) ->
             continue
         if tuple(a.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)}, the config expects {shape}")
-        dtype = leaf_dtype(cfg, name)
+        dtype = jnp.dtype(cfg.dtype)
         out[name] = np.asarray(a, dtype=dtype) if host else jnp.asarray(a, dtype=dtype)
     layer_names = {f.name for f in dataclasses.fields(LayerWeights)}
     layers = LayerWeights(**{k: v for k, v in out.items() if k in layer_names})

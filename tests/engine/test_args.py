@@ -7,7 +7,7 @@ import pytest
 
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.engine import Engine
-from sgjax.engine.loading import check_args, default_dtype
+from sgjax.engine.plan import activation_dtype
 from sgjax.errors import RequestError
 from tests.engine.conftest import tiny_engine
 from sgjax.model import chat_templates
@@ -16,7 +16,7 @@ from sgjax.model import chat_templates
 @pytest.mark.parametrize("given, want", [("auto", "float32"), (None, "float32"), ("float", "float32"),
                                          ("float32", "float32"), ("bfloat16", "bfloat16")])
 def test_dtype_spellings(given, want):
-    assert default_dtype(ServerArgs(dtype=given)) == want  # CPU: auto is float32
+    assert activation_dtype(ServerArgs(dtype=given), "cpu") == want  # CPU: auto is float32
 
 
 @pytest.mark.parametrize("given", ["half", "float16"])
@@ -25,9 +25,7 @@ def test_float16_is_refused_by_name(given):
         Engine(dtype=given)
 
 
-def test_kv_cache_dtype_other_than_the_models_is_refused():
-    check_args(ServerArgs(kv_cache_dtype="auto"), "float32")
-    check_args(ServerArgs(kv_cache_dtype="bfloat16"), "bfloat16")
+def test_an_fp8_kv_cache_is_refused_by_name():
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e4m3'"):
         Engine(kv_cache_dtype="fp8_e4m3")
 

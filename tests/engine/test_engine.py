@@ -18,7 +18,7 @@ GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    with Engine(**SMALL) as eng:
+    with Engine(**SMALL, dtype="float32") as eng:  # HF parity: float32 as asked, whatever auto would pick
         yield eng
 
 
@@ -41,7 +41,7 @@ CONFIGS = [dict(schedule_policy=p) for p in POLICIES] + [dict(disable_radix_cach
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_greedy_batch_equals_hf_under_every_policy_and_cache(config, prompt_ids, hf_greedy):
-    with Engine(**SMALL, **config) as eng:
+    with Engine(**SMALL, **config, dtype="float32") as eng:
         outs = eng.generate(input_ids=prompt_ids, sampling_params=GREEDY)
         for i, (out, ref) in enumerate(zip(outs, hf_greedy)):
             assert out["output_ids"] == ref, f"prompt {i}"
@@ -225,6 +225,34 @@ def test_logprobs_match_hf(engine, hf_smollm2, smollm2):
     assert again["meta_info"]["input_token_logprobs"][0][0] is None
     np.testing.assert_allclose([lp for lp, _, _ in again["meta_info"]["input_token_logprobs"][1:]],
                                [ref[i - 1, ids[i]] for i in range(1, len(ids))], atol=2e-3)
+
+
+def test_embeddings_are_hfs_normalized_last_hidden_state(engine, hf_smollm2, smollm2):
+    import torch
+
+    texts = ["The capital of France is Paris.", "Hello"]
+    for text, got in zip(texts, engine.encode(texts)):
+        with torch.no_grad():
+            h = hf_smollm2.model(torch.tensor([smollm2[2].encode(text)])).last_hidden_state[0, -1].numpy()
+        np.testing.assert_allclose(np.asarray(got), h / np.linalg.norm(h), atol=2e-4)
+
+
+def test_score_is_hfs_next_token_probability_of_each_label(engine, hf_smollm2, smollm2):
+    import torch
+
+    tok = smollm2[2]
+    query, items = "The capital of France is", [" Paris", " London", " a"]
+    labels = [tok.encode(" the")[0], tok.encode(" and")[0], tok.encode(".")[0]]
+    expected = []
+    for item in items:
+        with torch.no_grad():
+            logits = hf_smollm2(torch.tensor([tok.encode(query + item)])).logits[0, -1]
+        expected.append(torch.softmax(logits.double(), -1)[labels].numpy())
+    np.testing.assert_allclose(engine.score(query, items, labels), expected, rtol=2e-3, atol=1e-6)
+    with torch.no_grad():
+        logits = hf_smollm2(torch.tensor([tok.encode("Paris is big.")])).logits[0, -1]
+    np.testing.assert_allclose(engine.score(" is big.", ["Paris"], [labels], item_first=True)[0],
+                               torch.softmax(logits.double(), -1)[labels].numpy(), rtol=2e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("params, field", [

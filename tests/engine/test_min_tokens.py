@@ -12,7 +12,7 @@ PROMPT = CHAT + "Say hello.<|im_end|>\n<|im_start|>assistant\n"
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    with Engine(**SMALL) as eng:
+    with Engine(**SMALL, dtype="float32") as eng:  # HF parity
         yield eng
 
 

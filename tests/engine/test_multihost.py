@@ -119,7 +119,8 @@ def test_two_processes_answer_like_one_device(pair, model_dir, smollm2_path):
         emb = c.post("/v1/embeddings", json={"model": "m", "input": texts})
         scored = c.post("/v1/score", json={"model": "m", **score})
     assert emb.status_code == 200 and scored.status_code == 200, (emb.text, scored.text)
-    engine = Engine(model_dir, load_format="dummy", tokenizer_path=smollm2_path, **TINY_SERVE)
+    # float32 on one device, as the tensor-parallel ranks run it (auto keeps float32 under tensor parallelism)
+    engine = Engine(model_dir, load_format="dummy", tokenizer_path=smollm2_path, dtype="float32", **TINY_SERVE)
     try:
         want = engine.generate(PROMPT, PARAMS)
         want_emb, want_scores = engine.encode(texts), engine.score(**score)

@@ -11,7 +11,8 @@ import pytest
 
 import sgjax as sgl
 from sgjax.engine.engine import Engine
-from sgjax.engine.runner import Buckets, StepShape
+from sgjax.engine.buckets import Buckets
+from sgjax.engine.step import StepShape
 from sgjax.lang.backend.engine import EngineBackend
 
 # This file's own settings, not tests/conftest.py's SMALL: the coarse ladder fixes the page-table width at the

@@ -87,25 +87,14 @@ def test_bad_images_are_refused_by_name(engine):
     assert engine.generate(input_ids=TEXT, sampling_params={"max_new_tokens": 2})["output_ids"]  # still serving
 
 
-def test_bf16_layer_calls_take_the_image_rows(llava):
-    """bf16 matrices on a CPU without AMX run prefill steps as layer calls (engine/programs.CallsStep, inside a
-    FewRowsStep), whose jitted head merges the image rows: over XLA's dots, its tokens equal the one-program step's
-    over the same bf16 weights, and the image decides them."""
-    from sgjax.engine.programs import CallsStep, jitted_step
-
+def test_bf16_native_step_takes_the_image_rows(llava):
+    """bf16 matrices on a CPU run the native kernel's step (engine/plan.py): its embeddings take the image's
+    feature rows, so the image decides the tokens, and a repeat gives the same tokens."""
     greedy = {"max_new_tokens": NEW, "temperature": 0}
-    outs = {}
     with Engine(llava[0], skip_tokenizer_init=True, max_total_tokens=2048, chunked_prefill_size=16,
                 max_running_requests=4, context_length=256, weight_dtype="bfloat16") as eng:
-        runner = eng.runner
-        xla = runner.cfg.replace(matmul="xla")  # no native rows: every step as layer calls
-        steps = {calls: jitted_step(xla, runner.attention, None, runner.moe_kernel, calls=calls)
-                 for calls in (True, False)}
-        assert isinstance(steps[True], CallsStep)
-        for name, step in (("calls", steps[True]), ("one", steps[False])):
-            runner.step = step
-            eng.flush_cache()
-            outs[name] = [eng.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(picture(k))])
-                          ["output_ids"] for k in (1, 2)]
-    assert outs["calls"] == outs["one"]
-    assert outs["calls"][0] != outs["calls"][1]
+        outs = [eng.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(picture(k))])["output_ids"]
+                for k in (1, 2, 1)]
+        plan = eng.plan
+    assert plan.weight_dtype == "bfloat16"
+    assert outs[0] != outs[1] and outs[0] == outs[2]

@@ -1,9 +1,8 @@
-"""The CPU's matrix products (kernels/cpu_matmul.cc through XLA's FFI) against numpy, on every code path: the
-widening FMA loops (AVX-512, AVX2, plain C++), and, where this CPU has them and K is a multiple of 64, the bf16
-dot-product (vdpbf16ps: x rounded to bf16) and int8 / int4 dot-product (vpdpbusd: x quantized per block of 64) paths,
-int8 with a scale per row or per 32 (Q8_0's blocks);
-stacked layers read in place, several matrices in one call, x's row counts around the 4-row passes; the spinning
-helpers under concurrent calls; and the refusals."""
+"""The CPU's matrix products (kernels/cpu_matmul.cc through XLA's FFI, weights packed by kernels/cpu_pack.py) against
+numpy, for every weight kind (float32, bfloat16, int8 with a scale per row or per 32 as Q8_0's, int4 as Q4_1's and
+Q4_0's): one arithmetic whatever the row count (bit for bit: batch invariance), the scalar build's integer and float32
+paths equal to the vector build's bit for bit, stacked layers read in place, several matrices per call, the helper
+threads, the refusals; then the quantizers that feed it."""
 
 import concurrent.futures
 import os
@@ -18,161 +17,155 @@ import numpy as np
 import pytest
 
 from sgjax.kernels import cpu
+from sgjax.kernels.cpu_pack import PackedMatrix, pack_float, pack_int4, pack_int8
 from sgjax.model.quant import (Int4Matrix, Int8Matrix, dequantized, int4_from_q4_0, int8_from_q8_0, quantize,
                                quantize_int4)
 
-ARCHS = ["native"] + (["x86-64-v3", "x86-64"] if platform.machine() in ("x86_64", "AMD64") else [])
+SCALAR = "x86-64" if platform.machine() in ("x86_64", "AMD64") else None  # the build without vectors
+KINDS = ["float32", "bfloat16", "int8", "int8g", "int4", "int4q0"]
 
 
-def _dot_path(arch: str, flag: str, k: int) -> bool:
-    return arch == "native" and flag in cpu.cpu_flags() and k % 64 == 0
-
-
-def _round_bf16(x):
-    return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+def _matrix(rng, kind, n, k, layers=0):
+    """(the packed matrix, its quantized or float weights [.., n, k] as the kernel multiplies by them)."""
+    shape = ((layers,) if layers else ()) + (n, k)
+    w = rng.standard_normal(shape).astype(np.float32) * 0.1
+    if kind == "float32":
+        return pack_float(w), w
+    if kind == "bfloat16":
+        wb = np.asarray(jnp.asarray(w, jnp.bfloat16))
+        return pack_float(wb), wb
+    m = {"int8": lambda: quantize(w),
+         "int8g": lambda: int8_from_q8_0(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)),
+         "int4": lambda: quantize_int4(w),
+         "int4q0": lambda: int4_from_q4_0(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0))}[kind]()
+    return (pack_int8 if isinstance(m, Int8Matrix) else pack_int4)(m.q, m.scale), m
 
 
 def _quantized_x(x):
-    """kernels/cpu_matmul.cc's QuantizeBlocks in numpy: per block of 64, scale = max |x| / 127, q = round(x / scale)
-    (x times the float32 inverse, to nearest even)."""
-    rows, k = x.shape
-    blocks = x.reshape(rows, k // 64, 64)
-    scale = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
-    inv = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, 1), 0).astype(np.float32)
-    q = np.rint(blocks * inv[..., None]).astype(np.float32)
-    return q, scale
+    """kernels/cpu_matmul.cc's QuantizeRow in numpy: per group of 32, s = max |x| / 127, q = rint(x * (1 / s))."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    s = (np.abs(groups).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(s > 0, np.float32(1) / np.where(s > 0, s, 1), 0).astype(np.float32)
+    q = np.clip(np.rint((groups * inv[..., None]).astype(np.float32)), -128, 127)
+    return q, s, (s * q.sum(-1)).astype(np.float32)
 
 
-def _expected(x, w, scale, arch, amx=None):
-    """x @ w^T (* scale) as the path `arch` takes computes it (amx: whether the kernel may use AMX tiles; None:
-    where the CPU has them), in float64."""
-    k = x.shape[1]
-    amx = cpu.has_amx() if amx is None else amx
-    if w.dtype == jnp.bfloat16:
-        x = _round_bf16(x) if _dot_path(arch, "avx512_bf16", k) else x
-        return x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
-    tiles = arch == "native" and amx and k % 64 == 0 and x.shape[0] > 4  # int8 / int4 on AMX tiles
-    if isinstance(w, (Int4Matrix, Int8Matrix)):  # grouped: the widened weights (each times its group's scale)
-        wide = np.asarray(dequantized(w), np.float64)
-        if tiles:  # x and the widened weights rounded to bf16
-            return _round_bf16(x).astype(np.float64) @ _round_bf16(wide).astype(np.float64).T
-        if _dot_path(arch, "avx512_vnni", k):
-            q, xs = _quantized_x(x)
-            per_block = np.einsum("mbk,nbk->mnb", q.astype(np.float64), wide.reshape(w.q.shape[0], k // 64, 64))
-            return (per_block * xs[:, None, :]).sum(-1)
-        return x.astype(np.float64) @ wide.T
-    if w.dtype == np.int8 and tiles:  # the weights exact in bf16, x rounded to it
-        return _round_bf16(x).astype(np.float64) @ np.asarray(w, np.float64).T * np.asarray(scale, np.float64)
-    if w.dtype == np.int8 and _dot_path(arch, "avx512_vnni", k):
-        q, xs = _quantized_x(x)
-        w64 = np.asarray(w, np.float64).reshape(w.shape[0], k // 64, 64)
-        per_block = np.einsum("mbk,nbk->mnb", q.astype(np.float64), w64)
-        return (per_block * xs[:, None, :]).sum(-1) * np.asarray(scale, np.float64)
-    out = x.astype(np.float64) @ np.asarray(w, np.float64).T
-    return out if scale is None else out * np.asarray(scale, np.float64)
+def _expected(x, w):
+    """x @ w^T as the kernel computes it, in float64: integer kinds as exact sums per group of 32 of x's int8
+    steps and the weights' steps, then each group's scale and low; bf16 with x rounded to bf16."""
+    if isinstance(w, np.ndarray):
+        if w.dtype != np.float32:  # bf16
+            x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+        return x.astype(np.float64) @ np.asarray(w, np.float64).T
+    q, xs, xsum = (a.astype(np.float64) for a in _quantized_x(x))
+    n, k = w.shape
+    if isinstance(w, Int4Matrix):
+        runs = np.asarray(w.q).reshape(n, k // 64, 32)
+        u = np.concatenate([runs & 0xF, runs >> 4], -1).reshape(n, k // 32, 32).astype(np.float64)
+        scale, low = (np.asarray(w.scale, np.float64)[..., i] for i in (0, 1))
+    else:
+        u = (np.asarray(w.q, np.float64) + 128).reshape(n, k // 32, 32)
+        scale = np.asarray(w.scale, np.float64)
+        scale = scale if scale.ndim == 2 else np.repeat(scale[:, None], k // 32, 1)
+        low = -128 * scale
+    isum = np.einsum("mgk,ngk->mng", q, u)
+    return (isum * scale[None] * xs[:, None] + low[None] * xsum[:, None]).sum(-1)
 
 
-def _matrices(rng, kind, n, k, layers=0):
-    shape = ((layers,) if layers else ()) + (n, k)
-    w = rng.standard_normal(shape).astype(np.float32) * 0.1
-    if kind == "int8":
-        m = quantize(w)
-        return m.q, m.scale
-    if kind == "int4":
-        m = quantize_int4(w)
-        return m.q, m.scale
-    if kind == "int8g":  # a GGUF Q8_0 tensor's blocks, as the loader keeps them
-        m = int8_from_q8_0(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
-        return m.q, m.scale
-    if kind == "int4q0":  # a Q4_0 tensor's: negative steps, low = -8 step
-        m = int4_from_q4_0(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0))
-        return m.q, m.scale
-    return (w if kind == "float32" else jnp.asarray(w, jnp.bfloat16)), None
+def _run(x, mats, arch="native", layer=0):
+    return [np.asarray(o) for o in jax.jit(lambda x: cpu.cpu_matmul(x, layer, mats, arch=arch))(jnp.asarray(x))]
 
 
-def _reference(kind, w, scale):
-    """(weights, scale) as _expected takes them: int4 and grouped int8 as their matrices (scales inside)."""
-    if kind in ("int4", "int8g", "int4q0"):
-        return (Int8Matrix if kind == "int8g" else Int4Matrix)(np.asarray(w), np.asarray(scale)), None
-    return (np.asarray(w) if kind == "int8" else w), scale
+# K per kind: int4's runs of 64, integer groups of 32 (96: an odd number of groups), float's any (37: a tail)
+K = {"float32": (576, 96, 37), "bfloat16": (576, 96, 38), "int8": (576, 96), "int8g": (576, 96), "int4": (576, 128),
+     "int4q0": (576,)}
 
 
-# K: multiples of 64; of 16 only; a scalar tail (int4 rows are runs of 64 weights, model/quant.BLOCK; grouped int8
-# rows groups of 32: 96 takes the widening loop)
-KINDS = [(kind, k) for kind in ("float32", "bfloat16", "int8", "int4") for k in (576, 128, 80, 37)
-         if kind != "int4" or k % 64 == 0] + [("int8g", k) for k in (576, 128, 96)] + [("int4q0", 576)]
+@pytest.mark.parametrize("arch", ["native"] + ([SCALAR] if SCALAR else []))
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_numpy(arch, kind):
+    rng = np.random.default_rng(7)
+    for k in K[kind]:
+        for rows in (1, 3, 9, 17):  # one pass of 8 rows and its rest, two passes of 8 and one more
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            packed, w = _matrix(rng, kind, 37, k)  # 37 output rows: three panels, the last with 5 live lanes
+            (out,) = _run(x, [packed], arch)
+            want = _expected(x, w)
+            assert out.shape == want.shape == (rows, 37)
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * np.sqrt(k) * np.abs(want).max())
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kind,k", KINDS)
-def test_matches_numpy_on_every_path(arch, kind, k):
-    rng = np.random.default_rng(k)
-    # x's passes of 3, 4 + 2 and 4 + 4 + 1 rows (int8 / int4 past 4 rows on AMX tiles where the CPU has them; 17:
-    # two chunks of x, and 37 output rows: 32 in tiles, 5 on the vector loop)
-    for rows in (3, 6, 9, 17):
-        x = rng.standard_normal((rows, k)).astype(np.float32)
-        w, scale = _matrices(rng, kind, 37, k)
-        (out,) = cpu.cpu_matmul(jnp.asarray(x), 0, [(jnp.asarray(w), scale)], arch=arch)
-        expected = _expected(x, *_reference(kind, w, scale), arch)
-        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
+    """Batch invariance: each row of a 70-row product equals, bit for bit, the same row computed in a product of 1,
+    2, 5, 8, 9, 16 or 33 rows starting anywhere (passes of 8 rows and their rests, blocks of 64)."""
+    rng = np.random.default_rng(3)
+    k = 576
+    packed, _ = _matrix(rng, kind, 300, k)
+    x = rng.standard_normal((70, k)).astype(np.float32)
+    (full,) = _run(x, [packed])
+    for m in (1, 2, 5, 8, 9, 16, 33):
+        for start in (0, 3, 70 - m):
+            (part,) = _run(x[start:start + m], [packed])
+            np.testing.assert_array_equal(part, full[start:start + m], err_msg=f"{m} rows from {start}")
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4", "int8g"])
-@pytest.mark.parametrize("amx", [True, False], ids=["amx", "vector"])
-def test_tiles_and_vector_loop(amx, kind):
-    """Products on the matrix unit (AMX tiles, where the CPU has them: bf16 at any row count, int8 / int4 widened
-    past 4 rows; x rows in chunks of 16, output rows in fours and ones of 16 tiles, a bf16 matrix's last few on the
-    vector loop) and on the vector loops, against numpy: row counts across the chunks, widths across the tiles."""
+@pytest.mark.skipif(SCALAR is None, reason="the scalar build is x86-64's (gcc -march=x86-64)")
+@pytest.mark.parametrize("kind", ["float32", "int8", "int8g", "int4"])
+def test_the_scalar_build_gives_the_vector_builds_bits(kind):
+    """Integer sums are exact in any order and float32 takes one fused multiply-add per k in both, so a machine
+    without AVX-512 computes what one with it does (kernels/cpu_matmul.cc)."""
+    rng = np.random.default_rng(11)
+    packed, _ = _matrix(rng, kind, 50, 576)
+    x = rng.standard_normal((6, 576)).astype(np.float32)
+    np.testing.assert_array_equal(_run(x, [packed])[0], _run(x, [packed], SCALAR)[0])
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int8g", "int4"])
+def test_packed_rows_read_back_the_matrix(kind):
+    """PackedMatrix.rows (a tied head's embedding lookup) gives the weights' rows, padding panels included."""
     rng = np.random.default_rng(5)
-    with cpu.use_amx(amx) as there:
-        assert there == cpu.has_amx()
-        for n, k in ((37, 576), (200, 128), (64, 1536)):
-            w, scale = _matrices(rng, kind, n, k)
-            ref, ref_scale = _reference(kind, w, scale)
-            for rows in (1, 5, 16, 17, 40):
-                x = rng.standard_normal((rows, k)).astype(np.float32)
-                (out,) = jax.jit(lambda x, w, s: cpu.cpu_matmul(x, 0, [(w, s)]))(jnp.asarray(x), jnp.asarray(w), scale)
-                expected = _expected(x, ref, ref_scale, "native", amx=there and amx)
-                np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4 * np.sqrt(k) * np.abs(
-                    expected).max() / 3)
+    packed, w = _matrix(rng, kind, 37, 128)
+    assert isinstance(packed, PackedMatrix) and packed.shape == (37, 128) and packed.kind == {"int8g": "int8"}.get(kind, kind)
+    ids = jnp.asarray([[0, 36], [17, 5]])
+    want = np.asarray(w, np.float32) if isinstance(w, np.ndarray) else np.asarray(dequantized(w))
+    np.testing.assert_array_equal(np.asarray(packed.rows(ids)), want[np.asarray(ids)])
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4", "int8g"])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8g", "int4"])
 def test_stacked_layers_in_place_and_several_matrices_per_call(kind):
-    """[L, N, K] matrices with a traced layer index (clamped into range), three matrices of different widths in one
-    call (q, k and v), inside a scan as the forward runs them; and each layer as its own buffer, picked the same."""
+    """[L, ...] panels with a traced layer index (clamped into range), three matrices of different widths in one
+    call (q, k and v), inside a scan as the forward runs them: each layer's product, as its own matrix gives."""
     rng = np.random.default_rng(7)
     k, layers = 128, 3
-    mats = [_matrices(rng, kind, n, k, layers) for n in (64, 16, 16)]
+    mats = [_matrix(rng, kind, n, k, layers) for n in (64, 16, 24)]
     x = jnp.asarray(rng.standard_normal((2, k)), jnp.float32)
 
     def body(carry, index):
-        return carry, cpu.cpu_matmul(x, index, [(jnp.asarray(w), s) for w, s in mats])
+        return carry, cpu.cpu_matmul(x, index, [m for m, _ in mats])
 
     _, outs = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32)))()
     for i in range(layers):
-        for (w, s), out in zip(mats, outs):
-            np.testing.assert_allclose(np.asarray(out[i]), _expected(
-                np.asarray(x), *_reference(kind, w[i], None if s is None else s[i]), "native"), rtol=1e-4, atol=2e-3)
-    (past,) = cpu.cpu_matmul(x, 99, [(jnp.asarray(mats[0][0]), mats[0][1])])  # clamped to the last layer
+        for (_, w), out in zip(mats, outs):
+            one = w[i] if isinstance(w, np.ndarray) else type(w)(w.q[i], w.scale[i])
+            (alone,) = _run(np.asarray(x), [_matrix_of(one)])
+            np.testing.assert_array_equal(np.asarray(out[i]), alone)
+    (past,) = cpu.cpu_matmul(x, 99, [mats[0][0]])  # clamped to the last layer
     np.testing.assert_array_equal(np.asarray(past), np.asarray(outs[0][-1]))
 
-    # The same layers as separate [N, K] buffers, a list per matrix (model/llama.LayerPick): the same numbers.
-    groups = [[(jnp.asarray(w[i]), None if s is None else s[i]) for i in range(layers)] for w, s in mats]
-    _, grouped = jax.jit(lambda: jax.lax.scan(lambda c, i: (c, cpu.cpu_matmul(x, i, groups)), 0,
-                                              jnp.arange(layers, dtype=jnp.int32)))()
-    for a, b in zip(grouped, outs):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match="same number of layers"):
-        cpu.cpu_matmul(x, 0, [groups[0], groups[1][:2]])
+
+def _matrix_of(w):
+    if isinstance(w, np.ndarray):
+        return pack_float(w)
+    return (pack_int8 if isinstance(w, Int8Matrix) else pack_int4)(w.q, w.scale)
 
 
 def test_concurrent_calls_from_threads_share_the_helpers():
     """Calls from several Python threads at once (two engines' steps): one job holds the helpers, the others run
     on their own threads; every result is right."""
     rng = np.random.default_rng(3)
-    w, scale = _matrices(rng, "int8", 256, 576)
-    f = jax.jit(lambda x: cpu.cpu_matmul(x, 0, [(jnp.asarray(w), scale)])[0])
+    packed, _ = _matrix(rng, "int8", 256, 576)
+    f = jax.jit(lambda x: cpu.cpu_matmul(x, 0, [packed])[0])
     xs = [jnp.asarray(rng.standard_normal((1 + i % 5, 576)), jnp.float32) for i in range(24)]
     expected = [np.asarray(f(x)) for x in xs]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -184,28 +177,32 @@ def test_concurrent_calls_from_threads_share_the_helpers():
 def test_one_thread_setting_gives_the_same_numbers(tmp_path):
     """SGJAX_CPU_THREADS=1 (no helpers: a process sharing its cores) computes what the helpers do, in a child."""
     rng = np.random.default_rng(11)
-    w, scale = _matrices(rng, "int8", 512, 576)
+    packed, _ = _matrix(rng, "int4", 512, 576)
     x = rng.standard_normal((3, 576)).astype(np.float32)
-    np.savez(tmp_path / "in.npz", w=w, scale=scale, x=x)
-    code = ("import numpy as np, jax.numpy as jnp; from sgjax.kernels import cpu; d = np.load('in.npz'); "
-            "np.save('out.npy', np.asarray(cpu.cpu_matmul(jnp.asarray(d['x']), 0, "
-            "[(jnp.asarray(d['w']), jnp.asarray(d['scale']))])[0]))")
+    np.savez(tmp_path / "in.npz", panels=np.asarray(packed.panels), params=np.asarray(packed.params), x=x)
+    code = ("import numpy as np, jax.numpy as jnp; from sgjax.kernels import cpu; "
+            "from sgjax.kernels.cpu_pack import PackedMatrix; d = np.load('in.npz'); "
+            "m = PackedMatrix(jnp.asarray(d['panels']), jnp.asarray(d['params']), 512, 576); "
+            "np.save('out.npy', np.asarray(cpu.cpu_matmul(jnp.asarray(d['x']), 0, [m])[0]))")
     env = {**os.environ, "SGJAX_CPU_THREADS": "1", "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=300)
-    (here,) = cpu.cpu_matmul(jnp.asarray(x), 0, [(jnp.asarray(w), scale)])
-    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), np.asarray(here))
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), _run(x, [packed])[0])
 
 
 def test_refusals_name_the_operand():
     x = jnp.ones((2, 64), jnp.float32)
-    with pytest.raises(Exception, match="int8 weights need a float32 scale"):
-        jax.block_until_ready(cpu.cpu_matmul(x, 0, [(jnp.ones((8, 64), jnp.int8), None)]))
-    with pytest.raises(Exception, match="x's K"):
-        jax.block_until_ready(cpu.cpu_matmul(x, 0, [(jnp.ones((8, 32), jnp.float32), None)]))
-    with pytest.raises(Exception, match="float32, bfloat16, int8 or packed int4"):
-        jax.block_until_ready(cpu.cpu_matmul(x, 0, [(jnp.ones((8, 64), jnp.float16), None)]))
-    with pytest.raises(Exception, match=r"int4 weights need float32 \(scale, low\) pairs"):
-        jax.block_until_ready(cpu.cpu_matmul(x, 0, [(jnp.ones((8, 32), jnp.uint8), jnp.ones((8,), jnp.float32))]))
+    good, _ = _matrix(np.random.default_rng(0), "int8", 16, 64)
+    with pytest.raises(Exception, match="integer panels need their float32 params"):
+        jax.block_until_ready(cpu.cpu_matmul(x, 0, [PackedMatrix(good.panels, jnp.zeros((1,)), 16, 64)]))
+    with pytest.raises(Exception, match="panels must be"):
+        jax.block_until_ready(cpu.cpu_matmul(x, 0, [PackedMatrix(jnp.ones((1, 32 * 16)), good.params, 16, 64)]))
+    with pytest.raises(Exception, match="float32, bfloat16, uint8 \\(int4\\) or int8"):
+        jax.block_until_ready(cpu.cpu_matmul(x, 0, [PackedMatrix(jnp.ones((1, 64 * 16), jnp.float16),
+                                                                 good.params, 16, 64)]))
+    with pytest.raises(ValueError, match="x has K=64, a matrix K=32"):
+        cpu.cpu_matmul(x, 0, [PackedMatrix(jnp.ones((1, 32 * 16)), good.params, 16, 32)])
+    with pytest.raises(ValueError, match="bfloat16 with an even K"):
+        pack_float(np.ones((4, 3), jnp.bfloat16))
 
 
 def test_quantize_rows():

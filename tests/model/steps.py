@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgjax.engine.runner import bucket
+from sgjax.engine.buckets import bucket
 from sgjax.kernels import allocate_pool, default_backend, get_backend
 from sgjax.model.batch import BatchShape, build_batch, pack, unpack
 from sgjax.model.config import ModelConfig
 from sgjax.model.llama import forward
-from sgjax.model.weights import Weights, for_platform
+from sgjax.model.weights import Weights, unstack_layers
 
 
 def make_step(cfg: ModelConfig, attention):
@@ -47,7 +47,7 @@ class GreedyGenerator:
     def __init__(self, cfg: ModelConfig, weights: Weights, *, page_size: int = 16, max_context: int = 2048,
                  max_batch: int = 16, attention: str | None = None):
         self.cfg, self.page_size = cfg, page_size
-        self.weights = for_platform(weights, jax.devices()[0].platform)
+        self.weights = weights if jax.devices()[0].platform == "cpu" else unstack_layers(weights)
         self.pages_per_req = -(-max_context // page_size)
         self.max_batch = max_batch
         self.num_pages = 1 + max_batch * self.pages_per_req  # + the null page

@@ -56,7 +56,7 @@ def test_tokenizer_ids_and_text_equal_hfs(path, hf):
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine("gemma-3-270m", **SMALL) as eng:
+    with Engine("gemma-3-270m", **SMALL, dtype="float32") as eng:  # HF parity
         yield eng
 
 

@@ -115,37 +115,39 @@ def test_tokenize_and_detokenize_in_sglangs_and_vllms_shapes(client, smollm2):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
-def test_embeddings_are_hfs_normalized_last_hidden_state(oai, hf_smollm2, smollm2):
-    import torch
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    """The in-process engine with the session server's settings (the defaults users get): the routes below give what
+    its encode and score give (their HF parity: tests/engine/test_engine.py, in float32)."""
+    from sgjax.engine.engine import Engine
+    from tests.conftest import SMALL
 
+    with Engine(**SMALL) as eng:
+        yield eng
+
+
+def test_embeddings_are_the_engines_unit_vectors(oai, engine):
     texts = ["The capital of France is Paris.", "Hello"]
     got = oai.embeddings.create(model="m", input=texts)
     assert [d.index for d in got.data] == [0, 1] and got.usage.prompt_tokens > 0
-    for text, item in zip(texts, got.data):
-        ids = smollm2[2].encode(text)
-        with torch.no_grad():
-            h = hf_smollm2.model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
-        np.testing.assert_allclose(np.asarray(item.embedding), h / np.linalg.norm(h), atol=2e-4)
+    want = engine.encode(texts)
+    for item, vector in zip(got.data, want):
+        np.testing.assert_allclose(np.asarray(item.embedding), vector, atol=1e-6)
+        assert abs(np.linalg.norm(item.embedding) - 1) < 1e-5
     b64 = oai.embeddings.create(model="m", input="Hello", encoding_format="base64").data[0].embedding
     assert np.allclose(np.frombuffer(base64.b64decode(b64), np.float32), got.data[1].embedding, atol=1e-6)
     with pytest.raises(openai.BadRequestError, match="dimensions"):
         oai.embeddings.create(model="m", input="Hello", dimensions=3)
 
 
-def test_score_is_hfs_next_token_probability_of_each_label(client, hf_smollm2, smollm2):
-    import torch
-
+def test_score_is_the_engines_next_token_probability_of_each_label(client, engine, smollm2):
     tok = smollm2[2]
     query, items = "The capital of France is", [" Paris", " London", " a"]
     labels = [tok.encode(" the")[0], tok.encode(" and")[0], tok.encode(".")[0]]
     got = client.post("/v1/score", json={"query": query, "items": items, "label_token_ids": labels}).json()
     assert got["object"] == "scoring" and got["usage"]["completion_tokens"] == 0 and got["token_logprobs"] is None
-    expected = []
-    for item in items:
-        with torch.no_grad():
-            logits = hf_smollm2(torch.tensor([tok.encode(query + item)])).logits[0, -1]
-        expected.append(torch.softmax(logits.double(), -1)[labels].numpy())
-    np.testing.assert_allclose(got["scores"], expected, rtol=2e-3, atol=1e-6)
+    expected = engine.score(query, items, labels)
+    np.testing.assert_allclose(got["scores"], expected, rtol=1e-5, atol=1e-7)
     # a softmax over the labels only, with a temperature; ids give what the same text gives; item_first
     soft = client.post("/v1/score", json={"query": query, "items": items, "label_token_ids": labels,
                                           "apply_softmax": True, "temperature": 0.5}).json()["scores"]
@@ -157,9 +159,8 @@ def test_score_is_hfs_next_token_probability_of_each_label(client, hf_smollm2, s
     np.testing.assert_allclose(np.exp(ids["token_logprobs"][0]), ids["scores"][0], rtol=1e-6)
     first = client.post("/v1/score", json={"query": " is big.", "items": "Paris", "item_first": True,
                                            "label_token_ids": [labels]}).json()["scores"]
-    with torch.no_grad():
-        logits = hf_smollm2(torch.tensor([tok.encode("Paris is big.")])).logits[0, -1]
-    np.testing.assert_allclose(first[0], torch.softmax(logits.double(), -1)[labels].numpy(), rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(first[0], engine.score(" is big.", ["Paris"], [labels], item_first=True)[0],
+                               rtol=2e-3, atol=1e-6)
     assert client.post("/v1/score", json={"query": "q", "items": [], "label_token_ids": labels}).json()["scores"] == []
     for body, field in [({"query": "q", "items": ["a"]}, "label_token_ids"),
                         ({"query": "q", "items": ["a"], "label_token_ids": [1, 1]}, "label_token_ids"),

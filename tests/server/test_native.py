@@ -19,9 +19,9 @@ SAMPLED = {"max_new_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 11, "n
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    # The server's model and settings (tests/conftest.py), so both run the same batches; the session's weights are
-    # shared with the other test packages.
-    with Engine.from_weights(*smollm2, **SMALL) as eng:
+    # The server's model and settings (tests/conftest.py: the defaults users get, auto's plan), so both run the same
+    # batches; the weights are loaded once per process (engine/loading.py).
+    with Engine(**SMALL) as eng:
         yield eng
 
 
