@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from sgjax.engine.args import ENGINE_FLAGS, ServerArgs
+from sgjax.router import launch as router
 from sgjax.server.args import HTTP_FLAGS, HttpArgs
 
 __all__ = ["ENGINE_FLAGS", "HTTP_FLAGS", "build_parser", "main", "split_args"]
@@ -29,10 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                 help_ += f" (default: {default})"
             group.add_argument("--" + name.replace("_", "-"), dest=name, default=default, **{**options, "help": help_})
     # Data parallelism (sgjax/router, docs/router.md): `serve --dp-size N --router-policy P` and `sgjax router`.
-    from sgjax.router.launch import add_dp_flags, add_router_command
-
-    add_dp_flags(serve)
-    add_router_command(commands)
+    router.add_dp_flags(serve)
+    router.add_router_command(commands)
     return parser
 
 
@@ -48,11 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     if ns.command == "serve" and getattr(ns, "dp_size", 1) > 1 and ns.nnodes > 1:
         raise SystemExit("sgjax serve: --dp-size with --nnodes > 1 is not supported yet")
     if ns.command == "router" or getattr(ns, "dp_size", 1) > 1:
-        from sgjax.router.launch import main as router_main
-
-        router_main(ns)
+        router.main(ns)
     elif ns.command == "serve":
-        from sgjax.server.launch import serve
+        from sgjax.server.launch import serve  # the engine, jax and the model code: not for `sgjax --help`
 
         serve(*split_args(ns))
 

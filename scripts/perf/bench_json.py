@@ -84,7 +84,8 @@ def build_engine(args, extra):
     common = dict(max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
                   chunked_prefill_size=args.chunked_prefill_size, page_size=args.page_size, **extra)
     if args.dummy:
-        from sgjax.model.config import config_from_hf, llama3_8b_config
+        from sgjax.model.checkpoint import config_from_hf
+        from sgjax.model.config import llama3_8b_config
         from sgjax.model.tokenizer import load_tokenizer
         from sgjax.model.weights import dummy_weights
 

@@ -40,12 +40,15 @@ from typing import Callable
 
 import numpy as np
 
+from sgjax.engine.step import SHAPE_WORDS, StepShape
+
 log = logging.getLogger("sgjax.distributed")
 
 STEP, RESET, STOP, READOUT = 1, 2, 3, 4
-# int32 words: op, 4 BatchShape fields, history, top_logprobs, mask_words, image_rows, feature dim, size, the sampler's
-# two branches (-1: decided on the device, 0 / 1: static). A READOUT: op, its kind (embed.READOUTS), 8 unused, size.
-HEADER = 13
+# int32 words: the op, the buffer's size (a READOUT's: its prompts' buffer), then a STEP's StepShape.to_words() and
+# its image features' width, or a READOUT's kind (embed.READOUTS).
+HEADER = 2 + SHAPE_WORDS + 1
+OP, SIZE, SHAPE, FEATURES = 0, 1, slice(2, 2 + SHAPE_WORDS), 2 + SHAPE_WORDS
 CONNECT_TIMEOUT = 120.0
 # A follower's bytes to the leader: it entered its loop (the clock of its acknowledgements starts: loading and
 # compiling before that take as long as they take), and one per op received.
@@ -113,20 +116,19 @@ def agree(value: int, leader: bool) -> int:
     return int(_broadcast(np.asarray([value], np.int32), leader)[0])
 
 
-def _header(op: int, shape=None, features=None) -> np.ndarray:
+def _header(op: int, shape: StepShape | None = None, features=None) -> np.ndarray:
     h = np.zeros(HEADER, np.int32)
-    h[0] = op
+    h[OP] = op
     if shape is not None:
-        b = shape.batch
-        h[1:11] = (b.num_tokens, b.num_reqs, b.pages_per_req, b.num_logits, shape.history, shape.top_logprobs,
-                   shape.mask_words, shape.image_rows, 0 if features is None else features.shape[1], shape.size)
-        h[11:13] = [-1 if v is None else int(v) for v in (shape.branches.draws, shape.branches.filters)]
+        h[SIZE] = shape.size
+        h[SHAPE] = shape.to_words()
+        h[FEATURES] = 0 if features is None else features.shape[1]
     return h
 
 
 def _readout_header(kind: int, size: int) -> np.ndarray:
     h = np.zeros(HEADER, np.int32)
-    h[0], h[1], h[10] = READOUT, kind, size
+    h[OP], h[SIZE], h[SHAPE.start] = READOUT, size, kind
     return h
 
 
@@ -141,14 +143,8 @@ def unpack_prompts(buffer: np.ndarray) -> list[list[int]]:
     return [buffer[end - length:end].tolist() for end, length in zip(ends, buffer[1:1 + n])]
 
 
-def _shape(h: np.ndarray):
-    from sgjax.engine.sampler import Branches
-    from sgjax.engine.step import StepShape
-    from sgjax.model.batch import BatchShape
-
-    t, r, p, l_, hist, top, mask, img = (int(v) for v in h[1:9])
-    draws, filters = (None if v < 0 else bool(v) for v in h[11:13])
-    return StepShape(BatchShape(t, r, p, l_), hist, top, mask, img, Branches(draws, filters))
+def _shape(h: np.ndarray) -> StepShape:
+    return StepShape.from_words(h[SHAPE])
 
 
 def roles(args, on_lost: Callable[[str], None]):
@@ -340,8 +336,8 @@ class Follower:
         self._tell(READY)
         while True:
             h = _broadcast(_header(0), False)
-            op = int(h[0])
-            size = int(h[10])
+            op = int(h[OP])
+            size = int(h[SIZE])
             if op == STOP:
                 self._stopped = True
                 self._tell(ACK)
@@ -354,7 +350,7 @@ class Follower:
             if op == READOUT:
                 buffer = _broadcast(np.zeros(_padded(size), np.int32), False)[:size]
                 self._tell(ACK)
-                runner.readout(READOUTS[int(h[1])], unpack_prompts(buffer))
+                runner.readout(READOUTS[int(h[SHAPE.start])], unpack_prompts(buffer))
                 continue
             if op != STEP:
                 raise RuntimeError(f"rank {self.rank}: unknown step opcode {op}")
@@ -362,7 +358,7 @@ class Follower:
             buffer = _broadcast(np.zeros(_padded(size), np.int32), False)[:size]
             features = None
             if shape.image_rows:
-                features = _broadcast(np.zeros((shape.image_rows, int(h[9])), np.float32), False)
+                features = _broadcast(np.zeros((shape.image_rows, int(h[FEATURES])), np.float32), False)
             self._tell(ACK)
             runner.execute(buffer, shape, features)
             steps += 1

@@ -101,12 +101,7 @@ class Engine:
         num_pages = 1 + pool_pages(args, run_cfg, plan.kv_dtype)
         if args.nnodes > 1:  # rank 0's pool size everywhere (free memory may differ between hosts)
             num_pages = distributed.agree(num_pages, leader is not None)
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_pages=num_pages, page_size=args.page_size, policy=args.schedule_policy,
-            cache="none" if args.disable_radix_cache else args.cache,
-            chunked_prefill_size=args.chunked_prefill_size, max_running_requests=args.max_running_requests,
-            init_new_token_ratio=0.7 * args.schedule_conservativeness,
-            min_new_token_ratio=0.1 * args.schedule_conservativeness, seed=args.random_seed))
+        self.scheduler = Scheduler(SchedulerConfig.from_args(args, num_pages))
         self.max_total_tokens = (num_pages - 1) * args.page_size
         self.runner = Runner(run_cfg, weights, plan, num_pages=num_pages, page_size=args.page_size,
                              max_context=self.context_length, max_top_logprobs=args.max_top_logprobs_num,
@@ -138,7 +133,9 @@ class Engine:
         self._closed = False
         self._preparing = 0  # async_generate calls being tokenized (read by queued_requests, event-loop thread)
         if args.precompile if args.precompile is not None else plan.platform != "cpu":
-            self._precompile()  # a follower compiles the same shapes; rank 0's warm-up runs them on both
+            # a follower compiles the same shapes and runs rank 0's broadcast warm-up steps in `follow`
+            log.info(self.runner.precompile_start(args.chunked_prefill_size + args.max_running_requests,
+                                                  warm=follower is None))
         if follower is not None:  # a follower runs no loop thread: `follow` executes rank 0's steps
             return
         self._thread = threading.Thread(target=self._loop, name="sgjax-engine", daemon=True)
@@ -178,9 +175,13 @@ class Engine:
         stream=True returns an iterator of result dicts whose `text` grows (one prompt, n == 1).
         image_data (vision-language models): base64 images of a prompt, one image token each in the prompt
         (a list per prompt for a batch)."""
-        reqs, single = self._make_requests(GenerateCall(prompt, sampling_params, input_ids, return_logprob,
-                                                        logprob_start_len, top_logprobs_num, stream, rid, image_data))
-        if stream:
+        return self.run(GenerateCall(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                     top_logprobs_num, stream, rid, image_data))
+
+    def run(self, call: GenerateCall):
+        """`generate` for a call already built (engine/requests.GenerateCall)."""
+        reqs, single = self._make_requests(call)
+        if call.stream:
             return sinks.stream(self._queue, reqs[0])
         waits = [sinks.submit(self._queue, r) for r in reqs]
         results = [w() for w in waits]
@@ -188,17 +189,19 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None, image_data=None):
+        return await self.async_run(GenerateCall(prompt, sampling_params, input_ids, return_logprob,
+                                                 logprob_start_len, top_logprobs_num, stream, rid, image_data))
+
+    async def async_run(self, call: GenerateCall):
+        """`async_generate` for a call already built (the HTTP server's)."""
         # Off the caller's event loop: tokenizing is fast, but compiling a new grammar takes 50-250 ms (JSON schema
-        # on SmolLM2's vocabulary), which would stall every other request of an HTTP server.
-        call = GenerateCall(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-                            stream, rid, image_data)
-        # Grammar compiles (up to grammar_compile_timeout each) get workers of their own, so that a burst of slow
-        # grammars cannot keep plain requests from being tokenized.
-        pool = self._grammar_workers if asks_for_grammar(sampling_params) else None
+        # on SmolLM2's vocabulary), which would stall every other request of an HTTP server. Grammar compiles get
+        # workers of their own, so that a burst of slow grammars cannot keep plain requests from being tokenized.
+        pool = self._grammar_workers if asks_for_grammar(call.sampling_params) else None
         self._preparing += 1  # counted as queued while it is tokenized: a burst cannot all pass the admission check
         try:
             reqs, single = await asyncio.get_running_loop().run_in_executor(pool, self._make_requests, call)
-            if stream:
+            if call.stream:
                 return sinks.async_stream(self._queue, reqs[0])
             waits = [sinks.async_one(self._queue, r) for r in reqs]  # in the inbox before the count drops
         finally:
@@ -431,11 +434,6 @@ class Engine:
                 finally:
                     self._in_call = None
                 msg.done.set()
-
-    def _precompile(self) -> None:
-        # a follower runs the warm-up's broadcast steps in `follow`
-        log.info(self.runner.precompile_start(self.args.chunked_prefill_size + self.args.max_running_requests,
-                                              warm=self._follower is None))
 
     def _server_info(self) -> dict:
         return {

@@ -45,6 +45,15 @@ class SchedulerConfig:
     max_match_queue: int = 128  # beyond this many waiting requests, match only the oldest (SGLang: FCFS fallback)
     seed: int = 0
 
+    @classmethod
+    def from_args(cls, args, num_pages: int) -> "SchedulerConfig":
+        """The scheduler's settings from the engine's (engine/args.ServerArgs)."""
+        return cls(num_pages=num_pages, page_size=args.page_size, policy=args.schedule_policy,
+                   cache="none" if args.disable_radix_cache else args.cache,
+                   chunked_prefill_size=args.chunked_prefill_size, max_running_requests=args.max_running_requests,
+                   init_new_token_ratio=0.7 * args.schedule_conservativeness,
+                   min_new_token_ratio=0.1 * args.schedule_conservativeness, seed=args.random_seed)
+
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.policy!r}")

@@ -9,6 +9,8 @@ feature row (vision models) and the packed allowed-token bits of each logits row
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,52 @@ class StepShape:
     @property
     def size(self) -> int:
         return packing.size(self.layout())
+
+    def to_words(self) -> tuple[int, ...]:
+        """The shape as int32 words, one per field in declaration order, nested dataclasses (the batch shape, the
+        sampler's branches) flattened in place; an optional bool is -1 (None), 0 or 1. Multi-host steps broadcast
+        it (engine/distributed.py); `from_words` reads it back."""
+        return tuple(_words(self))
+
+    @classmethod
+    def from_words(cls, words) -> "StepShape":
+        shape, rest = _read(cls, [int(w) for w in words])
+        if rest:
+            raise ValueError(f"StepShape.from_words: {len(rest)} words left over")
+        return shape
+
+
+def _words(obj) -> list[int]:
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _words(value)
+        else:
+            out.append(-1 if value is None else int(value))
+    return out
+
+
+def _read(cls, words: list[int]):
+    """(an instance of cls from the front of words, the words left)."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            values[f.name], words = _read(kind, words)
+            continue
+        word, words = words[0], words[1:]
+        if kind is int:
+            values[f.name] = word
+        elif set(typing.get_args(kind)) == {bool, type(None)}:  # bool | None
+            values[f.name] = None if word < 0 else bool(word)
+        else:
+            raise TypeError(f"StepShape.from_words: field {f.name} of {cls.__name__} is {kind}, not int or bool | None")
+    return cls(**values), words
+
+
+SHAPE_WORDS = len(StepShape(BatchShape(0, 0, 0, 0), 0, 0).to_words())
 
 
 def pack(shape: StepShape, batch: StepBatch, rows: dict[str, np.ndarray], image_rows=None, mask=None) -> np.ndarray:

@@ -5,7 +5,8 @@ Layers (docs/fsm.md): regex_parser (dialect) -> automaton (byte DFA) -> token_fs
 -> device (arena of tables, pure mask/advance functions for the jitted sampler).
 """
 
-from sgjax.fsm.automaton import ByteDFA, GrammarError, compile_regex
+from sgjax.fsm.automaton import ByteDFA, compile_regex
+from sgjax.fsm.errors import GrammarError
 from sgjax.fsm.compressed import Jump
 from sgjax.fsm.device import DeviceTables, advance, allowed_mask, apply_bitmask, apply_mask, pack_tables
 from sgjax.fsm.grammar import CompiledGrammar, GrammarCache, compile_grammar

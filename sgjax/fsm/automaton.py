@@ -13,11 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sgjax.fsm import budget
+from sgjax.fsm.errors import GrammarError
 from sgjax.fsm.regex_parser import Alt, CharSet, Concat, Repeat, parse
-
-
-class GrammarError(ValueError):
-    """A grammar this compiler cannot turn into a finite automaton (or one that is too large)."""
 
 
 MAX_NFA_STATES = 200_000

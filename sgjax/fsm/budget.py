@@ -8,6 +8,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from sgjax.fsm.errors import GrammarError
+
 _local = threading.local()
 
 
@@ -24,7 +26,5 @@ def deadline(seconds: float | None):
 def check() -> None:
     d = getattr(_local, "deadline", None)
     if d is not None and time.monotonic() > d[0]:
-        from sgjax.fsm.automaton import GrammarError
-
         raise GrammarError(f"the grammar takes longer than {d[1]:g} s to compile (simplify it: large repetitions "
                            f"of wide character classes are the usual cause)")

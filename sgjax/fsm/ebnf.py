@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from sgjax.fsm.automaton import GrammarError
+from sgjax.fsm.errors import GrammarError
 
 MAX_DEPTH = 3  # each level inlines the rules below it again: the regex grows exponentially with it
 MAX_REGEX_CHARS = 1 << 20  # past this the expansion is refused rather than handed to the DFA construction

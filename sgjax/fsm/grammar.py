@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sgjax.fsm import budget, compressed
-from sgjax.fsm.automaton import ByteDFA, GrammarError, compile_regex
+from sgjax.fsm.automaton import ByteDFA, compile_regex
+from sgjax.fsm.ebnf import ebnf_to_regex
+from sgjax.fsm.errors import GrammarError
+from sgjax.fsm.json_schema import JsonOptions, schema_to_regex
+from sgjax.fsm.structural_tag import structural_tag_to_regex
 from sgjax.fsm.token_fsm import TokenTables, build_token_tables, pack_mask
 from sgjax.fsm.vocab import Vocabulary
 
@@ -155,8 +159,6 @@ class GrammarCache:
         return self._get(key, lambda: compile_grammar(regex, vocab, key, canonical))
 
     def get_json_schema(self, schema, vocab: Vocabulary, options=None, canonical: bool = True) -> CompiledGrammar:
-        from sgjax.fsm.json_schema import JsonOptions, schema_to_regex
-
         options = options or JsonOptions()
         try:
             text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
@@ -166,14 +168,10 @@ class GrammarCache:
         return self._get(key, lambda: compile_grammar(schema_to_regex(schema, options), vocab, key, canonical))
 
     def get_ebnf(self, grammar: str, vocab: Vocabulary, canonical: bool = True) -> CompiledGrammar:
-        from sgjax.fsm.ebnf import ebnf_to_regex
-
         key = ("ebnf", grammar, vocab.fingerprint, canonical)
         return self._get(key, lambda: compile_grammar(ebnf_to_regex(grammar), vocab, key, canonical))
 
     def get_structural_tag(self, spec: str, vocab: Vocabulary, canonical: bool = True) -> CompiledGrammar:
-        from sgjax.fsm.structural_tag import structural_tag_to_regex
-
         key = ("structural_tag", spec, vocab.fingerprint, canonical)
         return self._get(key, lambda: compile_grammar(structural_tag_to_regex(spec), vocab, key, canonical))
 

@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from sgjax.fsm.automaton import GrammarError
+from sgjax.fsm.errors import GrammarError
 
 # JSON string content: any char except `"`, `\` and controls, or an escape. \u escapes exclude
 # surrogates: a lone one is not valid JSON and a pair would count as two characters for min/maxLength.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import keyword
 
-from sgjax.fsm.automaton import GrammarError
+from sgjax.fsm.errors import GrammarError
 from sgjax.fsm.json_schema import JsonOptions, _Converter, _lit
 
 _U = r"\\u(?:[0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})"  # no surrogates, as in JSON strings

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from sgjax.fsm.automaton import GrammarError
+from sgjax.fsm.errors import GrammarError
 from sgjax.fsm.json_schema import schema_to_regex
 
 

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sgjax.lang.global_config import global_config
 from sgjax.lang.interpreter import ProgramState, StreamExecutor, _ReadVar
-from sgjax.lang.ir import Constant, Expr
+from sgjax.lang.backend.default import resolve_backend
+from sgjax.lang.ir import Constant, Expr, split_run_kwargs
 
 
 class CompiledFunction:
@@ -34,16 +35,12 @@ class CompiledFunction:
     def run(self, *, backend=None, **kwargs) -> ProgramState:
         """Run the graph with these arguments (every argument that was abstract at compile time) and sampling
         defaults (run()'s keywords)."""
-        from sgjax.lang.api import _backend, _split_run_kwargs
-
-        sampling, program = _split_run_kwargs(kwargs)
-        return self._replay(_backend(backend), program, sampling)
+        sampling, program = split_run_kwargs(kwargs)
+        return self._replay(resolve_backend(backend), program, sampling)
 
     def run_batch(self, batch_kwargs, *, backend=None, num_threads="auto", **sampling) -> list[ProgramState]:
-        from sgjax.lang.api import _backend, _split_run_kwargs
-
-        backend = _backend(backend)
-        defaults, _ = _split_run_kwargs(sampling)
+        backend = resolve_backend(backend)
+        defaults, _ = split_run_kwargs(sampling)
         batch = list(batch_kwargs)
         if not batch:
             return []

@@ -236,9 +236,10 @@ SglVarScopeEnd = VarScopeEnd
 SglSeparateReasoning = SeparateReasoning
 
 
-def __getattr__(name):
-    if name == "SglFunction":  # defined in api.py, which imports this module
-        from sgjax.lang.api import Function
-
-        return Function
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def split_run_kwargs(kwargs: dict) -> tuple[dict, dict]:
+    """run(...)'s keyword arguments: sampling defaults (GEN_PARAMS names) vs the program's own arguments."""
+    sampling = {k: v for k, v in kwargs.items() if k in GEN_PARAMS and v is not None}
+    program = {k: v for k, v in kwargs.items() if k not in GEN_PARAMS}
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    return sampling, program

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 from sgjax.lang.chat_template import PLAIN
 from sgjax.lang.global_config import global_config
-from sgjax.lang.state import ProgramStateGroup, _PromptAPI, call_site
 from sgjax.lang.ir import (Constant, ExprList, Gen, Image, RoleBegin, RoleEnd, Select, SeparateReasoning,
-                           VarScopeBegin, VarScopeEnd, as_expr)
+                           VarScopeBegin, VarScopeEnd, as_expr, split_run_kwargs)
+from sgjax.lang.state import ProgramStateGroup, _PromptAPI, call_site
 
 _MARKER = re.compile("\x00sgjax(\\d+)\x00")
 
@@ -375,12 +375,10 @@ def trace_program(function, backend=None, concrete: dict | None = None, assume: 
 def trace_call(function, args: tuple, kwargs: dict) -> TracerState:
     """A traced program calls another sgl function: the callee is traced into a stream of its own (its state is
     what the call returns, so `branch["x"]` reads the callee's variable). Sampling keywords are not traced."""
-    from sgjax.lang.api import _split_run_kwargs
-
     trace = current_trace()
     if len(args) > len(function.arg_names):
         raise TypeError(f"{function.name} takes {function.arg_names}; got {len(args)} positional arguments")
-    _, program_kwargs = _split_run_kwargs(kwargs)
+    _, program_kwargs = split_run_kwargs(kwargs)
     program_kwargs.pop("backend", None)
     known = {**function.defaults, **function.bind_arguments, **dict(zip(function.arg_names, args)), **program_kwargs}
     state = TracerState(trace, trace.new_stream())

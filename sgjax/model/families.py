@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from sgjax.model.config import UnsupportedModelError, rope_theta_of
+from sgjax.model.config import UnsupportedModelError
+
+
+def rope_theta_of(d: dict, layer_type: str, default: float) -> float:
+    """A layer type's RoPE base from transformers 5's per-type rope_parameters."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params:
+        return float(params[layer_type].get("rope_theta", default))
+    return default
 
 
 def _no_extra(d: dict) -> dict:

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from sgjax.model import gguf_meta, weights as W
-from sgjax.model.config import ModelConfig, config_from_gguf, config_from_hf_dir
+from sgjax.model.checkpoint import config_from_gguf, config_from_hf_dir
+from sgjax.model.config import ModelConfig
 from sgjax.model.families import FAMILY
 from sgjax.model.paths import ModelNotFoundError, resolve_model_path
 from sgjax.model.quant import int4_from_q4_0, int4_from_q4_1, int8_from_q8_0, is_quantized

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgjax.model import weights as W
-from sgjax.model.config import ModelConfig, UnsupportedModelError, config_from_hf
+from sgjax.model.checkpoint import config_from_hf
+from sgjax.model.config import ModelConfig, UnsupportedModelError
 
 Array = Any
 

@@ -24,12 +24,13 @@ import uvicorn
 
 from sgjax.errors import RequestError
 from sgjax.router.policy import POLICIES, make_policy
-from sgjax.router.worker import LAUNCHER_PID_ENV
 from sgjax.server.connection import check_port
 from sgjax.server.process import free_port
 
 log = logging.getLogger("sgjax.router")
 
+# The launcher's pid, in each worker's environment: the worker's watchdog (worker.py) ends it when that process dies.
+LAUNCHER_PID_ENV = "SGJAX_LAUNCHER_PID"
 WORKER_START_TIMEOUT = 1800.0  # a first start on a GPU compiles the step shapes
 # HTTP flags the workers share with the launcher (host and port are the router's own).
 _WORKER_HTTP_FLAGS = ("served_model_name", "enable_metrics", "log_requests", "log_level", "skip_server_warmup",

@@ -16,7 +16,8 @@ import sys
 import threading
 import time
 
-LAUNCHER_PID_ENV = "SGJAX_LAUNCHER_PID"
+from sgjax.cli import main as cli_main
+from sgjax.router.launch import LAUNCHER_PID_ENV
 
 
 def watch_parent(parent: int | None = None, interval: float = 1.0) -> threading.Thread:
@@ -37,8 +38,6 @@ def watch_parent(parent: int | None = None, interval: float = 1.0) -> threading.
 
 def main() -> None:
     watch_parent()
-    from sgjax.cli import main as cli_main
-
     cli_main(sys.argv[1:])
 
 

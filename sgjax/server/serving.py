@@ -20,7 +20,7 @@ from typing import AsyncIterator
 from sgjax.engine.engine import Engine
 from sgjax.engine.images import ImageDataError
 from sgjax.engine.params import SamplingParams, SamplingParamsError
-from sgjax.engine.requests import copy_rid, copy_seed
+from sgjax.engine.requests import GenerateCall, copy_rid, copy_seed
 from sgjax.errors import CLIENT, SHUTDOWN, EngineError, RequestError, SgjaxError
 from sgjax.fsm import from_tokenizer
 from sgjax.server.connection import until_disconnected
@@ -63,9 +63,22 @@ class HttpWork:
     def has_images(self) -> bool:
         return self.images is not None and any(i is not None for i in self.images)
 
-    def engine_kwargs(self) -> dict:
-        return {"return_logprob": self.return_logprob, "logprob_start_len": self.logprob_start_len,
-                "top_logprobs_num": self.top_logprobs_num}
+    def call(self) -> GenerateCall:
+        """The whole work as one engine call: every prompt, with n copies of each (the engine makes them)."""
+        return self._call(list(self.prompts), list(self.params), list(self.rids) if self.rids else None,
+                          list(self.images) if self.has_images else None, stream=False)
+
+    def copy_call(self, prompt: int, params: SamplingParams, rid: str | None) -> GenerateCall:
+        """One streamed copy of prompt `prompt` (the engine streams one request at a time)."""
+        return self._call(self.prompts[prompt], params, rid, self.images[prompt] if self.images else None,
+                          stream=True)
+
+    def _call(self, prompts, params, rid, images, stream: bool) -> GenerateCall:
+        text = self.texts is not None
+        return GenerateCall(prompt=prompts if text else None, input_ids=None if text else prompts,
+                            sampling_params=params, return_logprob=self.return_logprob,
+                            logprob_start_len=self.logprob_start_len, top_logprobs_num=self.top_logprobs_num,
+                            stream=stream, rid=rid, image_data=images)
 
     def image_field(self, prompt: int | None, image: int | None = None) -> str:
         if self.image_fields is None or prompt is None:
@@ -127,13 +140,9 @@ class Serving:
         """All prompts x n copies in one engine call (every prompt is validated before any is queued); the flat
         list of results, prompt-major. Aborted when the client disconnects."""
         self._check(work)
-        kind = "prompt" if work.texts is not None else "input_ids"
-        images = list(work.images) if work.has_images else None
         release = self._admit(work)
         try:
-            call = self.engine.async_generate(**{kind: list(work.prompts)}, sampling_params=list(work.params),
-                                              rid=list(work.rids) if work.rids else None, image_data=images,
-                                              **work.engine_kwargs())
+            call = self.engine.async_run(work.call())
             self._log_start(work)
 
             async def started():
@@ -156,22 +165,18 @@ class Serving:
         any is queued: an engine stream starts when first iterated. Copy j of a seeded prompt gets seed + j, as
         the engine's own n does."""
         self._check(work)
-        kind = "prompt" if work.texts is not None else "input_ids"
         self._admit(work)()  # the first stream's call starts within this loop turn: its own count takes over
-        streams = await self._open(work, kind)
+        streams = await self._open(work)
         self._log_start(work)
         return streams
 
-    async def _open(self, work: HttpWork, kind: str) -> list[AsyncIterator[dict]]:
+    async def _open(self, work: HttpWork) -> list[AsyncIterator[dict]]:
         streams = []
-        for i, (prompt, params) in enumerate(zip(work.prompts, work.params)):
+        for i, params in enumerate(work.params):
             base = work.rids[i] if work.rids else None
             for j in range(params.n):
                 copy = dataclasses.replace(params, n=1, seed=copy_seed(params, j))
-                rid = copy_rid(base, params, j)
-                images = work.images[i] if work.images else None
-                call = self.engine.async_generate(**{kind: prompt}, sampling_params=copy, rid=rid, stream=True,
-                                                  image_data=images, **work.engine_kwargs())
+                call = self.engine.async_run(work.copy_call(i, copy, copy_rid(base, params, j)))
                 streams.append(await self._engine_errors(call, work, i))
         return streams
 

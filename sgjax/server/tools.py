@@ -30,7 +30,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from sgjax.fsm.automaton import GrammarError
+from sgjax.fsm.errors import GrammarError
 from sgjax.fsm.json_schema import schema_to_regex
 from sgjax.fsm.python_literal import call_name_regex, keyword_arguments_regex
 from sgjax.fsm.structural_tag import without

@@ -251,9 +251,10 @@ def test_header_round_trip_and_flag_errors():
         shape = StepShape(BatchShape(32, 4, 16, 8), 64, 2, 3, 16, branches)
         h = distributed._header(distributed.STEP, shape, np.zeros((16, 5), np.float32))
         assert h.dtype == np.int32 and len(h) == distributed.HEADER
-        assert distributed._shape(h) == shape and h[9] == 5 and h[10] == shape.size
+        assert distributed._shape(h) == shape and h[distributed.FEATURES] == 5 and h[distributed.SIZE] == shape.size
+        assert StepShape.from_words(shape.to_words()) == shape
     h = distributed._readout_header(1, 9)
-    assert len(h) == distributed.HEADER and (h[0], h[1], h[10]) == (distributed.READOUT, 1, 9)
+    assert len(h) == distributed.HEADER and (h[distributed.OP], h[distributed.SIZE]) == (distributed.READOUT, 9)
     prompts = [[1, 2, 3], [7], [4, 5]]
     assert distributed.unpack_prompts(distributed.pack_prompts(prompts)) == prompts
     distributed.check_args(ServerArgs())

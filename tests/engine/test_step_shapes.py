@@ -108,3 +108,27 @@ def test_coarse_and_fine_ladders_give_the_same_greedy_programs(coarse_engine, ti
 def test_step_buckets_must_be_known(tiny):
     with pytest.raises(ValueError, match="step_buckets"):
         Engine.from_weights(*tiny, step_buckets="huge", **LADDER)
+
+
+def test_words_round_trip_every_field():
+    """StepShape.to_words / from_words (the multi-host broadcast's one encoding): every field, nested ones
+    included, comes back; the word count follows the fields."""
+    import dataclasses
+    import itertools
+
+    import numpy as np
+
+    from sgjax.engine.sampler import Branches
+    from sgjax.engine.step import SHAPE_WORDS
+    from sgjax.model.batch import BatchShape
+
+    rng = np.random.default_rng(0)
+    flags = (None, False, True)
+    for draws, filters in itertools.product(flags, flags):
+        t, r, p, lg, w, k, m, img = (int(v) for v in rng.integers(0, 4096, 8))
+        shape = StepShape(BatchShape(t, r, p, lg), w, k, m, img, Branches(draws, filters))
+        words = shape.to_words()
+        assert len(words) == SHAPE_WORDS == 4 + len(dataclasses.fields(StepShape)) - 2 + 2
+        assert StepShape.from_words(np.asarray(words, np.int32)) == shape
+    with pytest.raises(ValueError, match="left over"):
+        StepShape.from_words(list(words) + [0])

@@ -142,19 +142,19 @@ def test_kv_heads_expanded_in_place():
     assert tp.expand_kv(wk, cfg, 2) is wk
 
 
-def test_real_smollm2_three_ways(smollm2):
-    """SmolLM2-135M (9 heads on 3 KV heads) split 3 ways: the same greedy text as on one device."""
-    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
-    params = {"max_new_tokens": 6, "temperature": 0.0}
-    texts = {}
+def test_real_smollm2_three_ways_under_an_explicit_float32(smollm2):
+    """SmolLM2-135M (9 heads on 3 KV heads) split 3 ways with --dtype float32: the greedy tokens of one device (which
+    runs the native kernel's float32 there, where TP=3 runs XLA's dots: float32 either way, as asked)."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time,",
+               "The three primary colors are"]
+    params = {"max_new_tokens": 16, "temperature": 0.0}
+    outs = {}
     for tp_size in (1, 3):
-        engine = Engine.from_weights(*smollm2, **SMALL, tp_size=tp_size)
-        try:
-            texts[tp_size] = [o["text"] for o in engine.generate(prompts, params)]
-        finally:
-            engine.shutdown()
-    assert texts[3] == texts[1]
-    assert all(texts[1])
+        with Engine(**SMALL, dtype="float32", tp_size=tp_size) as engine:
+            assert engine.plan.weight_dtype == engine.plan.kv_dtype == "float32"
+            outs[tp_size] = [o["output_ids"] for o in engine.generate(prompts, params)]
+    assert outs[3] == outs[1]
+    assert all(outs[1])
 
 
 def test_dummy_weights_born_sharded_equal_unsharded():

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from sgjax.model import loader, paths
-from sgjax.model.config import UnsupportedModelError, config_from_hf, llama3_8b_config
+from sgjax.model.checkpoint import config_from_hf
+from sgjax.model.config import UnsupportedModelError, llama3_8b_config
 from sgjax.model.loader import WeightFileError, load_model, load_orbax, save_orbax
 from sgjax.model.weights import dummy_weights, logical_axes, shardings
 from tests.model.hf_tiny import write_tiny
@@ -137,7 +138,7 @@ def test_an_unsupported_family_or_rope_fails_at_load_with_one_line_naming_it(con
 
 
 def test_gemma3_gguf_metadata_maps_to_the_families_fields():
-    from sgjax.model.config import config_from_gguf
+    from sgjax.model.checkpoint import config_from_gguf
 
     meta = {"general.architecture": "gemma3", "gemma3.attention.head_count": 4, "gemma3.embedding_length": 640,
             "gemma3.attention.key_length": 256, "gemma3.feed_forward_length": 2048, "gemma3.block_count": 18,

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from sgjax.model.config import ModelConfig, UnsupportedModelError, config_from_hf
+from sgjax.model.checkpoint import config_from_hf
+from sgjax.model.config import ModelConfig, UnsupportedModelError
 from sgjax.model.families import hf_config_dict
 from sgjax.model.moe import expert_counts, experts, route
 
