@@ -1,17 +1,17 @@
 """The CPU's native kernels, in C++ called through XLA's FFI: the `cpu` attention backend (kernels/cpu_attention.cc)
-and the matrix products of decode's few rows (kernels/cpu_matmul.cc, config.matmul "cpu").
+and every matrix product of a step on one CPU (kernels/cpu_matmul.cc, the step plan's matmul "native").
 
-XLA's CPU runs the `ref` backend's gathers and tiny batched dots far from the memory bound: a 16-request decode
-layer took 2 ms where its K/V are 6.5 MB (docs/engine.md, "A native CPU attention"). The attention reads each row's
-pages in place, only the keys the row sees, with an online softmax. The products read bf16 or int8 matrices with
-the CPU's dot-product instructions, a stacked layer's matrix in place. Both share work with helper threads that
-spin between a step's calls (kernels/cpu_parallel.h).
+XLA's CPU runs the `ref` backend's gathers and tiny batched dots far from the memory bound (docs/journal/
+engine-cpu.md). The attention reads each row's pages in place, only the keys the row sees, with an online softmax.
+The products read matrices packed in panels (kernels/cpu_pack.py) with the CPU's dot-product instructions, a
+stacked layer's matrix in place, one arithmetic per output whatever the row count. Both share work with helper
+threads that spin between a step's calls (kernels/cpu_parallel.h).
 
 They are built on first use with the machine's C++ compiler (`$CXX`, else g++) for the machine it runs on
 (-march=native) against the FFI headers jaxlib ships, into a cache directory (`$SGJAX_CACHE_DIR`, else
 ~/.cache/sgjax) keyed by the source, the flags, jaxlib's version and the CPU's flags, and registered once per
 process. `available()` says whether that worked; the CPU's default attention backend is "cpu" then, "ref" otherwise,
-and bf16 or int8 matrices use the native products (model/weights.prepare).
+and the step plan multiplies natively (engine/plan.py).
 """
 
 from __future__ import annotations

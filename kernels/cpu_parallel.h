@@ -1,9 +1,9 @@
 // The CPU kernels' work sharing (kernels/cpu_attention.cc, kernels/cpu_matmul.cc): one helper thread per further
 // core, kept spinning for a while after each job.
 //
-// Decode calls the kernels every few tens of microseconds (four matrix products and an attention per layer), each
-// call 20-60 us of work. XLA's intra-op pool wakes a sleeping thread per task, which took longer than the work: a
-// second thread gained nothing. These helpers wait for kSpinMicros after a job before they sleep, so within a step
+// Decode calls the kernels many times a step (four matrix products and an attention per layer), each call a short
+// piece of work. XLA's intra-op pool wakes a sleeping thread per task, which took longer than the work: a second
+// thread gained nothing (docs/journal/engine-cpu.md). These helpers wait for kSpinMicros after a job before they sleep, so within a step
 // they start at once; they yield the core while they wait (other processes' work, e.g. a second test worker's
 // compiles, goes first), and jobs below kMinParallelBytes run on the caller alone (a tiny model's step would keep
 // the helpers waiting for nothing).

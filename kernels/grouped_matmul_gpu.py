@@ -4,7 +4,7 @@ sgjax.kernels.grouped_matmul_gpu).
 `grouped_matmul(x, w, sizes)` computes what `jax.lax.ragged_dot(x, w, sizes)` does: x [M, K] holds rows sorted by
 group, group g (an expert) is the next sizes[g] rows and multiplies w[g] [K, N]; rows after the last group are left
 unwritten (model/moe.py drops them). XLA's ragged_dot on the GPU reads every expert's weights whatever the routing
-(docs/architecture.md, "Mixtures of experts"); here each program owns one tile of `block_m` rows of one group and
+(docs/journal/architecture-models.md); here each program owns one tile of `block_m` rows of one group and
 `block_n` output columns, so only routed experts' weights are read, and a tile never spans two groups.
 
 The tile table (which group and rows each program owns) is a few XLA ops over `sizes`; its length is static,

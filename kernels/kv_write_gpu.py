@@ -1,7 +1,7 @@
 """The new tokens' K/V into the paged pool, as a Pallas-Triton kernel (the GPU backend's KV write).
 
-XLA's scatter (kv_pool.write_kv) took 104 us per layer of a 4k prefill on the H200 and this kernel
-41 us (docs/kernels.md); decode batches are too small to tell them apart. It writes the pool in place
+XLA's scatter (kv_pool.write_kv) took about 2.5 times this kernel's time for a long prefill on the H200
+(docs/journal/kernels-h200.md); decode batches are too small to tell them apart. It writes the pool in place
 (input_output_aliases), one program per block of tokens: each token's K and V of every head land in
 its slot's row of the pool viewed as [layers * pages * page_size, 2 * Hkv * D], K of head h at
 columns [2hD, 2hD + D) and V right after (kv_pool's interleaved layout), one contiguous run per head.
@@ -56,8 +56,8 @@ def pallas_write_kv(pool, layer, k, v, slot_mapping, *, interpret: bool = False,
     """kv_pool.write_kv's contract (pool [L, P, S, 2 Hkv, D]; k, v [T, Hkv, D]; slots into `layer`),
     updating the pool in place when it is donated. Padded rows point at the null page, so several
     programs may write it: its contents are never read unmasked, whichever write lands. `by_head` (the default)
-    moves [tokens, heads, D] blocks, the flat kernel [tokens, heads * D]: on the H200 the first took 42.1 against
-    45.6 us per layer of a 4k prefill, and 31.5 against 35.5 us on the mixed case (docs/kernels.md, session 9)."""
+    moves [tokens, heads, D] blocks, the flat kernel [tokens, heads * D]: the first was the faster on prefill and
+    mixed steps alike (docs/journal/kernels-h200.md)."""
     num_layers, num_pages, page_size, num_combined, head_dim = pool.shape
     num_tokens, num_kv_heads, _ = k.shape
     if num_tokens == 0:

@@ -145,7 +145,7 @@ def default_config(num_rows: int, num_reqs: int, group: int, num_kv_heads: int, 
     Decode-shaped buckets (no more rows than requests) use M = 16 rows, the smallest tensor-core dot,
     since each block holds one token, and long key tiles; longer ones use M = 64. Splits are added
     until about two programs per core exist, but never below 4 key tiles per split. The numbers
-    come from the H200 sweeps in docs/kernels.md. `short_only`: the kernel sees only a mixed bucket's decodes
+    come from the H200 sweeps in docs/journal/kernels-h200.md. `short_only`: the kernel sees only a mixed bucket's decodes
     and short extends (the Hopper kernel takes its long requests), so it gets decode blocks, about one per request.
     """
     decode = num_rows <= num_reqs or short_only
@@ -175,12 +175,12 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
     """The `pallas` backend on GPU (and in interpret mode on CPU). Returns ([T, Hq, D], pool).
 
     `config` overrides default_config's block_q, block_k, num_splits, num_warps, num_stages,
-    prefetch_pages. `kv_write`: "pallas" (kv_write_gpu's kernel, the GPU default: 41 against 104 us per
-    layer for a 4k prefill on the H200) or "xla" (kv_pool.write_kv's scatter, the interpret-mode default,
+    prefetch_pages. `kv_write`: "pallas" (kv_write_gpu's kernel, the GPU default: faster than the
+    scatter, kv_write_gpu.py) or "xla" (kv_pool.write_kv's scatter, the interpret-mode default,
     where the kernel's op-by-op run only slows the tests; test_kv_write covers it there).
     `prefill_kernel`: "mgpu" sends the requests of at least MGPU_MIN_ROWS_PER_REQ new rows to pallas_mgpu's Hopper
-    kernel when it supports the shapes, with `mgpu` as its block sizes (on the H200 it took a 4k prefill from 631 to
-    372 us, docs/kernels.md); a prefill-shaped bucket (that many rows per request slot) goes to it whole, a mixed
+    kernel when it supports the shapes, with `mgpu` as its block sizes (it took the H200's long prefills to about
+    60% of the Triton kernel's time, docs/journal/kernels-h200.md); a prefill-shaped bucket (that many rows per request slot) goes to it whole, a mixed
     one is split by request. "triton" keeps everything on this module's kernel; "auto" (the default) is "mgpu" on
     a Hopper GPU and "triton" elsewhere (wgmma exists only on sm_90). With `interpret`, "mgpu" runs the Hopper
     kernel in jax's GPU interpret mode (tests) and "auto" is "triton".

@@ -22,8 +22,8 @@ ever writes rows of another request.
 
 Only for prefill-shaped requests: a decode row would still cost a whole tile of tensor-core rows, so a mixed
 bucket gives this kernel only its long requests (`include`) and its decodes to the Triton kernel (pallas_gpu).
-Needs bf16 or fp16, head_dim a multiple of 64, page_size a multiple of 8 dividing block_kv. On the H200 a
-4k prefill takes 339-372 us with its KV write against 628-658 us for the Triton kernel (docs/kernels.md).
+Needs bf16 or fp16, head_dim a multiple of 64, page_size a multiple of 8 dividing block_kv. On the H200 a long
+prefill took about 60% of the Triton kernel's time (docs/journal/kernels-h200.md).
 """
 
 from __future__ import annotations
@@ -281,7 +281,8 @@ def _smem_bytes(block_q: int, block_kv: int, head_dim: int, stages: int) -> int:
 
 
 def _stages(block_q: int, block_kv: int, head_dim: int) -> int:
-    """The deepest K/V ring (3 measured best, 2 the least that overlaps) that fits in shared memory, 0 if none."""
+    """The deepest K/V ring (3 was the best depth in the H200 sweep, 2 the least that overlaps) that fits in shared
+    memory, 0 if none."""
     return next((s for s in (3, 2) if _smem_bytes(block_q, block_kv, head_dim, s) <= _SMEM_BYTES), 0)
 
 
@@ -302,8 +303,8 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
                            include=None, window=0, softcap: float | None = None):
     """Attention of q [T, Hq, D] over the pool (the new K/V already written). Returns [T, Hq, D].
 
-    Defaults from the H200 sweep (docs/kernels.md): 128-key tiles 3 deep (224 KB of shared memory at D 128)
-    took a 4k prefill with its KV write in 372 us, against 421 us 2 deep and 406-471 us with 64-key tiles.
+    Defaults from the H200 sweep (docs/journal/kernels-h200.md): 128-key tiles 3 deep (224 KB of shared memory at
+    D 128) beat 2 deep and 64-key tiles.
     `block_kv` None: 128, or 64 where 128-key tiles do not fit in shared memory (head_dim 256, Gemma). `stages`
     None: 3, or 2 where 3 would not fit. `interpret`: run in jax's GPU interpret mode on the CPU (tests; the two
     dots become plain dots there, see _kernel). `include` (bool[R + 1], the last entry the padding rows): compute

@@ -45,7 +45,7 @@ def row_request(cu_q_lens, num_rows: int):
 
 def choose_strategy(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, num_rows: int = 0) -> str:
     """By cost, from the shapes alone. Per row, "gather" moves context x 2*Hkv*D elements and "segment" computes
-    R x context x Hq scores. On a CPU (scripts/probes/probe_cpu_attention.py, docs/engine.md "CPU attention"):
+    R x context x Hq scores. On a CPU (docs/journal/engine-cpu.md, "CPU attention and step sizes"):
     "paged" when rows are about one per request (decode), else "blocked", whose work does not grow with padding."""
     if jax.default_backend() == "cpu" and num_rows:
         if num_reqs > 1 and num_rows <= 2 * num_reqs:

@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--smollm2", action="store_true", help="the embedded SmolLM2 (the engine's default model)")
     ap.add_argument("--load-format", default="auto", help="dummy: random weights for --model-path's config (e.g. the "
-                    "Llama-3-8B directory scripts/lab/h200_bench.sh writes)")
+                    "Llama-3-8B directory: a config.json of its shapes)")
     ap.add_argument("--dummy", default=None, help="llama3-8b: random Llama-3-8B weights (bf16), no tokenizer")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)

@@ -60,9 +60,10 @@ class ServerArgs:
     # or jax.config): restarts then load the step's executables instead of compiling them again.
     compilation_cache_dir: str | None = "~/.cache/sgjax/jax"
     # The engine's loop is a thread that shares the GIL with the caller's threads (the frontend's programs, the
-    # HTTP server). Each step gives the GIL up at every device call and waits up to Python's switch interval
-    # (5 ms) to get it back from a busy thread: with 4 busy threads a tiny model's step took 119 ms at 5 ms and
-    # 21 ms at 0.5 ms (scripts/perf/bench_gil.py). Process-wide; None leaves the interpreter's setting alone.
+    # HTTP server). Each step gives the GIL up at every device call and waits up to Python's switch interval (5 ms
+    # by default) to get it back from a busy thread, which multiplied a tiny model's step time with a few busy
+    # threads (scripts/perf/bench_gil.py, docs/results/bench_gil_cpu.jsonl). Process-wide; None leaves the
+    # interpreter's setting alone.
     gil_switch_interval_ms: float | None = 0.5
     # Overlap (SGLang's default too): while step k runs on the device, the host commits step k-1 and its streams,
     # and step k+1 reads k's tokens on the device. Decode steps overlap, penalised rows included (their window names

@@ -5,7 +5,7 @@ Every process calls `jax.distributed.initialize`, so `jax.devices()` lists every
 ranks (followers) load the same weights onto their slice of the mesh and run `follow`: a loop that executes the
 same jitted steps, in the same order, as rank 0.
 
-The step protocol (docs/architecture.md, "Multi-host"). Before every jitted step the leader broadcasts a fixed-size
+The step protocol (docs/model.md, "Multi-host"). Before every jitted step the leader broadcasts a fixed-size
 int32 header (an opcode and the StepShape's fields), then the packed step buffer (and, for a vision step, its image
 feature rows), with `multihost_utils.broadcast_one_to_all`: itself a collective, so a follower simply blocks in it
 until the next step. Followers never schedule and never sample on their own: the step's outputs are replicated

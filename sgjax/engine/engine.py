@@ -194,8 +194,8 @@ class Engine:
 
     async def async_run(self, call: GenerateCall):
         """`async_generate` for a call already built (the HTTP server's)."""
-        # Off the caller's event loop: tokenizing is fast, but compiling a new grammar takes 50-250 ms (JSON schema
-        # on SmolLM2's vocabulary), which would stall every other request of an HTTP server. Grammar compiles get
+        # Off the caller's event loop: tokenizing is fast, but compiling a new grammar (a JSON schema over a real
+        # vocabulary) takes long enough to stall every other request of an HTTP server. Grammar compiles get
         # workers of their own, so that a burst of slow grammars cannot keep plain requests from being tokenized.
         pool = self._grammar_workers if asks_for_grammar(call.sampling_params) else None
         self._preparing += 1  # counted as queued while it is tokenized: a burst cannot all pass the admission check

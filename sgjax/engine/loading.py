@@ -48,8 +48,8 @@ def apply_process_settings(args: ServerArgs) -> None:
     if args.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        # JAX's default (1 s) skips the programs that compile faster: on a CPU every step shape (~0.85 s for
-        # SmolLM2's scanned step), compiled again by every process
+        # JAX's default (1 s) skips the programs that compile faster: on a CPU nearly every step shape, compiled
+        # again by every process
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 

@@ -1,5 +1,5 @@
 """Single-host tensor parallelism: the device mesh, where every weight and the KV pool live on it, and attention
-under shard_map (docs/architecture.md, "Tensor parallelism").
+under shard_map (docs/model.md, "Tensor parallelism").
 
 The mesh is (data=1, tensor=N) over the first N devices. Weights are placed by their logical axes (model/weights.py
 LEAVES) and `RULES`: the column-parallel matmuls (wq, wk, wv, w_gate, w_up) split their output heads / MLP columns,

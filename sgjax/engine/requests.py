@@ -1,7 +1,7 @@
 """From an API call to runtime requests: validation, tokenization, images, length limits, grammars, n copies.
 
 Runs on the caller's thread (or a worker thread for `async_generate`), never on the engine loop: compiling a new
-grammar takes 50-250 ms. Every refusal is a `RequestError` (or `SamplingParamsError`) whose `field` names what was
+grammar takes a noticeable time, which the loop must not wait out. Every refusal is a `RequestError` (or `SamplingParamsError`) whose `field` names what was
 wrong in the engine's terms, so API layers can rename it without reading the message.
 """
 

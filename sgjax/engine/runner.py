@@ -296,7 +296,7 @@ class Runner:
         """The shapes worth compiling at start, at the widest page table. Coarse: for every T up to max_tokens (a
         step's most tokens) the shapes without penalties, top logprobs or filters (L = R or T, with and without a
         mask), and L = R with the filters. The rest (K > 0, filters with a mask or L = T) compile at first use:
-        the top-K and the filters' sort cost too much to carry in every step (docs/bench.md, "H200 (2026-12-02)").
+        the top-K and the filters' sort cost too much to carry in every step (docs/journal/bench-h200.md).
         Fine: the decode buckets (one token per request: 1, 4, 8, ... requests) up to the most requests."""
         width = self._width(self.max_pages)
         b = self.buckets
@@ -321,8 +321,8 @@ class Runner:
         return out
 
     def precompile(self, shapes: list[StepShape], threads: int = 1) -> None:
-        """Compile step shapes ahead of traffic, `threads` at a time (XLA compiles outside the GIL: on a GPU host
-        most of a shape's ~9 s overlaps with the others'). Lowering with the live arrays fills jit's own cache,
+        """Compile step shapes ahead of traffic, `threads` at a time (XLA compiles outside the GIL: on a GPU host,
+        where a shape takes seconds, most of each compile overlaps with the others'). Lowering with the live arrays fills jit's own cache,
         so traffic of these shapes neither traces nor compiles again."""
         todo = [s for s in shapes if s not in self.shapes_seen]
 
@@ -369,8 +369,7 @@ class Runner:
     def warm(self, shapes: list[StepShape]) -> None:
         """Run each shape once on the dummy buffer (it writes only the null page). A GPU loads an executable's
         kernels at its first run, not at compile time, so without this the first batches of a fresh process pay
-        for it inside their timing (measured on the H200: an 8B MMLU batch took 0.48 s the first time, 0.15 s
-        after, with nothing compiled in between)."""
+        for it inside their timing (docs/journal/engine-h200.md)."""
         out = None
         for shape in shapes:
             out = self.run_dummy(shape)

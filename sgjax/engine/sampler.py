@@ -30,7 +30,7 @@ Why it is built this way:
   accelerator they are static parts of the step's shape: XLA:GPU runs a `lax.cond` by copying its
   predicate to the host and blocking until the stream reaches it, so a conditional after the
   forward made every dispatch wait for the whole forward (the overlap loop then hid nothing;
-  scripts/probes/probe_sampler_sync.py, docs/results/h200_probe_sampler_sync.jsonl). There
+  docs/results/h200_probe_sampler_sync.jsonl). There
   the noise is always drawn (cheap next to the forward) and the filters are a shape flag. On a CPU
   a conditional blocks nothing and one program per shape keeps compiles few, so there the flags
   travel in the buffer and `lax.cond`s skip the work (`needs_filter`, and any sampling row).
@@ -230,8 +230,7 @@ def apply_penalties(logits, batch: SamplingBatch):
 
 def argmax(x):
     """jnp.argmax over the last axis (the first maximum; 0 for a row of NaN) as a max and a min: XLA's CPU runs
-    argmax's (value, index) reduction unvectorized (1.4 ms for [16, 49152]; sample() on 16 greedy rows took 4.5 ms
-    with it, 1.7 with this)."""
+    argmax's (value, index) reduction unvectorized, several times slower (docs/journal/engine-cpu.md)."""
     vocab = x.shape[-1]
     best = jnp.max(x, axis=-1, keepdims=True)
     index = jnp.min(jnp.where(x == best, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)

@@ -38,7 +38,8 @@ def build_batch(token_chunks: list[list[int]], kv_lens: list[int], page_tables: 
     total = int(q_lens.sum())
     if n > num_reqs or total > num_tokens:
         raise ValueError(f"batch of {n} requests / {total} tokens exceeds the bucket ({num_reqs}, {num_tokens})")
-    # Vectorised over rows (the host builds one of these per step; a loop over 64 requests cost ~0.5 ms).
+    # Vectorised over rows: the host builds one of these per step, and a Python loop over the requests showed up in
+    # the step's host time.
     num_pages = np.fromiter(map(len, page_tables), np.int64, n)
     kv = np.asarray(kv_lens, np.int64).reshape(n)
     short = np.flatnonzero(num_pages * page_size < kv)

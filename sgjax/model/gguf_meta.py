@@ -1,8 +1,8 @@
 """GGUF reading with numpy only: the metadata and the tensors' raw (still quantized) data, memory-mapped.
 
 The `gguf` package's GGUFReader builds a numpy view per metadata element: opening Gemma-3-270M's file (a
-262,144-token vocabulary, three arrays of that length) took it 17 s, most of a model load. This reader parses the
-same format (GGUF v2/v3: header, key/value pairs, tensor infos, aligned data) in well under a second; `gguf` is
+262,144-token vocabulary, three arrays of that length) was most of a model load. This reader parses the same format
+(GGUF v2/v3: header, key/value pairs, tensor infos, aligned data) without them; `gguf` is
 still what dequantizes (loader.py).
 """
 

@@ -86,7 +86,7 @@ def apply_rope(x, rope):
 def dot(h, w, nk: bool = False, out_dtype=None):
     """h @ w (w [in, out]; nk: w [out, in], the tied head's embedding) in h's dtype or out_dtype. A matrix of
     another dtype (bf16 under float32 activations) takes h in its dtype, with float32 accumulation; one row of such
-    a product is computed as two (XLA's CPU runs a one-row bf16 product ~8x slower than a two-row one)."""
+    a product is computed as two (XLA's CPU runs a one-row bf16 product several times slower than a two-row one)."""
     out_dtype = out_dtype or h.dtype
     if isinstance(w, Int8Matrix) and not w.grouped:  # bf16 holds every int8 exactly; the scale is per output row
         out = dot(h.astype(jnp.bfloat16), w.q.astype(jnp.bfloat16), True, jnp.float32)
@@ -203,7 +203,7 @@ def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, atten
 
     Stacked layers (a LayerWeights with a leading layer axis) are scanned: compile time does not grow with depth. A
     tuple of per-layer LayerWeights is unrolled: on the GPU, scanning slices (copies) each layer's weights before its
-    matmuls, which tripled weight traffic at decode (docs/architecture.md).
+    matmuls, which tripled weight traffic at decode (docs/journal/architecture-measured.md).
     """
     with matmul_precision(cfg.dtype):
         out, pool, stats = _forward(weights, pool, batch, cfg, attention, ops, input_embeds, output, experts_fn)
@@ -259,9 +259,9 @@ def _forward(weights, pool, batch, cfg, attention, ops, input_embeds, output="lo
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
     if isinstance(weights.layers, (tuple, list)):
         # One jitted block per distinct window, called once per layer: jax traces and lowers it once (the module
-        # calls one function L times; XLA inlines it), not L times. On the H200 the unrolled SmolLM2 spent 40-75 s
-        # tracing and ~60 s lowering each step shape (its Pallas kernels built again for every layer), against 6-7 s
-        # of XLA compilation.
+        # calls one function L times; XLA inlines it), not L times: unrolled layer by layer, tracing and lowering a
+        # step shape (its Pallas kernels built again for every layer) took several times its XLA compilation
+        # (docs/journal/engine-h200.md).
         jitted = {win: jax.jit(lambda x, pool, w, i, rope, win=win: block(x, pool, w, (i, win, rope)))
                   for win in set(windows)}
         stats = []

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 
 def default_kernel(platform: str) -> str:
-    """The grouped matmuls a platform runs: the Pallas kernel on CUDA GPUs (H200: 1.4 against 57 ms for a 4096-token
-    Qwen3-30B-A3B layer, docs/architecture.md), ragged_dot elsewhere (the TPU's is a grouped-matmul kernel, the CPU
-    has no Triton)."""
+    """The grouped matmuls a platform runs: the Pallas kernel on CUDA GPUs (it reads only the routed experts, where
+    XLA's ragged_dot reads them all: docs/journal/architecture-models.md), ragged_dot elsewhere (the TPU's is a
+    grouped-matmul kernel, the CPU has no Triton)."""
     return "pallas" if platform in ("gpu", "cuda") else "xla"
 
 

@@ -18,7 +18,7 @@ import numpy as np
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int8Matrix:
-    """q int8[..., N, K] ([out, in], config.matrix_layout "nk") and scale f32[..., N] (one per output row), or
+    """q int8[..., N, K] ([out, in], as the kernels read rows) and scale f32[..., N] (one per output row), or
     f32[..., N, K / GROUP] (one per GROUP weights along a row: a GGUF Q8_0 file's blocks, kept by the loader);
     stacked layers lead both."""
 
@@ -79,7 +79,7 @@ BLOCK = 64  # int4 weights per packed run of 32 bytes: byte j holds weight j (lo
 class Int4Matrix:
     """q uint8[..., N, K / 2]: each weight as u in [0, 15], two a byte as BLOCK lays them out; scale f32[..., N,
     K / 32, 2]: per GROUP its (scale, low), the weight being low + scale * u (llama.cpp's Q4_1); [out, in]
-    (config.matrix_layout "nk"); stacked layers lead both. K must be a multiple of 64."""
+    ([out, in]); stacked layers lead both. K must be a multiple of 64."""
 
     q: jax.Array
     scale: jax.Array

@@ -2,7 +2,7 @@
 
 Per-layer weights are stacked on a leading layer axis as loaded; the step plan (engine/plan.py) keeps them stacked
 where the forward scans them (CPU: compile time flat in depth) and splits them into a tuple of per-layer weights
-where it unrolls (accelerators: scanning copied each layer's weights on the GPU, docs/architecture.md). Float
+where it unrolls (accelerators: scanning copied each layer's weights on the GPU, docs/journal/architecture-measured.md). Float
 matrices are stored (in, out) so the forward is `x @ w`; quantized ones (model/quant.py) and the CPU's packed panels
 (model/native.py) are (out, in). Every leaf has logical axis names so that a sharding rule table can place them on a
 mesh without touching the model.

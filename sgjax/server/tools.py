@@ -90,7 +90,7 @@ def plan(req, fmt, constrain: bool = True, reasoning=None) -> ToolPlan:
         calls = f"(?:{calls}|(?:[^{_class_char(opener)}][\\s\\S]*)?)"
     if reasoning is not None and not (choice == "auto" and fmt.trigger is not None and not reasoning.forced):
         # (auto's free text already admits an optional type's <think> block, only not the trigger in it; the
-        # prefix there would make every "<think>" ambiguous between the two, a DFA that takes 20-60 s to build)
+        # prefix there would make every "<think>" ambiguous between the two, a DFA that takes tens of seconds to build)
         calls = reasoning.grammar_prefix() + calls
     return ToolPlan(functions, choice, parallel, calls)
 

@@ -97,7 +97,7 @@ def test_expert_parallel_matches_one_device(checkpoints, one_device, tp_size, ep
 
 @pytest.mark.parametrize("weight_dtype", ["auto", "bfloat16"])
 def test_expert_tokens_reach_server_info_and_metrics(checkpoints, weight_dtype):
-    """bfloat16: the CPU's layer calls (engine/programs.CallsStep) carry the counts from each layer's call."""
+    """bfloat16: the native CPU step (engine/plan.py) counts each layer's routing too."""
     _, cfg, weights = checkpoints["olmoe-moe"]
     prompt = list(range(100, 113))
     with Engine.from_weights(cfg, weights, None, **ENGINE, weight_dtype=weight_dtype) as engine:
