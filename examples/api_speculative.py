@@ -24,7 +24,8 @@ EXAMPLES = (
     "Topic: the Eiffel Tower\nPlace: Paris, France\nYear: 1889\n\n"
     "Passage: The Apollo 11 mission landed the first two people on the Moon in July 1969. It was launched from the "
     "Kennedy Space Center in Florida by a Saturn V rocket.\n"
-    "Topic: Apollo 11\nPlace: Kennedy Space Center, Florida\nYear: 1969\n\n")
+    "Topic: Apollo 11\nPlace: Kennedy Space Center, Florida\nYear: 1969\n\n"
+)
 
 
 def extract_fields(s, passage, max_tokens=16):
@@ -53,8 +54,9 @@ def measure(backend, texts: list[str], spec_tokens: int | None, max_tokens: int 
     program = sgl.function(extract_fields, num_api_spec_tokens=spec_tokens)
     backend.usage.reset()
     start = time.perf_counter()
-    states = program.run_batch([{"passage": t, "max_tokens": max_tokens} for t in texts], backend=backend,
-                               temperature=0)
+    states = program.run_batch(
+        [{"passage": t, "max_tokens": max_tokens} for t in texts], backend=backend, temperature=0
+    )
     for state in states:
         state.sync()  # run_batch returns when every program ran
     return states, backend.usage.snapshot(), time.perf_counter() - start
@@ -64,8 +66,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default=None, help="an OpenAI-compatible API (default: start sgjax serve)")
     parser.add_argument("--model", default=None, help="the model name (default: the served model)")
-    parser.add_argument("--model-path", default=None,
-                        help="without --base-url: the model sgjax serve loads (default: bundled SmolLM2)")
+    parser.add_argument(
+        "--model-path", default=None, help="without --base-url: the model sgjax serve loads (default: bundled SmolLM2)"
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-passages", type=int, default=8)
     parser.add_argument("--spec-tokens", type=int, default=32, help="num_api_spec_tokens")
@@ -99,16 +102,22 @@ def main():
         va, vb = [a[f] for f in FIELDS], [b[f] for f in FIELDS]
         same += va == vb
         kinds = [b.get_meta_info(f)["speculative"] for f in FIELDS]
-        print(f"- {text[:60]}...\n  {dict(zip(FIELDS, (v.strip() for v in vb)))}  speculative: {kinds}"
-              + ("" if va == vb else f"  WITHOUT: {va}"))
-    print(f"\n{len(texts)} passages, model {model}, num_api_spec_tokens={args.spec_tokens}, greedy; "
-          f"identical values: {same}/{len(texts)}")
+        print(
+            f"- {text[:60]}...\n  {dict(zip(FIELDS, (v.strip() for v in vb)))}  speculative: {kinds}"
+            + ("" if va == vb else f"  WITHOUT: {va}")
+        )
+    print(
+        f"\n{len(texts)} passages, model {model}, num_api_spec_tokens={args.spec_tokens}, greedy; "
+        f"identical values: {same}/{len(texts)}"
+    )
     print(f"{'':24}{'API calls':>10}{'input tokens':>14}{'output tokens':>15}{'seconds':>9}")
     for name, u, sec in (("without speculation", plain_usage, plain_s), ("with speculation", spec_usage, spec_s)):
         print(f"{name:24}{u['calls']:>10}{u['prompt_tokens']:>14}{u['completion_tokens']:>15}{sec:>9.1f}")
-    print(f"{'ratio (without / with)':24}{plain_usage['calls'] / spec_usage['calls']:>10.2f}"
-          f"{plain_usage['prompt_tokens'] / spec_usage['prompt_tokens']:>14.2f}"
-          f"{plain_usage['completion_tokens'] / spec_usage['completion_tokens']:>15.2f}")
+    print(
+        f"{'ratio (without / with)':24}{plain_usage['calls'] / spec_usage['calls']:>10.2f}"
+        f"{plain_usage['prompt_tokens'] / spec_usage['prompt_tokens']:>14.2f}"
+        f"{plain_usage['completion_tokens'] / spec_usage['completion_tokens']:>15.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -39,19 +39,33 @@ def essay_judge(s, topic, essay, dimensions=DIMENSIONS):
     s["judgments"] = [f["judgment"] for f in forks]
     # Generate a summary and a grade. Return in the JSON format.
     s += sgl.user("Provide the judgment, summary, and a letter grade")
-    s += sgl.assistant(judgment + "\nIn summary," + sgl.gen("summary", stop=".") + "\nThe grade of it is "
-                       + sgl.gen("grade", max_tokens=4))
+    s += sgl.assistant(
+        judgment
+        + "\nIn summary,"
+        + sgl.gen("summary", stop=".")
+        + "\nThe grade of it is "
+        + sgl.gen("grade", max_tokens=4)
+    )
     s += sgl.user("Return in the JSON format.")
     s += sgl.assistant(sgl.gen("output", regex=SCHEMA, max_tokens=64))
 
 
 ESSAYS = [
-    ("the sea", "The sea covers most of our planet. Its waves shape the coast, its currents carry heat around the "
-                "world, and millions of people live from fishing. We must keep it clean."),
-    ("the sea", "Oceans are home to whales, fish and coral reefs. Sailors have crossed the sea for thousands of "
-                "years, and ships still carry most of the goods we buy."),
-    ("the sea", "My favourite food is pizza. I like cheese, tomatoes and a thin crust, and I eat it every Friday "
-                "with my family."),
+    (
+        "the sea",
+        "The sea covers most of our planet. Its waves shape the coast, its currents carry heat around the "
+        "world, and millions of people live from fishing. We must keep it clean.",
+    ),
+    (
+        "the sea",
+        "Oceans are home to whales, fish and coral reefs. Sailors have crossed the sea for thousands of "
+        "years, and ships still carry most of the goods we buy.",
+    ),
+    (
+        "the sea",
+        "My favourite food is pizza. I like cheese, tomatoes and a thin crust, and I eat it every Friday "
+        "with my family.",
+    ),
 ]
 
 
@@ -71,8 +85,12 @@ def main():
     print(essay_judge.trace(assume={"off_topic": "no"}), "\n")
 
     t0 = time.perf_counter()
-    states = essay_judge.run_batch([{"topic": t, "essay": e} for t, e in ESSAYS], temperature=0,
-                                   max_new_tokens=args.max_new_tokens, progress_bar=True)
+    states = essay_judge.run_batch(
+        [{"topic": t, "essay": e} for t, e in ESSAYS],
+        temperature=0,
+        max_new_tokens=args.max_new_tokens,
+        progress_bar=True,
+    )
     seconds = time.perf_counter() - t0
     for (topic, essay), state in zip(ESSAYS, states):
         print(f"\n### {essay[:70]}...\noff topic {topic!r}: {state['off_topic']}")
@@ -84,8 +102,10 @@ def main():
         output = state["output"]
         print(f"  output: {output}  (valid JSON: {_is_json(output)})")
     info = sgl.get_server_info()
-    print(f"\n{len(states)} essays in {seconds:.1f}s; cache hit rate {info['cache_hit_rate']:.2f} "
-          f"({info['cached_tokens']} of {info['prompt_tokens']} prompt tokens from the radix cache)")
+    print(
+        f"\n{len(states)} essays in {seconds:.1f}s; cache hit rate {info['cache_hit_rate']:.2f} "
+        f"({info['cached_tokens']} of {info['prompt_tokens']} prompt tokens from the radix cache)"
+    )
     runtime.shutdown()
 
 

@@ -10,15 +10,24 @@ import time
 
 import sgjax as sgl
 
-EXAMPLES = ("Answer each question with one word.\n"
-            "Q: What color is the sky on a clear day?\nA: Blue\n"
-            "Q: What animal says moo?\nA: Cow\n"
-            "Q: What is frozen water called?\nA: Ice\n"
-            "Q: Which star gives the Earth its daylight?\nA: Sun\n"
-            "Q: What do you call a baby dog?\nA: Puppy\n")
-QUESTIONS = ["What do bees make?", "What is the opposite of hot?", "Which planet do we live on?",
-             "What do cows drink?", "What falls from clouds when it rains?", "What do you call a baby cat?",
-             "Which season comes after winter?", "What color is grass?"]
+EXAMPLES = (
+    "Answer each question with one word.\n"
+    "Q: What color is the sky on a clear day?\nA: Blue\n"
+    "Q: What animal says moo?\nA: Cow\n"
+    "Q: What is frozen water called?\nA: Ice\n"
+    "Q: Which star gives the Earth its daylight?\nA: Sun\n"
+    "Q: What do you call a baby dog?\nA: Puppy\n"
+)
+QUESTIONS = [
+    "What do bees make?",
+    "What is the opposite of hot?",
+    "Which planet do we live on?",
+    "What do cows drink?",
+    "What falls from clouds when it rains?",
+    "What do you call a baby cat?",
+    "Which season comes after winter?",
+    "What color is grass?",
+]
 
 
 @sgl.function
@@ -37,8 +46,10 @@ def main():
         seconds = time.perf_counter() - t0
         for q, state in zip(QUESTIONS, states):
             meta = state.get_meta_info("answer")
-            print(f"{q:45s} -> {state['answer'].strip():10s} (cached {meta['cached_tokens']} of "
-                  f"{meta['prompt_tokens']} prompt tokens)")
+            print(
+                f"{q:45s} -> {state['answer'].strip():10s} (cached {meta['cached_tokens']} of "
+                f"{meta['prompt_tokens']} prompt tokens)"
+            )
         info = runtime.get_server_info()
         print(f"\n{len(states)} programs in {seconds:.1f}s; cache hit rate {info['cache_hit_rate']:.2f}")
 

@@ -12,8 +12,11 @@ import sgjax as sgl
 
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
-                   "population_millions": {"type": "integer", "minimum": 0, "maximum": 100}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+    },
     "required": ["city", "country", "population_millions"],
 }
 PASSAGES = [

@@ -28,8 +28,10 @@ def main():
         state = chat.run(TURNS, backend=runtime, temperature=0)
         for i, question in enumerate(TURNS):
             meta = state.get_meta_info(f"answer_{i}")
-            print(f"user: {question}\nassistant: {state[f'answer_{i}'].strip()}\n"
-                  f"  (turn {i + 1}: {meta['cached_tokens']} of {meta['prompt_tokens']} prompt tokens cached)")
+            print(
+                f"user: {question}\nassistant: {state[f'answer_{i}'].strip()}\n"
+                f"  (turn {i + 1}: {meta['cached_tokens']} of {meta['prompt_tokens']} prompt tokens cached)"
+            )
         print("\nmessages:", state.messages())
 
 

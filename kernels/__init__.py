@@ -31,18 +31,22 @@ def _hand_the_name_over() -> None:
 if __name__ == "kernels":
     _hand_the_name_over()
 
+import functools  # noqa: E402
+
 from sgjax.kernels.cpu import cpu_attention  # noqa: E402
 from sgjax.kernels.kv_pool import allocate_pool, pool_shape  # noqa: E402
 from sgjax.kernels.metadata import AttentionMetadata  # noqa: E402
 from sgjax.kernels.pallas import default_backend, pallas_attention  # noqa: E402
 from sgjax.kernels.ref import ref_attention  # noqa: E402
 
-import functools  # noqa: E402
-
-BACKENDS = {"ref": ref_attention, "pallas": pallas_attention, "cpu": cpu_attention,
-            # the pallas backend with its prefill kernel pinned (kernels/pallas_gpu.py): "auto" is mgpu on Hopper
-            "pallas:triton": functools.partial(pallas_attention, prefill_kernel="triton"),
-            "pallas:mgpu": functools.partial(pallas_attention, prefill_kernel="mgpu")}
+BACKENDS = {
+    "ref": ref_attention,
+    "pallas": pallas_attention,
+    "cpu": cpu_attention,
+    # the pallas backend with its prefill kernel pinned (kernels/pallas_gpu.py): "auto" is mgpu on Hopper
+    "pallas:triton": functools.partial(pallas_attention, prefill_kernel="triton"),
+    "pallas:mgpu": functools.partial(pallas_attention, prefill_kernel="mgpu"),
+}
 
 
 def get_backend(name: str):
@@ -52,5 +56,14 @@ def get_backend(name: str):
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}") from None
 
 
-__all__ = ["AttentionMetadata", "BACKENDS", "allocate_pool", "cpu_attention", "default_backend", "get_backend",
-           "pallas_attention", "pool_shape", "ref_attention"]
+__all__ = [
+    "AttentionMetadata",
+    "BACKENDS",
+    "allocate_pool",
+    "cpu_attention",
+    "default_backend",
+    "get_backend",
+    "pallas_attention",
+    "pool_shape",
+    "ref_attention",
+]

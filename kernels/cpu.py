@@ -16,7 +16,6 @@ and the step plan multiplies natively (engine/plan.py).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -73,10 +72,20 @@ def library_path(arch: str = "native") -> str:
     if compiler is None:
         raise NativeBuildError("no C++ compiler (set CXX or install g++)")
     source = b"".join(open(path, "rb").read() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
-        source, " ".join(FLAGS), arch, compiler, importlib.metadata.version("jaxlib"), platform.machine(),
-        " ".join(sorted(cpu_flags()))
-    ))).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            x.encode() if isinstance(x, str) else x
+            for x in (
+                source,
+                " ".join(FLAGS),
+                arch,
+                compiler,
+                importlib.metadata.version("jaxlib"),
+                platform.machine(),
+                " ".join(sorted(cpu_flags())),
+            )
+        )
+    ).hexdigest()[:16]
     name = f"cpu_kernels-{arch}-{key}.so"
     # the cache, else the temporary directory where the cache cannot be written (a read-only home)
     for out_dir in (os.path.join(cache_dir(), "kernels"), os.path.join(tempfile.gettempdir(), "sgjax-kernels")):
@@ -145,8 +154,19 @@ def row_keys(meta: AttentionMetadata, num_rows: int, window=0):
     return req.astype(jnp.int32), first.astype(jnp.int32), seen.astype(jnp.int32)
 
 
-def cpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float, window=0,
-                  softcap: float | None = None, arch: str = "native"):
+def cpu_attention(
+    q,
+    k,
+    v,
+    pool,
+    layer,
+    meta: AttentionMetadata,
+    *,
+    sm_scale: float,
+    window=0,
+    softcap: float | None = None,
+    arch: str = "native",
+):
     """Backend signature (kernels/__init__.py), the `ref` backend's semantics."""
     target = register(arch)
     req, first, seen = row_keys(meta, q.shape[0], window)
@@ -155,9 +175,20 @@ def cpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: fl
     shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(pool.shape, pool.dtype))
     call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential", input_output_aliases={4: 1})
     q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
-    out, pool = call(q32, k32, v32, meta.slot_mapping.astype(jnp.int32), pool, jnp.asarray(layer, jnp.int32),
-                     meta.page_table.astype(jnp.int32), req, first, seen, sm_scale=np.float32(sm_scale),
-                     softcap=np.float32(softcap or 0.0))
+    out, pool = call(
+        q32,
+        k32,
+        v32,
+        meta.slot_mapping.astype(jnp.int32),
+        pool,
+        jnp.asarray(layer, jnp.int32),
+        meta.page_table.astype(jnp.int32),
+        req,
+        first,
+        seen,
+        sm_scale=np.float32(sm_scale),
+        softcap=np.float32(softcap or 0.0),
+    )
     return out.astype(q.dtype), pool
 
 

@@ -6,7 +6,8 @@ A `PackedMatrix` replaces a [..., N, K] matrix leaf of the weights when the step
 rows back (an embedding lookup of a tied head). The layouts, per panel of 16 rows (n = 16 p + l):
   float32  [K, 16]                      w[n, k] at [k, l]
   bfloat16 [K / 2, 16, 2]               w[n, k] at [k // 2, l, k % 2]
-  int4     u8 [K / 64, 8, 16, 4]        run h, vector j, lane l, byte i: u[n, 64h + 4j + i] | u[n, 64h + 32 + 4j + i] << 4
+  int4     u8 [K / 64, 8, 16, 4]        run h, vector j, lane l, byte i: u[n, 64h + 4j + i] | u[n, 64h + 32 + 4j + i]
+  << 4
            params f32 [K / 32, 2, 16]   per group of 32 along a row its (scale, low): w = low + scale * u
   int8     s8 [K / 4, 16, 4]            q[n, k] at [k // 4, l, k % 4]
            params f32 [K / 32, 16]      per group of 32 its scale: w = scale * q
@@ -24,8 +25,12 @@ import numpy as np
 
 PANEL = 16
 GROUP = 32
-KINDS = {np.dtype(np.float32): "float32", np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.uint8): "int4",
-         np.dtype(np.int8): "int8"}
+KINDS = {
+    np.dtype(np.float32): "float32",
+    np.dtype(jnp.bfloat16): "bfloat16",
+    np.dtype(np.uint8): "int4",
+    np.dtype(np.int8): "int8",
+}
 
 
 @jax.tree_util.register_dataclass
@@ -130,5 +135,6 @@ def pack_int8(q, scale) -> PackedMatrix:
     params, _ = _panels(scale)  # [..., P, 16, G]
     params = np.swapaxes(params, -1, -2)  # [..., P, G, 16]
     p = t.shape[-4]
-    return _device(np.ascontiguousarray(t).reshape(*lead, p, 16 * k), params.reshape(*lead, p, k // GROUP * PANEL),
-                   n, k)
+    return _device(
+        np.ascontiguousarray(t).reshape(*lead, p, 16 * k), params.reshape(*lead, p, k // GROUP * PANEL), n, k
+    )

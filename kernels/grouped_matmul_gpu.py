@@ -52,8 +52,9 @@ def tile_table(sizes, num_rows: int, block_m: int):
 
 def fit(config: dict, k_dim: int, n_dim: int) -> dict:
     """config with block_k and block_n no larger than K and N (a small model's experts)."""
-    return dict(config, block_k=min(config["block_k"], _pow2_floor(k_dim)),
-                block_n=min(config["block_n"], _pow2_floor(n_dim)))
+    return dict(
+        config, block_k=min(config["block_k"], _pow2_floor(k_dim)), block_n=min(config["block_n"], _pow2_floor(n_dim))
+    )
 
 
 def supported(k_dim: int, n_dim: int, config: dict) -> bool:
@@ -71,8 +72,13 @@ def default_config(num_rows: int, num_groups: int, dtype) -> dict:
     per_group = num_rows / max(num_groups, 1)
     block_m = 16 if per_group <= 16 else 32 if per_group <= 32 else 64 if per_group <= 64 else 128
     small = jnp.dtype(dtype).itemsize <= 2
-    return dict(block_m=block_m, block_n=128 if small else 64, block_k=64 if small else 32,
-                num_warps=4 if block_m <= 64 else 8, num_stages=3)
+    return dict(
+        block_m=block_m,
+        block_n=128 if small else 64,
+        block_k=64 if small else 32,
+        num_warps=4 if block_m <= 64 else 8,
+        num_stages=3,
+    )
 
 
 def _act(x, activation: str):
@@ -98,9 +104,13 @@ def _kernel(tiles_ref, x_ref, *refs, block_m, block_n, block_k, k_dim, activatio
         kidx = i * block_k + kk
         x = plgpu.load(x_ref.at[rows[:, None], kidx[None, :]], mask=row_ok[:, None], other=0)
         w_rows = g * k_dim + kidx  # w viewed as [E * K, N]
-        return tuple(acc + jax.lax.dot(x, w_ref[w_rows[:, None], cols[None, :]], precision=precision,
-                                       preferred_element_type=jnp.float32)
-                     for w_ref, acc in zip(w_refs, accs))
+        return tuple(
+            acc
+            + jax.lax.dot(
+                x, w_ref[w_rows[:, None], cols[None, :]], precision=precision, preferred_element_type=jnp.float32
+            )
+            for w_ref, acc in zip(w_refs, accs)
+        )
 
     # an unused tile loads nothing (a product, not jnp.where of two Python ints: Pallas-Triton lowers that select
     # as i1)
@@ -122,8 +132,14 @@ def _call(x, weights, sizes, *, activation, out_dtype, interpret, config, tiles)
         tiles = tile_table(sizes, num_rows, cfg["block_m"])
     elif tiles.shape[0] != -(-num_rows // cfg["block_m"]) + min(num_groups, num_rows):
         raise ValueError(f"tiles were cut for another block_m than {cfg['block_m']}")
-    kernel = functools.partial(_kernel, block_m=cfg["block_m"], block_n=cfg["block_n"], block_k=cfg["block_k"],
-                               k_dim=k_dim, activation=activation)
+    kernel = functools.partial(
+        _kernel,
+        block_m=cfg["block_m"],
+        block_n=cfg["block_n"],
+        block_k=cfg["block_k"],
+        k_dim=k_dim,
+        activation=activation,
+    )
     return pl.pallas_call(
         kernel,
         grid=(tiles.shape[0], n_dim // cfg["block_n"]),
@@ -134,17 +150,17 @@ def _call(x, weights, sizes, *, activation, out_dtype, interpret, config, tiles)
     )(tiles, x, *(w.reshape(num_groups * k_dim, n_dim) for w in weights))
 
 
-def grouped_matmul(x, w, sizes, *, out_dtype=None, interpret: bool = False, config: dict | None = None,
-                   tiles=None):
+def grouped_matmul(x, w, sizes, *, out_dtype=None, interpret: bool = False, config: dict | None = None, tiles=None):
     """ragged_dot(x [M, K], w [E, K, N], sizes i32[E]) -> [M, N] in out_dtype (x's by default), f32-accumulated;
     rows past sum(sizes) are unwritten. `tiles`: tile_table(sizes, M, block_m) when the caller has it already
     (an MoE layer's two kernels share it)."""
-    return _call(x, [w], sizes, activation=None, out_dtype=out_dtype, interpret=interpret, config=config,
-                 tiles=tiles)
+    return _call(x, [w], sizes, activation=None, out_dtype=out_dtype, interpret=interpret, config=config, tiles=tiles)
 
 
-def gate_up(x, w_gate, w_up, sizes, *, activation: str = "silu", interpret: bool = False,
-            config: dict | None = None, tiles=None):
+def gate_up(
+    x, w_gate, w_up, sizes, *, activation: str = "silu", interpret: bool = False, config: dict | None = None, tiles=None
+):
     """act(x @ w_gate[g]) * (x @ w_up[g]) per group, [M, F] in x's dtype; rows past sum(sizes) are unwritten."""
-    return _call(x, [w_gate, w_up], sizes, activation=activation, out_dtype=None, interpret=interpret,
-                 config=config, tiles=tiles)
+    return _call(
+        x, [w_gate, w_up], sizes, activation=activation, out_dtype=None, interpret=interpret, config=config, tiles=tiles
+    )

@@ -19,8 +19,9 @@ def pool_shape(num_layers: int, num_pages: int, page_size: int, num_kv_heads: in
     return (num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim)
 
 
-def allocate_pool(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                  dtype=jnp.float32, sharding=None) -> Array:
+def allocate_pool(
+    num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32, sharding=None
+) -> Array:
     """A zero-initialised pool (never jnp.empty: 0 * NaN from an unwritten page would poison outputs)."""
     shape = pool_shape(num_layers, num_pages, page_size, num_kv_heads, head_dim)
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()

@@ -23,8 +23,9 @@ with warnings.catch_warnings():
 _ELEMENTS_PER_PROGRAM = 8192  # tokens x columns per program: a few loads in flight per warp, many programs
 
 
-def _kernel(slot_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, *, block_t, cols, num_tokens, head_dim,
-            slots_per_layer):
+def _kernel(
+    slot_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, *, block_t, cols, num_tokens, head_dim, slots_per_layer
+):
     t = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)
     c = jnp.arange(pl.next_power_of_2(cols), dtype=jnp.int32)  # Triton blocks are powers of two: mask the rest
     ok = (t < num_tokens)[:, None] & (c < cols)[None, :]
@@ -35,8 +36,9 @@ def _kernel(slot_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, *, block_t, c
         plgpu.store(pool_ref.at[row[:, None], col[None, :]], x.astype(pool_ref.dtype), mask=ok)
 
 
-def _kernel_by_head(slot_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, *, block_t, num_tokens, num_kv_heads,
-                    slots_per_layer):
+def _kernel_by_head(
+    slot_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, *, block_t, num_tokens, num_kv_heads, slots_per_layer
+):
     # [tokens, heads, head_dim] blocks: the last index is a plain arange, so Triton can see each head's run is
     # contiguous and store it in wide vectors (the flat kernel's column arithmetic may hide that).
     t = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)
@@ -47,12 +49,25 @@ def _kernel_by_head(slot_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, *, bl
     idx = (t[:, None, None], h[None, :, None], d[None, None, :])
     for src, part in ((k_ref, 0), (v_ref, 1)):
         x = plgpu.load(src.at[idx], mask=ok, other=0)
-        plgpu.store(pool_ref.at[row[:, None, None], (2 * h + part)[None, :, None], d[None, None, :]],
-                    x.astype(pool_ref.dtype), mask=ok)
+        plgpu.store(
+            pool_ref.at[row[:, None, None], (2 * h + part)[None, :, None], d[None, None, :]],
+            x.astype(pool_ref.dtype),
+            mask=ok,
+        )
 
 
-def pallas_write_kv(pool, layer, k, v, slot_mapping, *, interpret: bool = False,
-                    elements_per_program: int = _ELEMENTS_PER_PROGRAM, num_warps: int = 4, by_head: bool = True):
+def pallas_write_kv(
+    pool,
+    layer,
+    k,
+    v,
+    slot_mapping,
+    *,
+    interpret: bool = False,
+    elements_per_program: int = _ELEMENTS_PER_PROGRAM,
+    num_warps: int = 4,
+    by_head: bool = True,
+):
     """kv_pool.write_kv's contract (pool [L, P, S, 2 Hkv, D]; k, v [T, Hkv, D]; slots into `layer`),
     updating the pool in place when it is donated. Padded rows point at the null page, so several
     programs may write it: its contents are never read unmasked, whichever write lands. `by_head` (the default)
@@ -65,13 +80,24 @@ def pallas_write_kv(pool, layer, k, v, slot_mapping, *, interpret: bool = False,
     cols = num_kv_heads * head_dim
     block_t = max(1, min(pl.next_power_of_2(num_tokens), elements_per_program // pl.next_power_of_2(cols)))
     if by_head:
-        kernel = functools.partial(_kernel_by_head, block_t=block_t, num_tokens=num_tokens,
-                                   num_kv_heads=num_kv_heads, slots_per_layer=num_pages * page_size)
+        kernel = functools.partial(
+            _kernel_by_head,
+            block_t=block_t,
+            num_tokens=num_tokens,
+            num_kv_heads=num_kv_heads,
+            slots_per_layer=num_pages * page_size,
+        )
         flat = pool.reshape(num_layers * num_pages * page_size, num_combined, head_dim)
         k, v = k.reshape(num_tokens, num_kv_heads, head_dim), v.reshape(num_tokens, num_kv_heads, head_dim)
     else:
-        kernel = functools.partial(_kernel, block_t=block_t, cols=cols, num_tokens=num_tokens, head_dim=head_dim,
-                                   slots_per_layer=num_pages * page_size)
+        kernel = functools.partial(
+            _kernel,
+            block_t=block_t,
+            cols=cols,
+            num_tokens=num_tokens,
+            head_dim=head_dim,
+            slots_per_layer=num_pages * page_size,
+        )
         flat = pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim)
         k, v = k.reshape(num_tokens, cols), v.reshape(num_tokens, cols)
     out = pl.pallas_call(

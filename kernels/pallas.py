@@ -23,8 +23,9 @@ def default_backend(platform: str | None = None) -> str:
     return "cpu" if available() else "ref"
 
 
-def pallas_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float, platform: str | None = None,
-                     **config):
+def pallas_attention(
+    q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float, platform: str | None = None, **config
+):
     """Backend signature; `config` goes to the platform's kernel (block sizes, splits)."""
     platform = platform or jax.default_backend()
     if platform == "tpu":
@@ -33,5 +34,6 @@ def pallas_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale:
         return pallas_tpu_attention(q, k, v, pool, layer, meta, sm_scale=sm_scale, **config)
     from sgjax.kernels.pallas_gpu import pallas_gpu_attention
 
-    return pallas_gpu_attention(q, k, v, pool, layer, meta, sm_scale=sm_scale,
-                                interpret=platform not in ("gpu", "cuda"), **config)
+    return pallas_gpu_attention(
+        q, k, v, pool, layer, meta, sm_scale=sm_scale, interpret=platform not in ("gpu", "cuda"), **config
+    )

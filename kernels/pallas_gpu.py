@@ -56,8 +56,26 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
-def _kernel(blk_ref, layer_ref, pt_ref, q_ref, kv_ref, *out_refs, block_q, group, block_k, page_size,
-            pages_per_req, pages_per_layer, num_heads, head_dim, num_splits, scale, prefetch_pages, softcap):
+def _kernel(
+    blk_ref,
+    layer_ref,
+    pt_ref,
+    q_ref,
+    kv_ref,
+    *out_refs,
+    block_q,
+    group,
+    block_k,
+    page_size,
+    pages_per_req,
+    pages_per_layer,
+    num_heads,
+    head_dim,
+    num_splits,
+    scale,
+    prefetch_pages,
+    softcap,
+):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row_start, row_end = blk_ref[b, rb.ROW_START], blk_ref[b, rb.ROW_END]
     pos_offset, req = blk_ref[b, rb.POS_OFFSET], blk_ref[b, rb.REQUEST]
@@ -106,8 +124,7 @@ def _kernel(blk_ref, layer_ref, pt_ref, q_ref, kv_ref, *out_refs, block_q, group
         slot = (layer_base + page) * page_size + key % page_size
         k = kv_ref[slot[:, None], k_col[None, :]]
         v = kv_ref[slot[:, None], v_col[None, :]]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                preferred_element_type=jnp.float32)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
         # scores in log2 units: scale is sm_scale * log2(e); a soft cap applies to the natural-unit score
         s = (softcap * _LOG2E) * jnp.tanh(s * (scale / _LOG2E / softcap)) if softcap else s * scale
         if masked:
@@ -118,12 +135,17 @@ def _kernel(blk_ref, layer_ref, pt_ref, q_ref, kv_ref, *out_refs, block_q, group
         if masked:
             p = jnp.where(valid, p, 0.0)  # a row with no valid key in this tile adds nothing
         alpha = jnp.exp2(m_i - m_new)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                                 preferred_element_type=jnp.float32)
+        pv = jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
         return acc * alpha[:, None] + pv, m_new, l_i * alpha + jnp.sum(p, axis=1), next_page
 
-    carry = (jnp.zeros((m_rows, head_dim), jnp.float32), jnp.full((m_rows,), _MASK, jnp.float32),
-             jnp.zeros((m_rows,), jnp.float32), pages_of(lo) if prefetch_pages else jnp.zeros_like(j))
+    carry = (
+        jnp.zeros((m_rows, head_dim), jnp.float32),
+        jnp.full((m_rows,), _MASK, jnp.float32),
+        jnp.zeros((m_rows,), jnp.float32),
+        pages_of(lo) if prefetch_pages else jnp.zeros_like(j),
+    )
     carry = jax.lax.fori_loop(lo, n_full, functools.partial(tile, masked=False), carry)
     acc, m_i, l_i, _ = jax.lax.fori_loop(n_full, hi, functools.partial(tile, masked=True), carry)
 
@@ -138,14 +160,22 @@ def _kernel(blk_ref, layer_ref, pt_ref, q_ref, kv_ref, *out_refs, block_q, group
         plgpu.store(lse_ref.at[split, q_row], lse, mask=row_ok)
 
 
-def default_config(num_rows: int, num_reqs: int, group: int, num_kv_heads: int, context: int,
-                   num_cores: int = 132, short_only: bool = False) -> dict:
+def default_config(
+    num_rows: int,
+    num_reqs: int,
+    group: int,
+    num_kv_heads: int,
+    context: int,
+    num_cores: int = 132,
+    short_only: bool = False,
+) -> dict:
     """Static block sizes from the shapes alone (the kernel is compiled once per bucket).
 
     Decode-shaped buckets (no more rows than requests) use M = 16 rows, the smallest tensor-core dot,
     since each block holds one token, and long key tiles; longer ones use M = 64. Splits are added
     until about two programs per core exist, but never below 4 key tiles per split. The numbers
-    come from the H200 sweeps in docs/journal/kernels-h200.md. `short_only`: the kernel sees only a mixed bucket's decodes
+    come from the H200 sweeps in docs/journal/kernels-h200.md. `short_only`: the kernel sees only a mixed bucket's
+    decodes
     and short extends (the Hopper kernel takes its long requests), so it gets decode blocks, about one per request.
     """
     decode = num_rows <= num_reqs or short_only
@@ -155,8 +185,14 @@ def default_config(num_rows: int, num_reqs: int, group: int, num_kv_heads: int, 
     est_blocks = num_reqs if short_only else max(min(num_rows, num_reqs), -(-num_rows // block_q))
     want = (2 * num_cores) // (est_blocks * num_kv_heads)
     num_splits = min(_pow2_floor(want), _pow2_floor(context // (4 * block_k)))
-    return dict(block_q=block_q, block_k=block_k, num_splits=num_splits, num_warps=4,
-                num_stages=2 if decode else 3, prefetch_pages=not decode)
+    return dict(
+        block_q=block_q,
+        block_k=block_k,
+        num_splits=num_splits,
+        num_warps=4,
+        num_stages=2 if decode else 3,
+        prefetch_pages=not decode,
+    )
 
 
 def _is_hopper() -> bool:
@@ -169,9 +205,23 @@ def _num_cores() -> int:
     return getattr(dev, "core_count", None) or 132
 
 
-def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float,
-                         interpret: bool = False, kv_write: str | None = None, prefill_kernel: str = "auto",
-                         mgpu: dict | None = None, window=0, softcap: float | None = None, **config):
+def pallas_gpu_attention(
+    q,
+    k,
+    v,
+    pool,
+    layer,
+    meta: AttentionMetadata,
+    *,
+    sm_scale: float,
+    interpret: bool = False,
+    kv_write: str | None = None,
+    prefill_kernel: str = "auto",
+    mgpu: dict | None = None,
+    window=0,
+    softcap: float | None = None,
+    **config,
+):
     """The `pallas` backend on GPU (and in interpret mode on CPU). Returns ([T, Hq, D], pool).
 
     `config` overrides default_config's block_q, block_k, num_splits, num_warps, num_stages,
@@ -180,7 +230,8 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
     where the kernel's op-by-op run only slows the tests; test_kv_write covers it there).
     `prefill_kernel`: "mgpu" sends the requests of at least MGPU_MIN_ROWS_PER_REQ new rows to pallas_mgpu's Hopper
     kernel when it supports the shapes, with `mgpu` as its block sizes (it took the H200's long prefills to about
-    60% of the Triton kernel's time, docs/journal/kernels-h200.md); a prefill-shaped bucket (that many rows per request slot) goes to it whole, a mixed
+    60% of the Triton kernel's time, docs/journal/kernels-h200.md); a prefill-shaped bucket (that many rows per request
+    slot) goes to it whole, a mixed
     one is split by request. "triton" keeps everything on this module's kernel; "auto" (the default) is "mgpu" on
     a Hopper GPU and "triton" elsewhere (wgmma exists only on sm_90). With `interpret`, "mgpu" runs the Hopper
     kernel in jax's GPU interpret mode (tests) and "auto" is "triton".
@@ -193,8 +244,9 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
         pool = write_kv(pool, layer, k, v, meta.slot_mapping)
     else:
         raise ValueError(f"kv_write must be 'xla' or 'pallas', got {kv_write!r}")
-    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
-     pages_per_req) = rb.batch_dims(q, pool, meta)
+    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs, pages_per_req) = (
+        rb.batch_dims(q, pool, meta)
+    )
     if prefill_kernel not in ("auto", "triton", "mgpu"):
         raise ValueError(f"prefill_kernel must be 'auto', 'triton' or 'mgpu', got {prefill_kernel!r}")
     if prefill_kernel == "auto":
@@ -207,27 +259,41 @@ def pallas_gpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sc
         mgpu = dict(mgpu or {}, interpret=interpret)
         if pallas_mgpu.supported(q.dtype, head_dim, page_size, mgpu.get("block_kv")):
             if num_rows >= MGPU_MIN_ROWS_PER_REQ * num_reqs:  # prefill-shaped: every request on the Hopper kernel
-                return pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=sm_scale, **mgpu,
-                                                          **masks), pool
+                return pallas_mgpu.mgpu_prefill_attention(
+                    q, pool, layer, meta, sm_scale=sm_scale, **mgpu, **masks
+                ), pool
             # A mixed bucket: requests of at least MGPU_MIN_ROWS_PER_REQ new rows (and the padding) go to the
             # Hopper kernel, the decodes and short extends to the Triton kernel with its decode blocks; each
             # kernel's grid has programs for the other's requests that find no rows, and rows are picked after.
             long_req = rb.long_requests(meta, MGPU_MIN_ROWS_PER_REQ)
-            long_out = pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=sm_scale, include=long_req,
-                                                          **mgpu, **masks)
-            short_out = _triton_attention(q, pool, layer, meta, sm_scale=sm_scale, interpret=interpret,
-                                          include=~long_req, config=config, **masks)
+            long_out = pallas_mgpu.mgpu_prefill_attention(
+                q, pool, layer, meta, sm_scale=sm_scale, include=long_req, **mgpu, **masks
+            )
+            short_out = _triton_attention(
+                q, pool, layer, meta, sm_scale=sm_scale, interpret=interpret, include=~long_req, config=config, **masks
+            )
             return jnp.where(rb.row_mask(meta, num_rows, long_req)[:, None, None], long_out, short_out), pool
-    return _triton_attention(q, pool, layer, meta, sm_scale=sm_scale, interpret=interpret, config=config,
-                             **masks), pool
+    return _triton_attention(q, pool, layer, meta, sm_scale=sm_scale, interpret=interpret, config=config, **masks), pool
 
 
-def _triton_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: float, interpret: bool, config: dict,
-                      include=None, window=0, softcap: float | None = None):
+def _triton_attention(
+    q,
+    pool,
+    layer,
+    meta: AttentionMetadata,
+    *,
+    sm_scale: float,
+    interpret: bool,
+    config: dict,
+    include=None,
+    window=0,
+    softcap: float | None = None,
+):
     """This module's kernel over the requests in `include` (bool[R + 1], padding last; None: all). With
     `include`, the bucket's other requests are the Hopper kernel's, so the blocks are sized for decodes."""
-    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
-     pages_per_req) = rb.batch_dims(q, pool, meta)
+    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs, pages_per_req) = (
+        rb.batch_dims(q, pool, meta)
+    )
     num_combined = 2 * num_kv_heads
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim {head_dim} must be a power of two for Pallas-Triton")
@@ -235,22 +301,42 @@ def _triton_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: floa
     if g != group:  # e.g. Qwen2-0.5B's 14/2: pad the group with zero query heads, dropped below
         q = jnp.pad(q.reshape(num_rows, num_kv_heads, group, head_dim), ((0, 0), (0, 0), (0, g - group), (0, 0)))
         q = q.reshape(num_rows, num_kv_heads * g, head_dim)
-    cfg = default_config(num_rows, num_reqs, g, num_kv_heads, pages_per_req * page_size,
-                         1 if interpret else _num_cores(), short_only=include is not None)
+    cfg = default_config(
+        num_rows,
+        num_reqs,
+        g,
+        num_kv_heads,
+        pages_per_req * page_size,
+        1 if interpret else _num_cores(),
+        short_only=include is not None,
+    )
     cfg.update(config)
     block_q, num_splits = cfg["block_q"], cfg["num_splits"]
     heads = num_kv_heads * g
 
     blocks = rb.block_table(meta, num_rows, block_q, include)
     kernel = functools.partial(
-        _kernel, block_q=block_q, group=g, block_k=cfg["block_k"], page_size=page_size,
-        pages_per_req=pages_per_req, pages_per_layer=num_pages, num_heads=heads, head_dim=head_dim,
-        num_splits=num_splits, scale=sm_scale * _LOG2E, prefetch_pages=cfg["prefetch_pages"], softcap=softcap)
+        _kernel,
+        block_q=block_q,
+        group=g,
+        block_k=cfg["block_k"],
+        page_size=page_size,
+        pages_per_req=pages_per_req,
+        pages_per_layer=num_pages,
+        num_heads=heads,
+        head_dim=head_dim,
+        num_splits=num_splits,
+        scale=sm_scale * _LOG2E,
+        prefetch_pages=cfg["prefetch_pages"],
+        softcap=softcap,
+    )
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_rows * heads, head_dim), q.dtype)]
     else:
-        out_shape = [jax.ShapeDtypeStruct((num_splits, num_rows * heads, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((num_splits, num_rows * heads), jnp.float32)]
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits, num_rows * heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, num_rows * heads), jnp.float32),
+        ]
     outs = pl.pallas_call(
         kernel,
         grid=(blocks.shape[0], num_kv_heads, num_splits),
@@ -258,9 +344,13 @@ def _triton_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: floa
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
         name="ragged_paged_attention",
-    )(blocks, jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)]), meta.page_table.reshape(-1).astype(jnp.int32),
-      q.reshape(num_rows * heads, head_dim),
-      pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim))
+    )(
+        blocks,
+        jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)]),
+        meta.page_table.reshape(-1).astype(jnp.int32),
+        q.reshape(num_rows * heads, head_dim),
+        pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim),
+    )
     out = outs[0] if num_splits == 1 else _combine(*outs).astype(q.dtype)
     out = out.reshape(num_rows, num_kv_heads, g, head_dim)[:, :, :group]
     return out.reshape(num_rows, num_heads, head_dim)

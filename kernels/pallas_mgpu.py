@@ -53,8 +53,29 @@ def _plgpu():
     return plgpu
 
 
-def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped, *, block_q, block_kv, stages,
-            page_size, pages_per_req, pages_per_layer, group, num_blocks, scale, interpret, windowed, softcap):
+def _kernel(
+    blk_ref,
+    scal_ref,
+    pt_ref,
+    q_ref,
+    kv_ref,
+    out_ref,
+    side_ref,
+    scoped,
+    *,
+    block_q,
+    block_kv,
+    stages,
+    page_size,
+    pages_per_req,
+    pages_per_layer,
+    group,
+    num_blocks,
+    scale,
+    interpret,
+    windowed,
+    softcap,
+):
     plgpu = _plgpu()
     (qo_smem2, k_smem, v_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
     b = num_blocks - 1 - lax.axis_index("blocks")  # the longest (last) blocks of a request start first
@@ -250,10 +271,12 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
                 idx = jnp.minimum(kv_step * (block_kv // page_size) + i, pages_per_req - 1)
                 first = pl.multiple_of(base + pt_ref[req * pages_per_req + idx] * page_size, _ALIGN)
                 rows = pl.ds(i * page_size, page_size)
-                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(first, page_size), 2 * kv_head], k_smem.at[slot, rows],
-                                        k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(first, page_size), 2 * kv_head + 1],
-                                        v_smem.at[slot, rows], v_bar.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    kv_ref.at[pl.ds(first, page_size), 2 * kv_head], k_smem.at[slot, rows], k_bar.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    kv_ref.at[pl.ds(first, page_size), 2 * kv_head + 1], v_smem.at[slot, rows], v_bar.at[slot]
+                )
 
         num_steps = block_steps - block_first
         for i in range(stages):
@@ -267,6 +290,7 @@ def _kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped,
             load(kv_step + stages, slot)
 
         if interpret:  # observe the last releases too (see skip)
+
             @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
             def _(kv_step):
                 plgpu.barrier_wait(k_free.at[lax.rem(kv_step, jnp.int32(stages))])
@@ -294,13 +318,30 @@ def default_block_kv(head_dim: int, block_q: int = 64) -> int:
 def supported(q_dtype, head_dim: int, page_size: int, block_kv: int | None = None, block_q: int = 64) -> bool:
     """Whether this kernel handles the shapes (the caller falls back to the Triton kernel otherwise)."""
     block_kv = block_kv or default_block_kv(head_dim, block_q)
-    return (jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 64 == 0
-            and page_size % 8 == 0 and block_kv % page_size == 0 and _stages(block_q, block_kv, head_dim) > 0)
+    return (
+        jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim % 64 == 0
+        and page_size % 8 == 0
+        and block_kv % page_size == 0
+        and _stages(block_q, block_kv, head_dim) > 0
+    )
 
 
-def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale: float, block_q: int = 64,
-                           block_kv: int | None = None, stages: int | None = None, interpret: bool = False,
-                           include=None, window=0, softcap: float | None = None):
+def mgpu_prefill_attention(
+    q,
+    pool,
+    layer,
+    meta: AttentionMetadata,
+    *,
+    sm_scale: float,
+    block_q: int = 64,
+    block_kv: int | None = None,
+    stages: int | None = None,
+    interpret: bool = False,
+    include=None,
+    window=0,
+    softcap: float | None = None,
+):
     """Attention of q [T, Hq, D] over the pool (the new K/V already written). Returns [T, Hq, D].
 
     Defaults from the H200 sweep (docs/journal/kernels-h200.md): 128-key tiles 3 deep (224 KB of shared memory at
@@ -311,13 +352,16 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
     only those requests; the other rows of the result are undefined. `window` (an int or traced int32, 0: none)
     and `softcap` as in the ref backend."""
     plgpu = _plgpu()
-    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
-     pages_per_req) = rb.batch_dims(q, pool, meta)
+    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs, pages_per_req) = (
+        rb.batch_dims(q, pool, meta)
+    )
     block_kv = block_kv or default_block_kv(head_dim, block_q)
     if not supported(q.dtype, head_dim, page_size, block_kv, block_q):
-        raise ValueError(f"mgpu prefill attention needs bf16/fp16, head_dim % 64 == 0, page_size % 8 == 0 "
-                         f"dividing block_kv, and tiles that fit in shared memory; got {q.dtype}, D {head_dim}, "
-                         f"page {page_size}, block_kv {block_kv}")
+        raise ValueError(
+            f"mgpu prefill attention needs bf16/fp16, head_dim % 64 == 0, page_size % 8 == 0 "
+            f"dividing block_kv, and tiles that fit in shared memory; got {q.dtype}, D {head_dim}, "
+            f"page {page_size}, block_kv {block_kv}"
+        )
     stages = stages or _stages(block_q, block_kv, head_dim)
     blocks, first_rows = rb.aligned_block_table(meta, num_rows, 2 * block_q, _ALIGN, include)
     num_blocks = blocks.shape[0]
@@ -325,20 +369,34 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
     dtype = q.dtype
     tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = functools.partial(
-        _kernel, block_q=block_q, block_kv=block_kv, stages=stages, page_size=page_size,
-        pages_per_req=pages_per_req, pages_per_layer=num_pages, group=group, num_blocks=num_blocks,
-        scale=sm_scale * _LOG2E, interpret=interpret, windowed=not (isinstance(window, int) and window == 0),
-        softcap=softcap)
+        _kernel,
+        block_q=block_q,
+        block_kv=block_kv,
+        stages=stages,
+        page_size=page_size,
+        pages_per_req=pages_per_req,
+        pages_per_layer=num_pages,
+        group=group,
+        num_blocks=num_blocks,
+        scale=sm_scale * _LOG2E,
+        interpret=interpret,
+        windowed=not (isinstance(window, int) and window == 0),
+        softcap=softcap,
+    )
 
     def entry(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref):
         pl.run_scoped(
             lambda *scoped: kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped),
-            (plgpu.SMEM((2, block_q, head_dim), dtype, transforms=tiles),
-             plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
-             plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles)),
-            (plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
-             plgpu.Barrier(num_barriers=2)),
+            (
+                plgpu.SMEM((2, block_q, head_dim), dtype, transforms=tiles),
+                plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+                plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
+                plgpu.Barrier(num_barriers=2),
+            ),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
@@ -350,8 +408,13 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
         q = jnp.pad(q, ((0, padded_rows - num_rows), (0, 0), (0, 0)))
     if interpret:  # the hardware zero-fills a TMA read past the end; the interpreter raises instead
         q = jnp.pad(q, ((0, 2 * block_q), (0, 0), (0, 0)))
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), meta.cu_q_lens[-1].astype(jnp.int32),
-                         jnp.asarray(window, jnp.int32).reshape(())])
+    scalars = jnp.stack(
+        [
+            jnp.asarray(layer, jnp.int32).reshape(()),
+            meta.cu_q_lens[-1].astype(jnp.int32),
+            jnp.asarray(window, jnp.int32).reshape(()),
+        ]
+    )
     # A Mosaic GPU call rejects inputs that are not 256-byte aligned ("Input buffer 2 is not 256-byte aligned" in
     # the engine on the H200). The engine unpacks its metadata from one packed step buffer, and XLA hands a slice of
     # a buffer to a custom call as an offset into it; an elementwise op (page ids are >= 0) gives the table a buffer
@@ -359,16 +422,17 @@ def mgpu_prefill_attention(q, pool, layer, meta: AttentionMetadata, *, sm_scale:
     page_table = jnp.maximum(meta.page_table.reshape(-1).astype(jnp.int32), 0)
     out, side = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((padded_rows, num_heads, head_dim), dtype),
-                  jax.ShapeDtypeStruct((2 * (num_reqs + 1), block_q, num_heads, head_dim), dtype)),
+        out_type=(
+            jax.ShapeDtypeStruct((padded_rows, num_heads, head_dim), dtype),
+            jax.ShapeDtypeStruct((2 * (num_reqs + 1), block_q, num_heads, head_dim), dtype),
+        ),
         grid=(num_heads, num_blocks),
         grid_names=("heads", "blocks"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **_interpret_kwargs(interpret),
-    )(blocks, scalars, page_table, q,
-      pool.reshape(num_layers * num_pages * page_size, 2 * num_kv_heads, head_dim))
+    )(blocks, scalars, page_table, q, pool.reshape(num_layers * num_pages * page_size, 2 * num_kv_heads, head_dim))
     dst = _side_rows(meta, num_rows, block_q)
     dst = jnp.where(dst < num_rows, dst, padded_rows)  # out of bounds even when q was padded: dropped
     out = out.at[dst].set(side.reshape(-1, num_heads, head_dim), mode="drop")

@@ -35,21 +35,39 @@ def tpu_operands(pool, layer, meta: AttentionMetadata):
     return kv_pages, meta.kv_lens.astype(jnp.int32), page_indices, meta.cu_q_lens.astype(jnp.int32), num_seqs
 
 
-def pallas_tpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float, op=None,
-                         num_kv_pages_per_block: int | None = None, num_queries_per_block: int | None = None,
-                         tpu_kernel: str = "jax", window=0, softcap: float | None = None, **config):
+def pallas_tpu_attention(
+    q,
+    k,
+    v,
+    pool,
+    layer,
+    meta: AttentionMetadata,
+    *,
+    sm_scale: float,
+    op=None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    tpu_kernel: str = "jax",
+    window=0,
+    softcap: float | None = None,
+    **config,
+):
     """Returns ([T, Hq, D], pool). `op` replaces jax's kernel (tests pass jax's reference of it);
     tpu_kernel="sgjax" runs ours, with `config` (block_q, pages_per_block, interpret). `window` / `softcap` as in
     the ref backend; jax's kernel takes the window as a static int (the layers are unrolled on TPU)."""
     if tpu_kernel == "sgjax":
-        return sgjax_tpu_attention(q, k, v, pool, layer, meta, sm_scale=sm_scale, window=window, softcap=softcap,
-                                   **config)
+        return sgjax_tpu_attention(
+            q, k, v, pool, layer, meta, sm_scale=sm_scale, window=window, softcap=softcap, **config
+        )
     if not isinstance(window, int):
-        raise ValueError("jax's TPU ragged paged attention needs a static sliding window (unrolled layers), "
-                         "got a traced one; tpu_kernel='sgjax' takes either")
+        raise ValueError(
+            "jax's TPU ragged paged attention needs a static sliding window (unrolled layers), "
+            "got a traced one; tpu_kernel='sgjax' takes either"
+        )
     if tpu_kernel != "jax" or config:
-        raise ValueError(f"tpu_kernel must be 'jax' or 'sgjax' (config {sorted(config)} is for 'sgjax'), "
-                         f"got {tpu_kernel!r}")
+        raise ValueError(
+            f"tpu_kernel must be 'jax' or 'sgjax' (config {sorted(config)} is for 'sgjax'), got {tpu_kernel!r}"
+        )
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
     op = op or ragged_paged_attention
     kwargs = {k: x for k, x in (("sliding_window", window), ("soft_cap", softcap)) if x}

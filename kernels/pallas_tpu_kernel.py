@@ -37,8 +37,29 @@ from sgjax.kernels.metadata import AttentionMetadata
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so a fully masked row never makes inf - inf
 
 
-def _kernel(blk_ref, kv_lens_ref, pt_ref, layer_ref, q_hbm, kv_hbm, o_ref, q_buf, k_buf, v_buf, sems, *,
-            block_q, group, head_dim, page_size, pages_per_block, pages_per_req, pages_per_layer, scale, softcap):
+def _kernel(
+    blk_ref,
+    kv_lens_ref,
+    pt_ref,
+    layer_ref,
+    q_hbm,
+    kv_hbm,
+    o_ref,
+    q_buf,
+    k_buf,
+    v_buf,
+    sems,
+    *,
+    block_q,
+    group,
+    head_dim,
+    page_size,
+    pages_per_block,
+    pages_per_req,
+    pages_per_layer,
+    scale,
+    softcap,
+):
     b, h = pl.program_id(0), pl.program_id(1)
     f = rb.NUM_FIELDS
     row_start, row_end = blk_ref[b * f + rb.ROW_START], blk_ref[b * f + rb.ROW_END]
@@ -51,8 +72,9 @@ def _kernel(blk_ref, kv_lens_ref, pt_ref, layer_ref, q_hbm, kv_hbm, o_ref, q_buf
     layer_base = layer_ref[0] * pages_per_layer
     window = layer_ref[1]  # 0: none; else a row at p sees keys (p - window, p]
     # the first tile any row of the block can see: the window's lower edge for the block's first row
-    first_tile = jnp.minimum(jnp.where(window > 0, jnp.maximum(row_start + pos_offset - window + 1, 0) // block_k, 0),
-                             num_tiles)
+    first_tile = jnp.minimum(
+        jnp.where(window > 0, jnp.maximum(row_start + pos_offset - window + 1, 0) // block_k, 0), num_tiles
+    )
 
     q_copy = pltpu.make_async_copy(q_hbm.at[h, :, pl.ds(row_start, block_q), :], q_buf, sems.at[0, 0])
     q_copy.start()
@@ -64,11 +86,20 @@ def _kernel(blk_ref, kv_lens_ref, pt_ref, layer_ref, q_hbm, kv_hbm, o_ref, q_buf
             page = pt_ref[req * pages_per_req + jnp.minimum(tile * pages_per_block + j, pages_per_req - 1)]
             first = (layer_base + page) * page_size
             dst = pl.ds(j * page_size, page_size)
-            copies.append(pltpu.make_async_copy(kv_hbm.at[pl.ds(first, page_size), pl.ds(2 * h * head_dim, head_dim)],
-                                                k_buf.at[slot, dst], sems.at[1, slot]))
-            copies.append(pltpu.make_async_copy(
-                kv_hbm.at[pl.ds(first, page_size), pl.ds((2 * h + 1) * head_dim, head_dim)],
-                v_buf.at[slot, dst], sems.at[2, slot]))
+            copies.append(
+                pltpu.make_async_copy(
+                    kv_hbm.at[pl.ds(first, page_size), pl.ds(2 * h * head_dim, head_dim)],
+                    k_buf.at[slot, dst],
+                    sems.at[1, slot],
+                )
+            )
+            copies.append(
+                pltpu.make_async_copy(
+                    kv_hbm.at[pl.ds(first, page_size), pl.ds((2 * h + 1) * head_dim, head_dim)],
+                    v_buf.at[slot, dst],
+                    sems.at[2, slot],
+                )
+            )
         return copies
 
     @pl.when(first_tile < num_tiles)
@@ -83,7 +114,7 @@ def _kernel(blk_ref, kv_lens_ref, pt_ref, layer_ref, q_hbm, kv_hbm, o_ref, q_buf
     key_iota = lax.broadcasted_iota(jnp.int32, (m_rows, block_k), 1)
 
     def body(tile, carry):
-        m, l, acc = carry
+        m, denom, acc = carry
         slot = tile % 2
         for c in tile_copies(tile, slot):
             c.wait()
@@ -103,14 +134,17 @@ def _kernel(blk_ref, kv_lens_ref, pt_ref, layer_ref, q_hbm, kv_hbm, o_ref, q_buf
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         p = jnp.exp(s - m_new)
         alpha = jnp.exp(m - m_new)
-        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        denom = alpha * denom + jnp.sum(p, axis=1, keepdims=True)
         acc = alpha * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return m_new, l, acc
+        return m_new, denom, acc
 
-    init = (jnp.full((m_rows, 1), _MASK, jnp.float32), jnp.zeros((m_rows, 1), jnp.float32),
-            jnp.zeros((m_rows, head_dim), jnp.float32))
-    _, l, acc = lax.fori_loop(first_tile, num_tiles, body, init)
-    out = acc / jnp.where(l == 0, 1.0, l)  # a block with no keys (padding, unused) writes zeros
+    init = (
+        jnp.full((m_rows, 1), _MASK, jnp.float32),
+        jnp.zeros((m_rows, 1), jnp.float32),
+        jnp.zeros((m_rows, head_dim), jnp.float32),
+    )
+    _, denom, acc = lax.fori_loop(first_tile, num_tiles, body, init)
+    out = acc / jnp.where(denom == 0, 1.0, denom)  # a block with no keys (padding, unused) writes zeros
     o_ref[...] = out.reshape(group, block_q, head_dim).astype(o_ref.dtype)
 
 
@@ -122,13 +156,26 @@ def default_config(num_rows: int, num_reqs: int, page_size: int, dtype) -> dict:
     return {"block_q": block_q, "pages_per_block": max(1, 128 // page_size)}
 
 
-def sgjax_tpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float,
-                        interpret: bool = False, window=0, softcap: float | None = None, **config):
+def sgjax_tpu_attention(
+    q,
+    k,
+    v,
+    pool,
+    layer,
+    meta: AttentionMetadata,
+    *,
+    sm_scale: float,
+    interpret: bool = False,
+    window=0,
+    softcap: float | None = None,
+    **config,
+):
     """Backend signature; returns ([T, Hq, D], pool). `config` overrides block_q and pages_per_block.
     `interpret=True` runs the kernel in TPU interpret mode (on CPU)."""
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
-    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs,
-     pages_per_req) = rb.batch_dims(q, pool, meta)
+    (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs, pages_per_req) = (
+        rb.batch_dims(q, pool, meta)
+    )
     num_combined = 2 * num_kv_heads
     cfg = default_config(num_rows, num_reqs, page_size, q.dtype)
     cfg.update(config)
@@ -138,12 +185,21 @@ def sgjax_tpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sca
     blocks = rb.block_table(meta, num_rows, block_q)
     num_blocks = blocks.shape[0]
     # [Hkv, G, T + block_q, D]: a program's rows are one DMA that never runs past the end.
-    q_t = jnp.pad(q.reshape(num_rows, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3),
-                  ((0, 0), (0, 0), (0, block_q), (0, 0)))
+    q_t = jnp.pad(
+        q.reshape(num_rows, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3), ((0, 0), (0, 0), (0, block_q), (0, 0))
+    )
     kernel = functools.partial(
-        _kernel, block_q=block_q, group=group, head_dim=head_dim, page_size=page_size,
-        pages_per_block=pages_per_block, pages_per_req=pages_per_req, pages_per_layer=num_pages, scale=sm_scale,
-        softcap=softcap)
+        _kernel,
+        block_q=block_q,
+        group=group,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        pages_per_req=pages_per_req,
+        pages_per_layer=num_pages,
+        scale=sm_scale,
+        softcap=softcap,
+    )
     out_blocks = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -151,17 +207,25 @@ def sgjax_tpu_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_sca
             grid=(num_blocks, num_kv_heads),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=pl.BlockSpec((None, None, group, block_q, head_dim), lambda b, h, *_: (b, h, 0, 0, 0)),
-            scratch_shapes=[pltpu.VMEM((group, block_q, head_dim), q.dtype),
-                            pltpu.VMEM((2, block_k, head_dim), pool.dtype),
-                            pltpu.VMEM((2, block_k, head_dim), pool.dtype),
-                            pltpu.SemaphoreType.DMA((3, 2))]),
+            scratch_shapes=[
+                pltpu.VMEM((group, block_q, head_dim), q.dtype),
+                pltpu.VMEM((2, block_k, head_dim), pool.dtype),
+                pltpu.VMEM((2, block_k, head_dim), pool.dtype),
+                pltpu.SemaphoreType.DMA((3, 2)),
+            ],
+        ),
         out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, group, block_q, head_dim), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="sgjax_ragged_paged_attention",
-    )(blocks.reshape(-1), meta.kv_lens.astype(jnp.int32), meta.page_table.reshape(-1).astype(jnp.int32),
-      jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)]), q_t,
-      pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim))
+    )(
+        blocks.reshape(-1),
+        meta.kv_lens.astype(jnp.int32),
+        meta.page_table.reshape(-1).astype(jnp.int32),
+        jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)]),
+        q_t,
+        pool.reshape(num_layers * num_pages * page_size, num_combined * head_dim),
+    )
     return _gather_rows(out_blocks, blocks, num_rows), pool
 
 

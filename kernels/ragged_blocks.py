@@ -30,8 +30,18 @@ def batch_dims(q, pool, meta: AttentionMetadata):
     num_layers, num_pages, page_size, num_combined, _ = pool.shape
     num_kv_heads = num_combined // 2
     num_reqs, pages_per_req = meta.page_table.shape
-    return (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, num_heads // num_kv_heads,
-            num_reqs, pages_per_req)
+    return (
+        num_rows,
+        num_heads,
+        head_dim,
+        num_layers,
+        num_pages,
+        page_size,
+        num_kv_heads,
+        num_heads // num_kv_heads,
+        num_reqs,
+        pages_per_req,
+    )
 
 
 def num_blocks(num_rows: int, num_reqs: int, block_q: int, align: int = 1) -> int:

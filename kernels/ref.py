@@ -55,8 +55,19 @@ def choose_strategy(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: 
     return "segment" if num_reqs * num_heads <= 2 * num_kv_heads * head_dim else "gather"
 
 
-def ref_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: float, strategy: str = "auto",
-                  window=0, softcap: float | None = None):
+def ref_attention(
+    q,
+    k,
+    v,
+    pool,
+    layer,
+    meta: AttentionMetadata,
+    *,
+    sm_scale: float,
+    strategy: str = "auto",
+    window=0,
+    softcap: float | None = None,
+):
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns ([T, Hq, D], pool).
 
     window (an int or a traced int32; 0: none): a row at position p sees keys p - window < k <= p (HF's sliding
@@ -144,9 +155,11 @@ def ref_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: fl
         if windowed:  # the pages before every row's window hold nothing it sees
             lo = jnp.min(jnp.where(seen > 0, pos_b - window + 1, jnp.iinfo(jnp.int32).max))
             first = jnp.where(window > 0, jnp.clip(lo, 0, None) // chunk, 0).astype(jnp.int32)
-        init = (jnp.full((b, num_kv_heads, group), -jnp.inf, jnp.float32),
-                jnp.zeros((b, num_kv_heads, group), jnp.float32),
-                jnp.zeros((b, num_kv_heads, group, head_dim), jnp.float32))
+        init = (
+            jnp.full((b, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((b, num_kv_heads, group), jnp.float32),
+            jnp.zeros((b, num_kv_heads, group, head_dim), jnp.float32),
+        )
         _, den, acc = jax.lax.fori_loop(first, last.astype(jnp.int32), step, init)
         out = acc / jnp.where(den == 0, 1.0, den)[..., None]
         return out.reshape(b, num_heads, head_dim).astype(q.dtype)
@@ -176,8 +189,7 @@ def ref_attention(q, k, v, pool, layer, meta: AttentionMetadata, *, sm_scale: fl
         while blk > 1 and blk % 2 == 0 and blk * per_row_elems > _BLOCK_ELEMENTS:
             blk //= 2  # few large blocks: each lax.map iteration runs sequentially
     n = num_rows // blk
-    args = (q.reshape(n, blk, num_heads, head_dim), req.reshape(n, blk), q_pos.reshape(n, blk),
-            kv_len.reshape(n, blk))
+    args = (q.reshape(n, blk, num_heads, head_dim), req.reshape(n, blk), q_pos.reshape(n, blk), kv_len.reshape(n, blk))
     out = block(jax.tree.map(lambda a: a[0], args)) if n == 1 else jax.lax.map(block, args)
     return out.reshape(num_rows, num_heads, head_dim), pool
 

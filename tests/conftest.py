@@ -9,8 +9,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR",
-                        os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
+_CACHE = os.environ.get(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache")
+)
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -111,8 +112,9 @@ def hf_smollm2(smollm2_path):
 
     torch.set_num_threads(2)
     d, f = os.path.split(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
+    model = AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=f, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
     return model.eval()
 
 
@@ -130,9 +132,19 @@ def llava(tmp_path_factory):
 
 # A checkpoint directory of only a config: `sgjax serve --load-format dummy` children build its random weights (the
 # same values on every mesh), with SmolLM2's tokenizer. 4 heads on 2 KV heads split 2 or 4 ways (SmolLM2's 9 do not).
-TINY_CHECKPOINT = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=64,
-                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True)
+TINY_CHECKPOINT = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 # Its servers' settings, and the in-process engine that gives them their reference answers.
 TINY_SERVE = dict(max_total_tokens=1024, chunked_prefill_size=64, max_running_requests=4)
 

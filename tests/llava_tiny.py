@@ -19,11 +19,15 @@ import numpy as np
 IMAGE_TOKEN = 300
 VOCAB = 320
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2: transformers' Llama bos 1 / eos 2
-CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
-                 "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-                 "{% endif %}")
-_CORPUS = ("The quick brown fox jumps over the lazy dog. A picture shows a cat on a red mat, and the sky is blue. "
-           "What is in this image? Describe the colours, the shapes and the light. Please answer in one line. ")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A picture shows a cat on a red mat, and the sky is blue. "
+    "What is in this image? Describe the colours, the shapes and the light. Please answer in one line. "
+)
 
 
 def write_checkpoint(path: str):
@@ -32,10 +36,25 @@ def write_checkpoint(path: str):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     torch.manual_seed(0)
-    vc = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                          num_attention_heads=4, projection_dim=16)
-    tc = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+    vc = CLIPVisionConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        projection_dim=16,
+    )
+    tc = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )
     hf = LlavaForConditionalGeneration(LlavaConfig(vision_config=vc, text_config=tc, image_token_index=IMAGE_TOKEN))
     hf.eval()
     with torch.no_grad():  # random norms/biases, unit-gain matrices: every parameter and the image matter
@@ -64,9 +83,15 @@ def write_tokenizer(path: str) -> None:
         return tok
 
     trained = fresh(models.BPE())
-    trained.train_from_iterator([_CORPUS * 3], trainers.BpeTrainer(
-        vocab_size=VOCAB - 1, special_tokens=list(SPECIALS), show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trained.train_from_iterator(
+        [_CORPUS * 3],
+        trainers.BpeTrainer(
+            vocab_size=VOCAB - 1,
+            special_tokens=list(SPECIALS),
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     vocab = trained.get_vocab()
     assert len(vocab) == VOCAB - 1, f"the corpus gave {len(vocab)} tokens, not {VOCAB - 1}"
     vocab = {t: i + (i >= IMAGE_TOKEN) for t, i in vocab.items()}
@@ -78,8 +103,15 @@ def write_tokenizer(path: str) -> None:
     tok.save(os.path.join(path, "tokenizer.json"))
     special = {str(tok.token_to_id(t)): {"content": t, "special": True} for t in (*SPECIALS, "<image>")}
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
-                   "added_tokens_decoder": special}, f)
+        json.dump(
+            {
+                "eos_token": "<|im_end|>",
+                "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+                "added_tokens_decoder": special,
+            },
+            f,
+        )
 
 
 def png(pixels: np.ndarray) -> str:
@@ -107,6 +139,12 @@ def hf_greedy(llava, ids: list[int], pictures: list[np.ndarray], new: int) -> li
     full = [x for t in ids for x in ([t] * vcfg.num_image_tokens if t == IMAGE_TOKEN else [t])]
     px = torch.from_numpy(np.stack([V.preprocess(p, vcfg) for p in pictures]))
     with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([full]), pixel_values=px, max_new_tokens=new, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(full):].tolist()
+        out = hf.generate(
+            input_ids=torch.tensor([full]),
+            pixel_values=px,
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(full) :].tolist()

@@ -45,7 +45,7 @@ def module_table(page: str) -> set[str]:
     start = next((i for i, line in enumerate(lines) if line.strip().startswith("## Modules")), None)
     assert start is not None, f"docs/{page} has no '## Modules' section"
     names, in_table = set(), False
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("#"):
             break
         if line.startswith("|"):
@@ -77,8 +77,11 @@ def test_a_module_table_names_only_modules_that_exist(package):
     """A line for a module that was removed or renamed sends the reader to nothing, so every name in the table
     must be a file of the package."""
     page = PACKAGES[package]
-    stale = sorted(name for name in module_table(page)
-                   if name.endswith(MODULE_SUFFIXES) and not os.path.isfile(os.path.join(ROOT, package, name)))
+    stale = sorted(
+        name
+        for name in module_table(page)
+        if name.endswith(MODULE_SUFFIXES) and not os.path.isfile(os.path.join(ROOT, package, name))
+    )
     assert not stale, f"docs/{page}: the module table names {stale}, which {package}/ does not have"
 
 
@@ -102,8 +105,9 @@ def test_every_source_file_the_architecture_page_names_exists():
     from sgjax/, or `sgjax/errors.py` from the root) would send the reader to nothing."""
     text = open(os.path.join(DOCS, "architecture.md")).read()
     named = set(re.findall(r"`?([A-Za-z0-9_./]+/[A-Za-z0-9_]+\.py)`?", text))
-    missing = sorted(path for path in named
-                     if not any(os.path.isfile(os.path.join(ROOT, base, path)) for base in ("", "sgjax")))
+    missing = sorted(
+        path for path in named if not any(os.path.isfile(os.path.join(ROOT, base, path)) for base in ("", "sgjax"))
+    )
     assert named and not missing, f"docs/architecture.md names files that do not exist: {missing}"
 
 

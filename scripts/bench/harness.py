@@ -69,9 +69,13 @@ def measure(workload, runner, threads: int, latency_programs: int, repeats: int 
         row["compiles"] = after.get("traces", 0) - first.get("traces", 0)  # over every timed run
         prompt_tokens = after["prompt_tokens"] - before["prompt_tokens"]
         cached = after["cached_tokens"] - before["cached_tokens"]
-        row.update(prompt_tokens=prompt_tokens, cached_tokens=cached,
-                   hit_rate=cached / prompt_tokens if prompt_tokens else 0.0,
-                   optimal_hit_rate=optimal_hit_rate(requests, runner.page_size), engine_requests=len(requests))
+        row.update(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
+            hit_rate=cached / prompt_tokens if prompt_tokens else 0.0,
+            optimal_hit_rate=optimal_hit_rate(requests, runner.page_size),
+            engine_requests=len(requests),
+        )
         if row["optimal_hit_rate"]:
             row["hit_over_optimal"] = row["hit_rate"] / row["optimal_hit_rate"]
     row["accuracy"] = workload.score(states, workload.labels) if workload.score else None
@@ -131,21 +135,27 @@ def agreement(rows: list[dict], baseline: str) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'workload':20} {'config':24} {'progs':>5} {'prog/s':>7} {'lat s':>7} {'acc':>5} {'hit':>6} "
-            f"{'opt':>6} {'vs full':>7} {'vs base':>7} {'agree':>5}")
+    head = (
+        f"{'workload':20} {'config':24} {'progs':>5} {'prog/s':>7} {'lat s':>7} {'acc':>5} {'hit':>6} "
+        f"{'opt':>6} {'vs full':>7} {'vs base':>7} {'agree':>5}"
+    )
     print("\n" + head + "\n" + "-" * len(head))
 
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
     for r in rows:
-        print(f"{r['workload']:20} {r['config']:24} {r['programs']:5d} {f(r['programs_per_s'], '7.3f')} "
-              f"{f(r.get('latency_s'), '7.2f')} {f(r.get('accuracy'), '5.2f')} {f(r.get('hit_rate'), '6.3f')} "
-              f"{f(r.get('optimal_hit_rate'), '6.3f')} {f(r.get('throughput_vs_full'), '7.2f')} "
-              f"{f(r.get('throughput_vs_baseline'), '7.2f')} {f(r.get('agreement_with_baseline'), '5.2f')}")
-    print("prog/s: programs per second over the batch; lat s: one program at a time; hit: cached/prompt tokens; "
-          "opt: Theorem 3.1 optimum over the prompts the engine got; vs full / vs base: throughput ratios; "
-          "agree: share of outputs equal to the baseline's")
+        print(
+            f"{r['workload']:20} {r['config']:24} {r['programs']:5d} {f(r['programs_per_s'], '7.3f')} "
+            f"{f(r.get('latency_s'), '7.2f')} {f(r.get('accuracy'), '5.2f')} {f(r.get('hit_rate'), '6.3f')} "
+            f"{f(r.get('optimal_hit_rate'), '6.3f')} {f(r.get('throughput_vs_full'), '7.2f')} "
+            f"{f(r.get('throughput_vs_baseline'), '7.2f')} {f(r.get('agreement_with_baseline'), '5.2f')}"
+        )
+    print(
+        "prog/s: programs per second over the batch; lat s: one program at a time; hit: cached/prompt tokens; "
+        "opt: Theorem 3.1 optimum over the prompts the engine got; vs full / vs base: throughput ratios; "
+        "agree: share of outputs equal to the baseline's"
+    )
 
 
 def write_jsonl(rows: list[dict], path: str) -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from workload import Workload, sizes
+
 import sgjax as sgl
 from sgjax.data import hellaswag
-
-from workload import Workload, sizes
 
 
 def example(row: dict, ending: str | None) -> str:
@@ -23,8 +23,10 @@ def build(n: int, quick: bool) -> Workload:
     shots = sizes(quick, 3, 20)
     examples = "".join(example(r, r["endings"][r["label"]]) for r in rows[-shots:])  # never evaluated below
     evaluated = rows[:n]
-    args = [{"examples": examples, "question": example(r, None), "choices": [" " + e for e in r["endings"]]}
-            for r in evaluated]
+    args = [
+        {"examples": examples, "question": example(r, None), "choices": [" " + e for e in r["endings"]]}
+        for r in evaluated
+    ]
     labels = [a["choices"][r["label"]] for a, r in zip(args, evaluated)]
     return Workload("hellaswag", few_shot_hellaswag, args, labels, score, f"{shots}-shot select")
 

@@ -28,8 +28,9 @@ def load_hf_model(model_path: str, device: str = "cpu", dtype=torch.float32):
 
     if model_path.endswith(".gguf"):
         d, f = os.path.split(model_path)
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype,
-                                                     quantization_config=GgufConfig(dequantize=True))
+        model = AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=f, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return model.to(device).eval()
@@ -124,8 +125,7 @@ class HFBackend(Backend):
             tail, late = stops.feed(decoder.flush())
             pieces.append(tail + ("" if late is not None else stops.finish()))
         reason = reason or {"type": "length", "length": p.max_new_tokens}
-        meta = {"prompt_tokens": len(ids), "completion_tokens": len(out), "cached_tokens": 0,
-                "finish_reason": reason}
+        meta = {"prompt_tokens": len(ids), "completion_tokens": len(out), "cached_tokens": 0, "finish_reason": reason}
         return "".join(pieces), meta
 
     @torch.inference_mode()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
+from llm_judge import article
+from workload import Workload, clip_words
+
 import sgjax as sgl
 from sgjax.data import squad
-
-from llm_judge import article
-from workload import Workload, clip_words, sizes
 
 REGEX_STR = r'"[\w\d ,.\-]{1,40}"'
 REGEX_INT = r"(-)?(0|[1-9][0-9]{0,3})"
@@ -45,5 +45,11 @@ def score(states, labels=None) -> float:
 def build(n: int, quick: bool) -> Workload:
     docs = [clip_words(a, quick) for a in list({article(d): d for d in squad()}.keys())[:n]]
 
-    return Workload("json_decode", json_extract, [{"passage": p} for p in docs], None, score,
-                    f"5 regex fields{' (quick)' if quick else ''}; accuracy = valid JSON share")
+    return Workload(
+        "json_decode",
+        json_extract,
+        [{"passage": p} for p in docs],
+        None,
+        score,
+        f"5 regex fields{' (quick)' if quick else ''}; accuracy = valid JSON share",
+    )

@@ -3,10 +3,10 @@ judgments into a score. The articles are Wikipedia paragraphs (SQuAD)."""
 
 from __future__ import annotations
 
+from workload import Workload, clip_words, sizes
+
 import sgjax as sgl
 from sgjax.data import squad
-
-from workload import Workload, clip_words, sizes
 
 DIMENSIONS = (
     "Content: Is the information accurate, relevant and complete?",
@@ -31,14 +31,22 @@ def multi_dimension_judge(s, article, judge_tokens):
     for f, dim in zip(forks, DIMENSIONS):
         f += sgl.user(dim + " Give a short judgment and end it with the word END.")
         f += sgl.assistant("Judgment:" + sgl.gen("judgment", max_tokens=judge_tokens, stop="END", temperature=0))
-    s += sgl.user("Summarize the judgments:\n" + "".join(
-        f"{dim.split(':')[0]}: {f['judgment'].strip()}\n" for f, dim in zip(forks, DIMENSIONS))
-        + "On a scale of 1 to 10, what score does the article get?")
+    s += sgl.user(
+        "Summarize the judgments:\n"
+        + "".join(f"{dim.split(':')[0]}: {f['judgment'].strip()}\n" for f, dim in zip(forks, DIMENSIONS))
+        + "On a scale of 1 to 10, what score does the article get?"
+    )
     s += sgl.assistant("The score is" + sgl.gen("score", max_tokens=2, temperature=0))
 
 
 def build(n: int, quick: bool) -> Workload:
     docs = [clip_words(a, quick) for a in list({article(d): d for d in squad()}.keys())[:n]]
     tokens = sizes(quick, 16, 128)
-    return Workload("llm_judge", multi_dimension_judge, [{"article": a, "judge_tokens": tokens} for a in docs],
-                    None, None, "fork(6) branch-solve-merge")
+    return Workload(
+        "llm_judge",
+        multi_dimension_judge,
+        [{"article": a, "judge_tokens": tokens} for a in docs],
+        None,
+        None,
+        "fork(6) branch-solve-merge",
+    )

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from workload import Workload, sizes
+
 import sgjax as sgl
 from sgjax.data import mmlu
 
-from workload import Workload, sizes
-
-SUBJECTS = ("high_school_biology", "college_computer_science", "world_religions", "us_foreign_policy",
-            "astronomy", "marketing", "nutrition", "philosophy")
+SUBJECTS = (
+    "high_school_biology",
+    "college_computer_science",
+    "world_religions",
+    "us_foreign_policy",
+    "astronomy",
+    "marketing",
+    "nutrition",
+    "philosophy",
+)
 LETTERS = "ABCD"
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
+from workload import Workload, sizes
+
 import sgjax as sgl
 from sgjax.data import sharegpt
-
-from workload import Workload, sizes
 
 
 @sgl.function
@@ -20,7 +20,7 @@ def multi_turn(s, turns, answer_tokens):
 
 def _texts(tokenizer_words: int) -> list[str]:
     words = [w for conv in sharegpt(400) for turn in conv.get("conversations", []) for w in turn["value"].split()]
-    return [" ".join(words[i:i + tokenizer_words]) for i in range(0, len(words) - tokenizer_words, tokenizer_words)]
+    return [" ".join(words[i : i + tokenizer_words]) for i in range(0, len(words) - tokenizer_words, tokenizer_words)]
 
 
 def build(n: int, quick: bool, long: bool = False) -> Workload:
@@ -34,7 +34,7 @@ def build(n: int, quick: bool, long: bool = False) -> Workload:
         a_lo, a_hi = 4, 8
     args = []
     for _ in range(n):
-        turns = [" ".join(rng.choice(chunks).split()[:rng.randint(lo, hi)]) for _ in range(4)]
+        turns = [" ".join(rng.choice(chunks).split()[: rng.randint(lo, hi)]) for _ in range(4)]
         args.append({"turns": turns, "answer_tokens": [rng.randint(a_lo, a_hi) for _ in range(4)]})
     name = "multi_turn_long" if long else "multi_turn_short"
     return Workload(name, multi_turn, args, None, None, f"4 turns, answers {a_lo}-{a_hi} tokens")

@@ -9,18 +9,19 @@ import re
 from collections import Counter
 
 import numpy as np
-
-import sgjax as sgl
-from sgjax.data import boolq, squad
-
 from llm_judge import article
 from react import contains_gold, eval_answers, question
 from workload import Workload, clip_words, sizes
 
-HEADER = ("Answer questions with short factoid answers.\n\n---\n\nFollow the following format.\n\n"
-          "Context: may contain relevant facts\n\nQuestion: ${question}\n\n"
-          "Reasoning: Let's think step by step in order to ${produce the answer}. We ...\n\n"
-          "Answer: often between 1 and 5 words\n\n---\n\n")
+import sgjax as sgl
+from sgjax.data import boolq, squad
+
+HEADER = (
+    "Answer questions with short factoid answers.\n\n---\n\nFollow the following format.\n\n"
+    "Context: may contain relevant facts\n\nQuestion: ${question}\n\n"
+    "Reasoning: Let's think step by step in order to ${produce the answer}. We ...\n\n"
+    "Answer: often between 1 and 5 words\n\n---\n\n"
+)
 
 
 def tokens(text: str) -> list[str]:
@@ -64,8 +65,11 @@ def context_block(passages: list[str]) -> str:
 @sgl.function
 def rag(s, demo, context, question, reason_tokens):
     s += HEADER + demo + "---\n\n" + context + f"\nQuestion: {question}\n\n"
-    s += "Reasoning: Let's think step by step in order to" + sgl.gen(
-        "reasoning", max_tokens=reason_tokens, stop="\n", temperature=0) + "\n\n"
+    s += (
+        "Reasoning: Let's think step by step in order to"
+        + sgl.gen("reasoning", max_tokens=reason_tokens, stop="\n", temperature=0)
+        + "\n\n"
+    )
     s += "Answer:" + sgl.gen("answer", max_tokens=12, stop="\n", temperature=0)
 
 
@@ -73,17 +77,26 @@ def build(n: int, quick: bool) -> Workload:
     docs = squad()
     corpus = list(dict.fromkeys([article(d) for d in docs] + [r["passage"] for r in boolq()]))
     index = BM25(corpus)
-    demo_doc, evaluated = docs[0], docs[1:1 + n]
+    demo_doc, evaluated = docs[0], docs[1 : 1 + n]
     k = sizes(quick, 1, 3)
 
     def retrieve(q):
         return [clip_words(p, quick) for p in index.top(q, k)]
 
-    demo = (context_block(retrieve(question(demo_doc))) + f"\nQuestion: {question(demo_doc)}\n\n"
-            f"Reasoning: Let's think step by step in order to find the answer. The context says so.\n\n"
-            f"Answer: {eval_answers(demo_doc)[0]}\n\n")
+    demo = (
+        context_block(retrieve(question(demo_doc))) + f"\nQuestion: {question(demo_doc)}\n\n"
+        f"Reasoning: Let's think step by step in order to find the answer. The context says so.\n\n"
+        f"Answer: {eval_answers(demo_doc)[0]}\n\n"
+    )
     reason_tokens = sizes(quick, 16, 64)
-    args = [{"demo": demo, "context": context_block(retrieve(question(d))), "question": question(d),
-             "reason_tokens": reason_tokens} for d in evaluated]
+    args = [
+        {
+            "demo": demo,
+            "context": context_block(retrieve(question(d))),
+            "question": question(d),
+            "reason_tokens": reason_tokens,
+        }
+        for d in evaluated
+    ]
     golds = [[a.lower() for a in eval_answers(d)] for d in evaluated]
     return Workload("rag", rag, args, golds, contains_gold, "BM25 top-3 + one shared demo, ChainOfThought")

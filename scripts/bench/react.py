@@ -7,16 +7,17 @@ from __future__ import annotations
 import ast
 import re
 
-import sgjax as sgl
-from sgjax.data import squad
-
 from llm_judge import article
 from workload import Workload, sizes
+
+import sgjax as sgl
+from sgjax.data import squad
 
 INSTRUCTIONS = (
     "Solve a question answering task with interleaving Thought, Action, Observation steps. Thought can reason about "
     "the current situation, and Action can be two types: (1) Search[entity], which searches the entity on Wikipedia "
-    "and returns the next sentence of its article. (2) Finish[answer], which returns the answer and finishes.\n\n")
+    "and returns the next sentence of its article. (2) Finish[answer], which returns the answer and finishes.\n\n"
+)
 
 
 def question(doc: dict) -> str:
@@ -31,7 +32,8 @@ def react_agent(s, question, title, observations, thought_tokens):
         s += f"Action {i}: Search[{title}]\nObservation {i}: {observation}\n"
     i = len(observations) + 1
     s += f"Thought {i}: I can answer now.\nAction {i}: Finish[" + sgl.gen(
-        "answer", max_tokens=thought_tokens, stop="]", temperature=0)
+        "answer", max_tokens=thought_tokens, stop="]", temperature=0
+    )
 
 
 def contains_gold(states, labels) -> float:
@@ -49,8 +51,14 @@ def build(n: int, quick: bool) -> Workload:
     args, answers = [], []
     for d in docs[:n]:
         sentences = [x.strip() for x in re.split(r"(?<=[.!?])\s+", article(d)) if x.strip()]
-        args.append({"question": question(d), "title": d["title"].replace("_", " "),
-                     "observations": sentences[:steps], "thought_tokens": thought_tokens})
+        args.append(
+            {
+                "question": question(d),
+                "title": d["title"].replace("_", " "),
+                "observations": sentences[:steps],
+                "thought_tokens": thought_tokens,
+            }
+        )
         answers.append([a.lower() for a in eval_answers(d)])
 
     return Workload("react", react_agent, args, answers, contains_gold, f"{steps} steps, replayed observations")

@@ -26,8 +26,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 
-WORKLOADS = ("mmlu", "hellaswag", "tree_of_thought", "skeleton_of_thought", "llm_judge", "json_decode",
-             "multi_turn_short", "multi_turn_long", "react", "rag")
+WORKLOADS = (
+    "mmlu",
+    "hellaswag",
+    "tree_of_thought",
+    "skeleton_of_thought",
+    "llm_judge",
+    "json_decode",
+    "multi_turn_short",
+    "multi_turn_long",
+    "react",
+    "rag",
+)
 
 # The smoke test's ablation: the cache; the full runs add the rest of Figure 8c.
 QUICK_CONFIGS = "full,no_cache"
@@ -62,8 +72,14 @@ def load_workload(entry: dict):
 
     module_name, program, score = PROGRAMS[entry["name"]]
     module = importlib.import_module(module_name)
-    return Workload(entry["name"], getattr(module, program), entry["arguments"], entry["labels"],
-                    getattr(module, score) if score else None, entry["description"])
+    return Workload(
+        entry["name"],
+        getattr(module, program),
+        entry["arguments"],
+        entry["labels"],
+        getattr(module, score) if score else None,
+        entry["description"],
+    )
 
 
 class EngineRunner:
@@ -84,8 +100,9 @@ class EngineRunner:
     def run_batch(self, program, arguments, threads):
         self.gc.enable_frontend_hint = self.config.hint
         self.gc.enable_parallelism = self.config.parallel
-        return program.run_batch(arguments, backend=self.backend,
-                                 num_threads=min(threads, self.threads) if self.config.parallel else 1)
+        return program.run_batch(
+            arguments, backend=self.backend, num_threads=min(threads, self.threads) if self.config.parallel else 1
+        )
 
     def reset(self):
         self.engine.flush_cache()
@@ -109,6 +126,7 @@ class EngineRunner:
 
 def _capped(generate, cap: int):
     """A backend call with max_new_tokens at most `cap` (--gen-cap: shorter runs, the same for every config)."""
+
     def call(text, params):
         return generate(text, {**params, "max_new_tokens": min(params.get("max_new_tokens", 128), cap)})
 
@@ -142,8 +160,12 @@ def engine_factory(args):
     (config, weights, tokenizer) of --dummy weights, which HF then gets a copy of."""
     from sgjax.engine.engine import Engine
 
-    common = {"max_running_requests": args.max_running_requests, "max_total_tokens": args.max_total_tokens,
-              "page_size": args.page_size, "attention_backend": args.attention_backend}
+    common = {
+        "max_running_requests": args.max_running_requests,
+        "max_total_tokens": args.max_total_tokens,
+        "page_size": args.page_size,
+        "attention_backend": args.attention_backend,
+    }
     common = {k: v for k, v in common.items() if v is not None}
     if args.dummy:
         from sgjax.model.config import llama3_8b_config
@@ -174,18 +196,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: every workload in a few minutes on 2 CPUs")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--configs", default=None,
-                    help=f"comma-separated of {', '.join({**harness.CONFIGS, **harness.EXTRA_CONFIGS})} (default: "
-                         f"the paper's {len(harness.CONFIGS)}; --quick: {QUICK_CONFIGS})")
+    ap.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated of {', '.join({**harness.CONFIGS, **harness.EXTRA_CONFIGS})} (default: "
+        f"the paper's {len(harness.CONFIGS)}; --quick: {QUICK_CONFIGS})",
+    )
     ap.add_argument("--baseline", default="hf", help="hf (transformers, one call at a time) or none")
     ap.add_argument("--hf-device", default="cpu", help="torch device of the HF baseline (cpu, cuda)")
     ap.add_argument("--num-programs", type=int, default=None, help="programs per workload (default 2 quick, 64)")
     ap.add_argument("--latency-programs", type=int, default=None, help="run one at a time (default 0 quick, 8)")
-    ap.add_argument("--gen-cap", type=int, default=None,
-                    help="cap every gen's max_new_tokens (all sgjax configs alike; shorter GPU runs)")
+    ap.add_argument(
+        "--gen-cap",
+        type=int,
+        default=None,
+        help="cap every gen's max_new_tokens (all sgjax configs alike; shorter GPU runs)",
+    )
     ap.add_argument("--threads", type=int, default=64, help="frontend threads for the batch runs")
-    ap.add_argument("--repeats", type=int, default=1, help="timed batch runs per configuration (cold cache each); "
-                                                           "the median counts")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="timed batch runs per configuration (cold cache each); the median counts"
+    )
     ap.add_argument("--model-path", default=None, help="GGUF or HF directory (default: the bundled SmolLM2)")
     ap.add_argument("--dummy", default=None, help=f"{' | '.join(DUMMY)}: random weights with --tokenizer's vocabulary")
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory or GGUF for --dummy (default: SmolLM2's)")
@@ -194,9 +224,11 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=None)
     ap.add_argument("--max-running-requests", type=int, default=None)
     ap.add_argument("--attention-backend", default=None, help="ref | pallas | pallas:triton | pallas:mgpu")
-    ap.add_argument("--dump-workloads", default=None,
-                    help="build the workloads, write their data to this JSON file and exit (for machines without "
-                         "the datasets)")
+    ap.add_argument(
+        "--dump-workloads",
+        default=None,
+        help="build the workloads, write their data to this JSON file and exit (for machines without the datasets)",
+    )
     ap.add_argument("--workload-file", default=None, help="run the workloads of a --dump-workloads file")
     ap.add_argument("--out", default="/tmp/bench_programs.jsonl", help="JSON lines (appended)")
     ap.add_argument("--plots", default=None, help="directory for the PNG figures (default: next to --out)")
@@ -204,7 +236,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.plot_only:
         with open(args.plot_only) as f:
-            write_plots([json.loads(line) for line in f], args.plots or os.path.dirname(os.path.abspath(args.plot_only)))
+            write_plots(
+                [json.loads(line) for line in f], args.plots or os.path.dirname(os.path.abspath(args.plot_only))
+            )
         return
     n = args.num_programs or (2 if args.quick else 64)
     latency_n = args.latency_programs if args.latency_programs is not None else (0 if args.quick else 8)
@@ -231,10 +265,10 @@ def main() -> None:
     make_engine, hf_source = engine_factory(args)
     baseline = None
     if args.baseline == "hf":
-        from hf_backend import HFBackend, hf_model_from_weights, load_hf_model
-        from sgjax.model.tokenizer import load_tokenizer
-
         import torch
+        from hf_backend import HFBackend, hf_model_from_weights, load_hf_model
+
+        from sgjax.model.tokenizer import load_tokenizer
 
         if isinstance(hf_source, str):
             dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
@@ -263,10 +297,12 @@ def main() -> None:
                 if row.get("compiles") and not args.quick:
                     # A shape outside the precompiled set (penalties' history widths, or a CPU run's fine
                     # ladder) compiled inside the timing: measure again, now compiled, and say so.
-                    print(f"  {config.name}: {row['compiles']} compiles in the timed run; measuring again",
-                          flush=True)
-                    row = {**harness.measure(part, runner, args.threads, latency_n, args.repeats),
-                           "compiles_first_pass": row["compiles"], "first_pass_s": row["batch_s"]}
+                    print(f"  {config.name}: {row['compiles']} compiles in the timed run; measuring again", flush=True)
+                    row = {
+                        **harness.measure(part, runner, args.threads, latency_n, args.repeats),
+                        "compiles_first_pass": row["compiles"],
+                        "first_pass_s": row["batch_s"],
+                    }
             finally:
                 runner.close()
             # the wall time of the whole configuration (engine start, warm-up, every timed pass), so a run cut
@@ -274,9 +310,12 @@ def main() -> None:
             row["config_wall_s"] = time.perf_counter() - t_config
             rows.append({"workload": name, "config": config.name, **row})
             harness.write_jsonl(rows[-1:], args.out + ".partial")  # survives a timeout later in the run
-            print(f"  {config.name}: {row['programs_per_s']:.3f} prog/s, hit {row.get('hit_rate', 0):.3f} "
-                  f"(opt {row.get('optimal_hit_rate') or 0:.3f}), acc {row['accuracy']} "
-                  f"[{row['config_wall_s']:.0f} s; {time.perf_counter() - t_start:.0f} s in]", flush=True)
+            print(
+                f"  {config.name}: {row['programs_per_s']:.3f} prog/s, hit {row.get('hit_rate', 0):.3f} "
+                f"(opt {row.get('optimal_hit_rate') or 0:.3f}), acc {row['accuracy']} "
+                f"[{row['config_wall_s']:.0f} s; {time.perf_counter() - t_start:.0f} s in]",
+                flush=True,
+            )
         if baseline is not None:
             t_config = time.perf_counter()
             # the labelled single-call workloads run in full, so accuracy can be compared program by program
@@ -286,12 +325,20 @@ def main() -> None:
             row["prompt_tokens"] = baseline.backend.prompt_tokens
             rows.append({"workload": name, "config": "hf_baseline", **row})
             harness.write_jsonl(rows[-1:], args.out + ".partial")
-            print(f"  hf_baseline: {row['programs_per_s']:.3f} prog/s [{time.perf_counter() - t_config:.0f} s; "
-                  f"{time.perf_counter() - t_start:.0f} s in]", flush=True)
+            print(
+                f"  hf_baseline: {row['programs_per_s']:.3f} prog/s [{time.perf_counter() - t_config:.0f} s; "
+                f"{time.perf_counter() - t_start:.0f} s in]",
+                flush=True,
+            )
     harness.add_ratios(rows, "hf_baseline")
     harness.agreement(rows, "hf_baseline")
-    meta = {"command": command, "quick": args.quick, "model": args.dummy or args.model_path or "smollm2-135m",
-            "platform": _platform(), "total_s": time.perf_counter() - t_start}
+    meta = {
+        "command": command,
+        "quick": args.quick,
+        "model": args.dummy or args.model_path or "smollm2-135m",
+        "platform": _platform(),
+        "total_s": time.perf_counter() - t_start,
+    }
     for r in rows:
         r.update(meta)
     harness.write_jsonl(rows, args.out)

@@ -3,10 +3,10 @@ in its own fork."""
 
 from __future__ import annotations
 
+from workload import Workload, sizes
+
 import sgjax as sgl
 from sgjax.data import mmlu_subjects
-
-from workload import Workload, sizes
 
 
 @sgl.function

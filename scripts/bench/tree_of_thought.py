@@ -3,20 +3,25 @@
 
 from __future__ import annotations
 
+from workload import Workload, first_number, majority, sizes
+
 import sgjax as sgl
 from sgjax.data import gsm8k
 
-from workload import Workload, first_number, majority, sizes
-
-PLAN = ("Please generate a high-level plan for solving the following question. As the first step, just say what "
-        "method and idea you will use to solve the question. You can reorganize the information in the question. "
-        "Do not do the actual calculation. Keep your response concise and within 80 words. Question: ")
-EXECUTE = ("The plan looks good! Now, use real numbers and do the calculation. Please solve the question "
-           "step-by-step according to the high-level plan. Give me the final answer. Make your response short.")
-REFLECT = ("Okay. Now you evaluate your own solution and give it a score on a scale of 1 to 5. Please do rigorous "
-           "check of the correctness.")
-FINAL = ("Based on your reflection, do you change your mind? Now, give me the final answer after careful "
-         "consideration.")
+PLAN = (
+    "Please generate a high-level plan for solving the following question. As the first step, just say what "
+    "method and idea you will use to solve the question. You can reorganize the information in the question. "
+    "Do not do the actual calculation. Keep your response concise and within 80 words. Question: "
+)
+EXECUTE = (
+    "The plan looks good! Now, use real numbers and do the calculation. Please solve the question "
+    "step-by-step according to the high-level plan. Give me the final answer. Make your response short."
+)
+REFLECT = (
+    "Okay. Now you evaluate your own solution and give it a score on a scale of 1 to 5. Please do rigorous "
+    "check of the correctness."
+)
+FINAL = "Based on your reflection, do you change your mind? Now, give me the final answer after careful consideration."
 STEPS = (("plan", None), ("answer", EXECUTE), ("score", REFLECT), ("final_answer", FINAL))
 
 
@@ -53,7 +58,16 @@ def build(n: int, quick: bool) -> Workload:
     rows = gsm8k()[:n]
     branches, depth = sizes(quick, (2, 2), (2, 4))
     max_tokens = sizes(quick, 16, 256)
-    args = [{"question": r["question"], "branches": branches, "depth": depth, "max_tokens": max_tokens,
-             "temperature": 0.7} for r in rows]
+    args = [
+        {"question": r["question"], "branches": branches, "depth": depth, "max_tokens": max_tokens, "temperature": 0.7}
+        for r in rows
+    ]
 
-    return Workload("tree_of_thought", tree_search, args, [r["short_answer"] for r in rows], score, f"GSM8K, fork({branches}) x {depth} levels")
+    return Workload(
+        "tree_of_thought",
+        tree_search,
+        args,
+        [r["short_answer"] for r in rows],
+        score,
+        f"GSM8K, fork({branches}) x {depth} levels",
+    )

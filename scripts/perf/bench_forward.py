@@ -33,10 +33,28 @@ def model_config(small: bool, model: str = "llama3-8b"):
     from sgjax.model.config import BENCH_CONFIGS, ModelConfig
 
     if small:  # the named model's family at a tiny size
-        moe = {"architecture": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-               "qk_norm": True} if BENCH_CONFIGS[model]().is_moe else {"architecture": "llama"}
-        return ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
-                           num_kv_heads=2, head_dim=16, dtype="bfloat16", **moe)
+        moe = (
+            {
+                "architecture": "qwen3_moe",
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 64,
+                "qk_norm": True,
+            }
+            if BENCH_CONFIGS[model]().is_moe
+            else {"architecture": "llama"}
+        )
+        return ModelConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_layers=2,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=16,
+            dtype="bfloat16",
+            **moe,
+        )
     return BENCH_CONFIGS[model]("bfloat16")
 
 
@@ -69,9 +87,10 @@ def run_sgjax(args):
 
     sys.path.insert(0, os.path.dirname(__file__))
     from roofline import copy_bandwidth, matmul_rate, roofline, time_fn
+
+    from sgjax.engine.buckets import bucket
     from sgjax.kernels import allocate_pool, get_backend
     from sgjax.model.batch import build_batch
-    from sgjax.engine.buckets import bucket
     from sgjax.model.llama import forward
     from sgjax.model.moe import experts
     from sgjax.model.weights import dummy_layer_weights, dummy_weights
@@ -79,8 +98,15 @@ def run_sgjax(args):
     small = args.small
     bw = copy_bandwidth(1 << 26 if small else 4 << 30)
     rate = matmul_rate(512 if small else 8192)
-    rows = [{"kind": "ceiling", "copy_gb_per_s": bw / 1e9, "bf16_tflop_per_s": rate / 1e12,
-             "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}]
+    rows = [
+        {
+            "kind": "ceiling",
+            "copy_gb_per_s": bw / 1e9,
+            "bf16_tflop_per_s": rate / 1e12,
+            "device": str(jax.devices()[0].device_kind),
+            "jax": jax.__version__,
+        }
+    ]
     cfg = model_config(small, args.model)
     platform = jax.devices()[0].platform
     # on an accelerator made layer by layer: Mixtral-8x7B's 93 GB would not fit twice (stacked, then sliced)
@@ -98,21 +124,26 @@ def run_sgjax(args):
         if prefill:
             attend = functools.partial(attend, prefill_kernel=prefill)
         experts_fn = functools.partial(experts, activation=cfg.activation, kernel=moe_kernel) if moe_kernel else None
-        step = jax.jit(functools.partial(forward, cfg=cfg, attention=attend, experts_fn=experts_fn),
-                       donate_argnames=("pool",))
+        step = jax.jit(
+            functools.partial(forward, cfg=cfg, attention=attend, experts_fn=experts_fn), donate_argnames=("pool",)
+        )
         impl = f"sgjax-{backend}" + (f"+moe-{moe_kernel}" if moe_kernel and moe_kernel != "xla" else "")
         pool = allocate_pool(cfg.num_layers, max_pages, page, cfg.num_kv_heads, cfg.head_dim, dtype=jnp.bfloat16)
-        pool = jax.jit(lambda p: jax.random.normal(jax.random.PRNGKey(3), p.shape, p.dtype),
-                       donate_argnums=0)(pool)  # random, never zeros: zeros can run faster than real data
+        pool = jax.jit(lambda p: jax.random.normal(jax.random.PRNGKey(3), p.shape, p.dtype), donate_argnums=0)(
+            pool
+        )  # random, never zeros: zeros can run faster than real data
         for name, batch, context, new in workloads:
             if args.workloads and name not in args.workloads:
                 continue
             pages_per_req = -(-context // page)
             tables = [list(range(1 + i * pages_per_req, 1 + (i + 1) * pages_per_req)) for i in range(batch)]
-            chunks = [[int(t) for t in jax.random.randint(jax.random.PRNGKey(i), (new,), 0, cfg.vocab_size)]
-                      for i in range(batch)]
-            host = build_batch(chunks, [context] * batch, tables, page, bucket(batch * new, 16),
-                               bucket(batch, 1), pages_per_req)
+            chunks = [
+                [int(t) for t in jax.random.randint(jax.random.PRNGKey(i), (new,), 0, cfg.vocab_size)]
+                for i in range(batch)
+            ]
+            host = build_batch(
+                chunks, [context] * batch, tables, page, bucket(batch * new, 16), bucket(batch, 1), pages_per_req
+            )
             dev = jax.tree.map(jnp.asarray, host)
             state = {"pool": pool}
 
@@ -127,9 +158,18 @@ def run_sgjax(args):
             seconds = time_fn(call, warmup=2, iters=5 if name == "prefill" else 20)
             pool = state["pool"]
             nbytes, flops = cost(cfg, batch, context, new)
-            rows.append({"kind": "step", "impl": impl, "workload": name, "batch": batch,
-                         "context": context, "tokens": batch * new, "logits_rel_err_vs_first_backend": err,
-                         **roofline(seconds, nbytes, flops, bw, rate)})
+            rows.append(
+                {
+                    "kind": "step",
+                    "impl": impl,
+                    "workload": name,
+                    "batch": batch,
+                    "context": context,
+                    "tokens": batch * new,
+                    "logits_rel_err_vs_first_backend": err,
+                    **roofline(seconds, nbytes, flops, bw, rate),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
         del pool
     return rows
@@ -159,21 +199,34 @@ def run_hf(args):
             times = []
             if name == "prefill":
                 for i in range(7):
-                    sync(); t = time.perf_counter()
+                    sync()
+                    t = time.perf_counter()
                     model(ids, use_cache=False, logits_to_keep=1)
-                    sync(); times.append(time.perf_counter() - t)
+                    sync()
+                    times.append(time.perf_counter() - t)
             else:
                 out = model(ids[:, :-1], use_cache=True, logits_to_keep=1)
                 cache = out.past_key_values
                 for i in range(22):
-                    sync(); t = time.perf_counter()
+                    sync()
+                    t = time.perf_counter()
                     model(ids[:, -1:], past_key_values=cache, use_cache=True)
-                    sync(); times.append(time.perf_counter() - t)
+                    sync()
+                    times.append(time.perf_counter() - t)
                     cache.crop(-1)  # drop the token just appended: the context stays fixed across repetitions
                 del cache, out
             seconds = sorted(times[2:])[len(times[2:]) // 2]
-            rows.append({"kind": "step", "impl": "hf-transformers", "workload": name, "batch": batch,
-                         "context": context, "tokens": batch * new, "seconds": seconds})
+            rows.append(
+                {
+                    "kind": "step",
+                    "impl": "hf-transformers",
+                    "workload": name,
+                    "batch": batch,
+                    "context": context,
+                    "tokens": batch * new,
+                    "seconds": seconds,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache() if device == "cuda" else None
     return rows
@@ -184,14 +237,22 @@ def main():
     parser.add_argument("--small", action="store_true", help="tiny config (CPU smoke run)")
     from sgjax.model.config import BENCH_CONFIGS
 
-    parser.add_argument("--model", default="llama3-8b", choices=sorted(BENCH_CONFIGS),
-                        help="dummy-weight shapes (sgjax.model.config.BENCH_CONFIGS; mixtral-8x7b and qwen3-30b-a3b "
-                             "are mixtures of experts)")
+    parser.add_argument(
+        "--model",
+        default="llama3-8b",
+        choices=sorted(BENCH_CONFIGS),
+        help="dummy-weight shapes (sgjax.model.config.BENCH_CONFIGS; mixtral-8x7b and qwen3-30b-a3b "
+        "are mixtures of experts)",
+    )
     parser.add_argument("--out", default="out")
     parser.add_argument("--attention", nargs="+", default=["ref"], help="attention backends to time")
-    parser.add_argument("--moe-kernel", nargs="+", default=["xla"], choices=["xla", "pallas"],
-                        help="a mixture of experts' grouped matmuls: xla (ragged_dot) and/or pallas "
-                             "(kernels/grouped_matmul_gpu.py)")
+    parser.add_argument(
+        "--moe-kernel",
+        nargs="+",
+        default=["xla"],
+        choices=["xla", "pallas"],
+        help="a mixture of experts' grouped matmuls: xla (ragged_dot) and/or pallas (kernels/grouped_matmul_gpu.py)",
+    )
     parser.add_argument("--part", choices=["sgjax", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--workloads", nargs="*", default=[], help="only these workloads (decode, prefill)")
@@ -202,10 +263,22 @@ def main():
             json.dump(rows, f)
         return
     os.makedirs(args.out, exist_ok=True)
-    base = ([sys.executable, __file__, "--out", args.out, "--model", args.model, "--attention", *args.attention,
-             "--moe-kernel", *args.moe_kernel]
-            + (["--small"] * args.small)
-            + (["--workloads", *args.workloads] if args.workloads else []))
+    base = (
+        [
+            sys.executable,
+            __file__,
+            "--out",
+            args.out,
+            "--model",
+            args.model,
+            "--attention",
+            *args.attention,
+            "--moe-kernel",
+            *args.moe_kernel,
+        ]
+        + (["--small"] * args.small)
+        + (["--workloads", *args.workloads] if args.workloads else [])
+    )
     subprocess.run(base + ["--part", "sgjax"], check=True)
     rows = json.load(open(os.path.join(args.out, "part_sgjax.json")))
     if not args.skip_hf:
@@ -224,14 +297,19 @@ def report(rows, args):
     steps = [r for r in rows if r["kind"] == "step"]
     for r in steps:
         if "seconds" in r:
-            r.update(roofline(r.pop("seconds"), *cost(cfg, r["batch"], r["context"], r["tokens"] // r["batch"]),
-                              bw, rate))
+            r.update(
+                roofline(r.pop("seconds"), *cost(cfg, r["batch"], r["context"], r["tokens"] // r["batch"]), bw, rate)
+            )
     hf = {(r["workload"], r["batch"], r["context"]): r["ms"] for r in steps if r["impl"] == "hf-transformers"}
-    print(f"\n{ceiling['device']}, jax {ceiling['jax']}: copy {ceiling['copy_gb_per_s']:.0f} GB/s, "
-          f"bf16 matmul {ceiling['bf16_tflop_per_s']:.0f} TFLOP/s; model {cfg.num_params() / 1e9:.2f}B params bf16")
+    print(
+        f"\n{ceiling['device']}, jax {ceiling['jax']}: copy {ceiling['copy_gb_per_s']:.0f} GB/s, "
+        f"bf16 matmul {ceiling['bf16_tflop_per_s']:.0f} TFLOP/s; model {cfg.num_params() / 1e9:.2f}B params bf16"
+    )
     print("logit err: |logits - first backend's| / |first backend's| on the same first step (sgjax rows only)")
-    print(f"{'impl':18} {'workload':8} {'batch':>5} {'ctx':>5} {'ms':>9} {'GB/s':>7} {'bw%':>5} {'TFLOP/s':>8} "
-          f"{'mm%':>5} {'roof%':>6} {'vs HF':>6} {'logit err':>9}")
+    print(
+        f"{'impl':18} {'workload':8} {'batch':>5} {'ctx':>5} {'ms':>9} {'GB/s':>7} {'bw%':>5} {'TFLOP/s':>8} "
+        f"{'mm%':>5} {'roof%':>6} {'vs HF':>6} {'logit err':>9}"
+    )
     with open(os.path.join(args.out, "bench_forward.jsonl"), "a") as f:
         for r in steps:
             key = (r["workload"], r["batch"], r["context"])
@@ -239,10 +317,12 @@ def report(rows, args):
             r["config"] = f"dummy-{args.model}-bf16" if not args.small else "tiny-bf16"
             f.write(json.dumps({**r, "ceiling": ceiling}) + "\n")
             vs = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] else "-"
-            print(f"{r['impl']:18} {r['workload']:8} {r['batch']:5d} {r['context']:5d} {r['ms']:9.2f} "
-                  f"{r['gb_per_s']:7.0f} {100 * r['bw_ratio']:5.1f} {r['tflop_per_s']:8.1f} "
-                  f"{100 * r['flop_ratio']:5.1f} {100 * r['roofline_ratio']:6.1f} {vs:>6} "
-                  f"{r.get('logits_rel_err_vs_first_backend', 0.0):9.1e}")
+            print(
+                f"{r['impl']:18} {r['workload']:8} {r['batch']:5d} {r['context']:5d} {r['ms']:9.2f} "
+                f"{r['gb_per_s']:7.0f} {100 * r['bw_ratio']:5.1f} {r['tflop_per_s']:8.1f} "
+                f"{100 * r['flop_ratio']:5.1f} {100 * r['roofline_ratio']:6.1f} {vs:>6} "
+                f"{r.get('logits_rel_err_vs_first_backend', 0.0):9.1e}"
+            )
 
 
 if __name__ == "__main__":

@@ -14,14 +14,28 @@ import time
 import numpy as np
 
 PAPER_REGEX = r'\{"summary": "[\w\d\s]+\.", "grade": "[ABCD][+-]?"\}'
-SCHEMA = {"type": "object", "properties": {
-    "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 20}, "email": {"type": "string"},
-    "role": {"enum": ["admin", "user", "guest"]}, "active": {"type": "boolean"}, "score": {"type": "number"},
-    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-    "address": {"type": "object", "properties": {
-        "street": {"type": "string"}, "city": {"type": "string"},
-        "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["street", "city", "zip"]}},
-    "required": ["id", "name", "email", "role", "active", "score", "tags", "address"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string", "maxLength": 20},
+        "email": {"type": "string"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "active": {"type": "boolean"},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string"},
+                "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["street", "city", "zip"],
+        },
+    },
+    "required": ["id", "name", "email", "role", "active", "score", "tags", "address"],
+}
 
 
 def fake_model(vocab, seed: int):
@@ -30,8 +44,11 @@ def fake_model(vocab, seed: int):
     closing[min(vocab.eos_ids)] += 4.0
 
     def logits(tokens):
-        return np.random.default_rng(hash((seed, len(tokens), tuple(tokens[-4:]))) % 2**32).normal(
-            size=vocab.size) + closing
+        return (
+            np.random.default_rng(hash((seed, len(tokens), tuple(tokens[-4:]))) % 2**32).normal(size=vocab.size)
+            + closing
+        )
+
     return logits
 
 
@@ -87,9 +104,11 @@ def main() -> None:
     rows.append({"bench": "vocab_load", "seconds": time.perf_counter() - t0, "vocab": vocab.size})
 
     cache = GrammarCache()
-    cases = [("paper_regex", lambda: cache.get_regex(PAPER_REGEX, vocab)),
-             ("schema_fixed", lambda: cache.get_json_schema(SCHEMA, vocab)),
-             ("schema_flexible", lambda: cache.get_json_schema(SCHEMA, vocab, JsonOptions(whitespace="[ \n]?")))]
+    cases = [
+        ("paper_regex", lambda: cache.get_regex(PAPER_REGEX, vocab)),
+        ("schema_fixed", lambda: cache.get_json_schema(SCHEMA, vocab)),
+        ("schema_flexible", lambda: cache.get_json_schema(SCHEMA, vocab, JsonOptions(whitespace="[ \n]?"))),
+    ]
     grammars = []
     for name, get in cases:
         t0 = time.perf_counter()
@@ -102,13 +121,30 @@ def main() -> None:
         jumped, jump_fw = greedy_decode(g, fake_model(vocab, 1), use_jump=True)
         assert plain == jumped, "jump-forward changed the greedy output"
         grammars.append(g)
-        rows.append({"bench": "compile", "grammar": name, "miss_s": miss, "hit_s": hit, "states": g.num_states,
-                     "classes": g.tables.num_classes, "table_mb": g.nbytes / 1e6, "tokens": len(plain),
-                     "forwards_plain": plain_fw, "forwards_jump": jump_fw,
-                     "forward_ratio": plain_fw / max(jump_fw, 1)})
+        rows.append(
+            {
+                "bench": "compile",
+                "grammar": name,
+                "miss_s": miss,
+                "hit_s": hit,
+                "states": g.num_states,
+                "classes": g.tables.num_classes,
+                "table_mb": g.nbytes / 1e6,
+                "tokens": len(plain),
+                "forwards_plain": plain_fw,
+                "forwards_jump": jump_fw,
+                "forward_ratio": plain_fw / max(jump_fw, 1),
+            }
+        )
     for batch in args.batch:
-        rows.append({"bench": "device_step", "batch": batch, "grammars": len(grammars),
-                     **bench_step(grammars, vocab.size, batch, args.iters)})
+        rows.append(
+            {
+                "bench": "device_step",
+                "batch": batch,
+                "grammars": len(grammars),
+                **bench_step(grammars, vocab.size, batch, args.iters),
+            }
+        )
 
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "a") as f:

@@ -25,7 +25,6 @@ import tempfile
 import time
 
 import numpy as np
-
 from fsm_peers import LLGuidance, Ours, Outlines, OutlinesIndex, XGrammar
 
 EOS_TOKEN = "<|im_end|>"
@@ -34,54 +33,114 @@ EOS_TOKEN = "<|im_end|>"
 REGEXES = {
     "phone": (r"(\+1 )?\(?[0-9]{3}\)?[ .-]?[0-9]{3}[.-][0-9]{4}", "+1 (555) 123-4567"),
     "email": (r"[a-z0-9._%+-]+@[a-z0-9-]+(\.[a-z0-9-]+)*\.[a-z]{2,6}", "jane.doe+news@mail.example-corp.com"),
-    "iso_datetime": (r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
-                     r"(\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])", "2024-03-15T14:30:00.123+02:00"),
-    "ipv4": (r"((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
-             "192.168.10.254"),
+    "iso_datetime": (
+        r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
+        r"(\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
+        "2024-03-15T14:30:00.123+02:00",
+    ),
+    "ipv4": (
+        r"((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
+        "192.168.10.254",
+    ),
     # scripts/perf/bench_fsm.py's paper regex with [\w\d\s] spelled out as ASCII (our dialect's meaning)
-    "paper_regex": (r'\{"summary": "[A-Za-z0-9_ \t\n\r\f\v]+\.", "grade": "[ABCD][+-]?"\}',
-                    '{"summary": "The essay argues well but cites no sources.", "grade": "B+"}'),
+    "paper_regex": (
+        r'\{"summary": "[A-Za-z0-9_ \t\n\r\f\v]+\.", "grade": "[ABCD][+-]?"\}',
+        '{"summary": "The essay argues well but cites no sources.", "grade": "B+"}',
+    ),
 }
 
 SCHEMAS = {
     # scripts/perf/bench_fsm.py's schema: nested object, enum, array of strings, pattern
-    "user_nested": ({"type": "object", "properties": {
-        "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 20}, "email": {"type": "string"},
-        "role": {"enum": ["admin", "user", "guest"]}, "active": {"type": "boolean"}, "score": {"type": "number"},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-        "address": {"type": "object", "properties": {
-            "street": {"type": "string"}, "city": {"type": "string"},
-            "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["street", "city", "zip"]}},
-        "required": ["id", "name", "email", "role", "active", "score", "tags", "address"]},
-        {"id": 42, "name": "Ada Lovelace", "email": "ada@example.com", "role": "admin", "active": True,
-         "score": 97.5, "tags": ["math", "poetry"],
-         "address": {"street": "12 St James Square", "city": "London", "zip": "10001"}}),
+    "user_nested": (
+        {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer"},
+                "name": {"type": "string", "maxLength": 20},
+                "email": {"type": "string"},
+                "role": {"enum": ["admin", "user", "guest"]},
+                "active": {"type": "boolean"},
+                "score": {"type": "number"},
+                "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+                "address": {
+                    "type": "object",
+                    "properties": {
+                        "street": {"type": "string"},
+                        "city": {"type": "string"},
+                        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                    },
+                    "required": ["street", "city", "zip"],
+                },
+            },
+            "required": ["id", "name", "email", "role", "active", "score", "tags", "address"],
+        },
+        {
+            "id": 42,
+            "name": "Ada Lovelace",
+            "email": "ada@example.com",
+            "role": "admin",
+            "active": True,
+            "score": 97.5,
+            "tags": ["math", "poetry"],
+            "address": {"street": "12 St James Square", "city": "London", "zip": "10001"},
+        },
+    ),
     # array of objects, integer ranges, number >= 0
-    "order_items": ({"type": "object", "properties": {
-        "order_id": {"type": "integer", "minimum": 1},
-        "items": {"type": "array", "minItems": 1, "maxItems": 5, "items": {"type": "object", "properties": {
-            "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-            "qty": {"type": "integer", "minimum": 1, "maximum": 99},
-            "price": {"type": "number", "minimum": 0}}, "required": ["sku", "qty", "price"]}},
-        "status": {"enum": ["pending", "shipped", "delivered"]}},
-        "required": ["order_id", "items", "status"]},
-        {"order_id": 1001, "items": [{"sku": "ABC-1234", "qty": 2, "price": 19.99},
-                                     {"sku": "XYZ-0042", "qty": 12, "price": 5}], "status": "shipped"}),
+    "order_items": (
+        {
+            "type": "object",
+            "properties": {
+                "order_id": {"type": "integer", "minimum": 1},
+                "items": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 5,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                            "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                            "price": {"type": "number", "minimum": 0},
+                        },
+                        "required": ["sku", "qty", "price"],
+                    },
+                },
+                "status": {"enum": ["pending", "shipped", "delivered"]},
+            },
+            "required": ["order_id", "items", "status"],
+        },
+        {
+            "order_id": 1001,
+            "items": [{"sku": "ABC-1234", "qty": 2, "price": 19.99}, {"sku": "XYZ-0042", "qty": 12, "price": 5}],
+            "status": "shipped",
+        },
+    ),
     # event: formats, anyOf, optional property, nested object
-    "event": ({"type": "object", "properties": {
-        "event": {"enum": ["click", "view", "purchase"]},
-        "timestamp": {"type": "string", "format": "date-time"},
-        "user": {"type": "object", "properties": {
-            "id": {"type": "string", "format": "uuid"}, "premium": {"type": "boolean"}},
-            "required": ["id", "premium"]},
-        "value": {"anyOf": [{"type": "number"}, {"type": "null"}]},
-        "note": {"type": "string", "maxLength": 40}},
-        "required": ["event", "timestamp", "user", "value"]},
-        {"event": "purchase", "timestamp": "2024-05-01T12:00:00Z",
-         "user": {"id": "3f2b8c1e-9a4d-4e2f-8b6a-1c2d3e4f5a6b", "premium": True}, "value": 49.9,
-         "note": "gift wrap, leave at the door"}),
+    "event": (
+        {
+            "type": "object",
+            "properties": {
+                "event": {"enum": ["click", "view", "purchase"]},
+                "timestamp": {"type": "string", "format": "date-time"},
+                "user": {
+                    "type": "object",
+                    "properties": {"id": {"type": "string", "format": "uuid"}, "premium": {"type": "boolean"}},
+                    "required": ["id", "premium"],
+                },
+                "value": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+                "note": {"type": "string", "maxLength": 40},
+            },
+            "required": ["event", "timestamp", "user", "value"],
+        },
+        {
+            "event": "purchase",
+            "timestamp": "2024-05-01T12:00:00Z",
+            "user": {"id": "3f2b8c1e-9a4d-4e2f-8b6a-1c2d3e4f5a6b", "premium": True},
+            "value": 49.9,
+            "note": "gift wrap, leave at the door",
+        },
+    ),
 }
-
 
 
 def _closed(schema):
@@ -121,8 +180,15 @@ def versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             out[pkg] = None
     try:
-        out["sgjax_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        out["sgjax_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         out["sgjax_commit"] = None
     return out
@@ -131,7 +197,8 @@ def versions() -> dict:
 def unpack(words: np.ndarray, vocab_size: int) -> np.ndarray:
     """int32[W] bitmask (bit t%32 of word t//32) -> bool[V]."""
     return np.unpackbits(np.ascontiguousarray(words, dtype=np.int32).view(np.uint8), bitorder="little")[
-        :vocab_size].astype(bool)
+        :vocab_size
+    ].astype(bool)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -145,7 +212,7 @@ def walk_masks(adapter, handle, walk, words):
     for i, t in enumerate(walk):
         s.mask(out[i])
         if not s.advance(int(t)):
-            return out[:i + 1], i
+            return out[: i + 1], i
     return out, None
 
 
@@ -190,7 +257,7 @@ def guided_walk(adapters, handles, example: bytes, vocab, eos_id, vocab_size, wo
         if t == eos_id:
             return walk, True
         tb = vocab.tokens[t]
-        rest = rest[len(tb):] if rest.startswith(tb) else b""
+        rest = rest[len(tb) :] if rest.startswith(tb) else b""
         for s in sessions:
             s.advance(t)
     return walk, False
@@ -219,13 +286,26 @@ def time_walk(adapter, handle, walk, words, repeats):
         finally:
             gc.enable()
         tot = (mask_ns + adv_ns) / 1e3
-        per_rep.append({"mean": tot.mean(), "p99": np.percentile(tot, 99), "max": tot.max(),
-                        "mask_mean": mask_ns.mean() / 1e3, "advance_mean": adv_ns.mean() / 1e3,
-                        "first": tot[0]})
+        per_rep.append(
+            {
+                "mean": tot.mean(),
+                "p99": np.percentile(tot, 99),
+                "max": tot.max(),
+                "mask_mean": mask_ns.mean() / 1e3,
+                "advance_mean": adv_ns.mean() / 1e3,
+                "first": tot[0],
+            }
+        )
     med = {k: _median([r[k] for r in per_rep]) for k in per_rep[0]}
-    return {"mask_us_mean": med["mean"], "mask_us_p99": med["p99"], "mask_us_max": med["max"],
-            "mask_only_us_mean": med["mask_mean"], "advance_us_mean": med["advance_mean"],
-            "first_step_us": med["first"], "mask_us_mean_runs": [round(r["mean"], 3) for r in per_rep]}
+    return {
+        "mask_us_mean": med["mean"],
+        "mask_us_p99": med["p99"],
+        "mask_us_max": med["max"],
+        "mask_only_us_mean": med["mask_mean"],
+        "advance_us_mean": med["advance_mean"],
+        "first_step_us": med["first"],
+        "mask_us_mean_runs": [round(r["mean"], 3) for r in per_rep],
+    }
 
 
 class Oracle:
@@ -251,8 +331,18 @@ class Oracle:
             return None
 
 
-def agreement(ours_masks, peer_masks, walk, vocab, eos_id, canonical_rows=None, plain_masks=None, oracle=None,
-              max_examples=8, oracle_sample=48):
+def agreement(
+    ours_masks,
+    peer_masks,
+    walk,
+    vocab,
+    eos_id,
+    canonical_rows=None,
+    plain_masks=None,
+    oracle=None,
+    max_examples=8,
+    oracle_sample=48,
+):
     """Compare allowed sets step by step along `walk` (ours_masks[i] / peer_masks[i]: before walk[i]).
 
     identical_frac: steps with identical sets; symdiff_*: size of the symmetric difference where they differ;
@@ -292,16 +382,29 @@ def agreement(ours_masks, peer_masks, walk, vocab, eos_id, canonical_rows=None, 
                             contra.append(int(t))
 
             def show(ids):
-                return [vocab.tokens[t].decode("utf-8", "backslashreplace") if vocab.tokens[t] is not None
-                        else ("<eos>" if t == eos_id else f"<special {t}>") for t in ids[:8]]
+                return [
+                    vocab.tokens[t].decode("utf-8", "backslashreplace")
+                    if vocab.tokens[t] is not None
+                    else ("<eos>" if t == eos_id else f"<special {t}>")
+                    for t in ids[:8]
+                ]
+
             key = (tuple(show(only_ours)), tuple(show(only_peer)))
             if key in seen:
                 seen[key]["count"] += 1
             elif len(examples) < max_examples:
-                ex = {"step": i, "text_before": text[-48:].decode("utf-8", "backslashreplace"),
-                      "next_token": show([walk[i]])[0], "ours_allowed": int(a.sum()), "peer_allowed": int(b.sum()),
-                      "only_ours": len(only_ours), "only_peer": len(only_peer),
-                      "only_ours_tokens": list(key[0]), "only_peer_tokens": list(key[1]), "count": 1}
+                ex = {
+                    "step": i,
+                    "text_before": text[-48:].decode("utf-8", "backslashreplace"),
+                    "next_token": show([walk[i]])[0],
+                    "ours_allowed": int(a.sum()),
+                    "peer_allowed": int(b.sum()),
+                    "only_ours": len(only_ours),
+                    "only_peer": len(only_peer),
+                    "only_ours_tokens": list(key[0]),
+                    "only_peer_tokens": list(key[1]),
+                    "count": 1,
+                }
                 if canonical_rows is not None:
                     ex["canonical_forced"] = bool(canonical_rows[i])
                 if contra:
@@ -310,12 +413,18 @@ def agreement(ours_masks, peer_masks, walk, vocab, eos_id, canonical_rows=None, 
                 examples.append(ex)
         tok = vocab.tokens[walk[i]] if i < len(walk) else None
         text += tok or b""
-    return {"steps": steps, "identical_frac": (steps - len(sizes)) / max(steps, 1), "differing_steps": len(sizes),
-            "symdiff_mean": float(np.mean(sizes)) if sizes else 0.0, "symdiff_max": int(max(sizes, default=0)),
-            "identical_frac_ignoring_specials": (steps - len(sizes) + ignoring_specials) / max(steps, 1),
-            "explained_by_canonical": canonical_explained if plain_masks is not None else None,
-            "oracle_tokens_checked": oracle_checked, "oracle_contradicts_ours": oracle_contra,
-            "examples": examples}
+    return {
+        "steps": steps,
+        "identical_frac": (steps - len(sizes)) / max(steps, 1),
+        "differing_steps": len(sizes),
+        "symdiff_mean": float(np.mean(sizes)) if sizes else 0.0,
+        "symdiff_max": int(max(sizes, default=0)),
+        "identical_frac_ignoring_specials": (steps - len(sizes) + ignoring_specials) / max(steps, 1),
+        "explained_by_canonical": canonical_explained if plain_masks is not None else None,
+        "oracle_tokens_checked": oracle_checked,
+        "oracle_contradicts_ours": oracle_contra,
+        "examples": examples,
+    }
 
 
 def main() -> None:
@@ -333,11 +442,18 @@ def main() -> None:
 
     vers = versions()
     load_start = os.getloadavg()
-    common = {"versions": vers, "repeats": args.repeats, "compile_repeats": args.compile_repeats,
-              "walk_repeats": args.walk_repeats, "xgrammar_threads": args.xgrammar_threads,
-              "timing_note": ("CPU shared with other work: every timing repeated, the median over repeats reported "
-                              "(per walk: mean and p99 over its steps, then the median over walk_repeats walks); "
-                              "mask times are per token, mask + advance, fresh matcher/state per walk, gc off")}
+    common = {
+        "versions": vers,
+        "repeats": args.repeats,
+        "compile_repeats": args.compile_repeats,
+        "walk_repeats": args.walk_repeats,
+        "xgrammar_threads": args.xgrammar_threads,
+        "timing_note": (
+            "CPU shared with other work: every timing repeated, the median over repeats reported "
+            "(per walk: mean and p99 over its steps, then the median over walk_repeats walks); "
+            "mask times are per token, mask + advance, fresh matcher/state per walk, gc off"
+        ),
+    }
     rows = []
 
     tok = load_tokenizer()
@@ -347,8 +463,16 @@ def main() -> None:
     assert eos_id in tok.eos_token_ids, (eos_id, tok.eos_token_ids)
 
     def prep_row(lib, med, runs, **kw):
-        rows.append({"bench": "tokenizer_prep", "library": lib, "seconds_median": med,
-                     "seconds_runs": [round(r, 4) for r in runs], **kw, **common})
+        rows.append(
+            {
+                "bench": "tokenizer_prep",
+                "library": lib,
+                "seconds_median": med,
+                "seconds_runs": [round(r, 4) for r in runs],
+                **kw,
+                **common,
+            }
+        )
 
     def ours_vocab():
         v = from_tokenizer(tok)
@@ -368,17 +492,23 @@ def main() -> None:
     if {"xgrammar", "llguidance"} - set(args.skip):
         import transformers
 
-        med, runs, hf_tok = _timed(lambda: transformers.PreTrainedTokenizerFast(
-            tokenizer_file=tok_file, eos_token=EOS_TOKEN), args.repeats)
+        med, runs, hf_tok = _timed(
+            lambda: transformers.PreTrainedTokenizerFast(tokenizer_file=tok_file, eos_token=EOS_TOKEN), args.repeats
+        )
         assert hf_tok.eos_token_id == eos_id and len(hf_tok) == V
-        prep_row("transformers", med, runs,
-                 what="PreTrainedTokenizerFast(tokenizer_file), shared by xgrammar and llguidance")
+        prep_row(
+            "transformers", med, runs, what="PreTrainedTokenizerFast(tokenizer_file), shared by xgrammar and llguidance"
+        )
     shutil.rmtree(tmp, ignore_errors=True)
     for name, make, what in (
-            ("xgrammar", lambda: XGrammar(hf_tok, V, eos_id, args.xgrammar_threads),
-             "TokenizerInfo.from_huggingface + GrammarCompiler"),
-            ("llguidance", lambda: LLGuidance(hf_tok, V, eos_id), "llguidance.hf.from_tokenizer (LLTokenizer)"),
-            ("outlines-core", lambda: Outlines(vocab, eos_id), "token bytes table + outlines_core.Vocabulary")):
+        (
+            "xgrammar",
+            lambda: XGrammar(hf_tok, V, eos_id, args.xgrammar_threads),
+            "TokenizerInfo.from_huggingface + GrammarCompiler",
+        ),
+        ("llguidance", lambda: LLGuidance(hf_tok, V, eos_id), "llguidance.hf.from_tokenizer (LLTokenizer)"),
+        ("outlines-core", lambda: Outlines(vocab, eos_id), "token bytes table + outlines_core.Vocabulary"),
+    ):
         if name in args.skip:
             continue
         try:
@@ -398,8 +528,9 @@ def main() -> None:
     for r in rows:
         r["skipped"] = skipped
 
-    grammars = [("regex", n, r, ex) for n, (r, ex) in REGEXES.items()] + \
-               [("json_schema", n, s, json.dumps(ex)) for n, (s, ex) in SCHEMAS.items()]
+    grammars = [("regex", n, r, ex) for n, (r, ex) in REGEXES.items()] + [
+        ("json_schema", n, s, json.dumps(ex)) for n, (s, ex) in SCHEMAS.items()
+    ]
     for kind, gname, spec, example in grammars:
         print(f"# {gname}", flush=True)
         gc.collect()
@@ -430,14 +561,18 @@ def main() -> None:
         walks = {a.name: (tokenized, {"walk_source": "tokenized_example"}) for a in maskers}
         ours_names = [n for n in ("sgjax", "sgjax-plain") if n in handles]
         shared = bool(set(rejected) & set(ours_names))
-        groups = ([maskers] if shared else
-                  [[a for a in maskers if a.name in ours_names or a.name == bad] for bad in rejected])
+        groups = (
+            [maskers] if shared else [[a for a in maskers if a.name in ours_names or a.name == bad] for bad in rejected]
+        )
         for group in groups:
             walk, ended = guided_walk(group, handles, example.encode(), vocab, eos_id, V, words)
             still = check_walk(group, handles, walk, V, words)
             assert not still, f"{gname}: the guided walk is rejected by {still}"
-            info = {"walk_source": "guided_random_walk", "walk_ended_with_eos": ended,
-                    "walk_text": tok.decode([t for t in walk if t != eos_id])}
+            info = {
+                "walk_source": "guided_random_walk",
+                "walk_ended_with_eos": ended,
+                "walk_text": tok.decode([t for t in walk if t != eos_id]),
+            }
             for a in group:
                 if shared or a.name not in ours_names:
                     walks[a.name] = (walk, info)
@@ -466,14 +601,28 @@ def main() -> None:
                 mem = a.memory(handles[a.name])
             except Exception as e:  # noqa: BLE001
                 mem = {"memory_error": str(e)[:200]}
-            row = {"bench": "grammar", "library": a.name, "grammar": gname, "kind": kind,
-                   "compile_ms_median": med * 1e3, "compile_ms_runs": [round(r * 1e3, 3) for r in runs],
-                   **timing, **mem, **info, "agreement": agree, "compile_failed": failed, **common}
+            row = {
+                "bench": "grammar",
+                "library": a.name,
+                "grammar": gname,
+                "kind": kind,
+                "compile_ms_median": med * 1e3,
+                "compile_ms_runs": [round(r * 1e3, 3) for r in runs],
+                **timing,
+                **mem,
+                **info,
+                "agreement": agree,
+                "compile_failed": failed,
+                **common,
+            }
             if a.name in ("sgjax", "sgjax-plain"):
                 row["regex_chars"] = len(handles[a.name].regex)
             rows.append(row)
-            print(f"  {a.name:20s} compile {med * 1e3:9.2f} ms  mask {timing['mask_us_mean']:8.2f} / "
-                  f"{timing['mask_us_p99']:8.2f} us  walk {len(walk)} ({info['walk_source']})", flush=True)
+            print(
+                f"  {a.name:20s} compile {med * 1e3:9.2f} ms  mask {timing['mask_us_mean']:8.2f} / "
+                f"{timing['mask_us_p99']:8.2f} us  walk {len(walk)} ({info['walk_source']})",
+                flush=True,
+            )
         for name, err in failed.items():
             rows.append({"bench": "grammar", "library": name, "grammar": gname, "kind": kind, "error": err, **common})
 
@@ -493,8 +642,10 @@ def print_table(rows):
     for r in rows:
         if r["bench"] == "tokenizer_prep":
             print(f"  {r['library']:20s} {r['seconds_median']:.3f}  ({r['what']})")
-    head = (f"{'library':20s} {'grammar':13s} {'compile ms':>10s} {'1st mask us':>11s} {'mask us mean':>12s} "
-            f"{'p99':>8s} {'mem KB':>7s} {'agree vs sgjax':>14s} {'vs plain':>9s} {'no-spec':>7s}  walk")
+    head = (
+        f"{'library':20s} {'grammar':13s} {'compile ms':>10s} {'1st mask us':>11s} {'mask us mean':>12s} "
+        f"{'p99':>8s} {'mem KB':>7s} {'agree vs sgjax':>14s} {'vs plain':>9s} {'no-spec':>7s}  walk"
+    )
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         if r["bench"] != "grammar":
@@ -509,13 +660,18 @@ def print_table(rows):
                 return "-"
             s = f"{a[field] * 100:.0f}%"
             return s + (f" d{a['symdiff_max']}" if sym and a["differing_steps"] else "")
+
         mem = f"{r['memory_bytes'] / 1024:.0f}" if "memory_bytes" in r else "-"
-        print(f"{r['library']:20s} {r['grammar']:13s} {r['compile_ms_median']:10.2f} {r['first_step_us']:11.1f} "
-              f"{r['mask_us_mean']:12.2f} {r['mask_us_p99']:8.2f} {mem:>7s} {frac('vs_sgjax'):>14s} "
-              f"{frac('vs_sgjax_plain'):>9s} {frac('vs_sgjax_plain', 'identical_frac_ignoring_specials', False):>7s}"
-              f"  {r['walk_tokens']} tok, {r['walk_source'].split('_')[0]}")
-    print("agree: steps of the walk with identical allowed sets (dN: largest symmetric difference); no-spec: vs plain,"
-          " ignoring non-EOS special tokens")
+        print(
+            f"{r['library']:20s} {r['grammar']:13s} {r['compile_ms_median']:10.2f} {r['first_step_us']:11.1f} "
+            f"{r['mask_us_mean']:12.2f} {r['mask_us_p99']:8.2f} {mem:>7s} {frac('vs_sgjax'):>14s} "
+            f"{frac('vs_sgjax_plain'):>9s} {frac('vs_sgjax_plain', 'identical_frac_ignoring_specials', False):>7s}"
+            f"  {r['walk_tokens']} tok, {r['walk_source'].split('_')[0]}"
+        )
+    print(
+        "agree: steps of the walk with identical allowed sets (dN: largest symmetric difference); no-spec: vs plain,"
+        " ignoring non-EOS special tokens"
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,17 @@ from sgjax.engine.engine import Engine
 from sgjax.model.config import ModelConfig
 from sgjax.model.weights import dummy_weights
 
-CFG = ModelConfig(architecture="llama", vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=1,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=512,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+)
 
 
 def _spin(stop: threading.Event):
@@ -57,8 +66,9 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--out", default="/tmp/bench_gil.jsonl")
     args = ap.parse_args()
-    engine = Engine.from_weights(CFG, dummy_weights(CFG), max_running_requests=args.requests,
-                                 max_total_tokens=16384, gil_switch_interval_ms=None)
+    engine = Engine.from_weights(
+        CFG, dummy_weights(CFG), max_running_requests=args.requests, max_total_tokens=16384, gil_switch_interval_ms=None
+    )
     rng = np.random.default_rng(0)
     prompts = [[int(x) for x in rng.integers(1, 500, 40)] for _ in range(args.requests)]
     params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
@@ -73,14 +83,26 @@ def main():
             tokens = args.requests * args.new_tokens
             if ms == 5.0:
                 base[busy] = seconds
-            rows.append(dict(workload=f"tiny-decode-{args.requests}x{args.new_tokens}",
-                             configuration=f"switch {ms:g} ms, {busy} busy threads", switch_interval_ms=ms,
-                             busy_threads=busy, platform=sys.platform, tokens_per_s=tokens / seconds,
-                             ms_per_step=1e3 * seconds / steps, steps=steps, cache_hit_rate=None,
-                             speedup_vs_default=base[busy] / seconds))
+            rows.append(
+                dict(
+                    workload=f"tiny-decode-{args.requests}x{args.new_tokens}",
+                    configuration=f"switch {ms:g} ms, {busy} busy threads",
+                    switch_interval_ms=ms,
+                    busy_threads=busy,
+                    platform=sys.platform,
+                    tokens_per_s=tokens / seconds,
+                    ms_per_step=1e3 * seconds / steps,
+                    steps=steps,
+                    cache_hit_rate=None,
+                    speedup_vs_default=base[busy] / seconds,
+                )
+            )
             r = rows[-1]
-            print(f"{r['configuration']:34s} {r['ms_per_step']:8.2f} ms/step {r['tokens_per_s']:9.0f} tok/s "
-                  f"x{r['speedup_vs_default']:.2f} vs 5 ms", flush=True)
+            print(
+                f"{r['configuration']:34s} {r['ms_per_step']:8.2f} ms/step {r['tokens_per_s']:9.0f} tok/s "
+                f"x{r['speedup_vs_default']:.2f} vs 5 ms",
+                flush=True,
+            )
     engine.shutdown()
     with open(args.out, "a") as f:
         for r in rows:

@@ -30,34 +30,60 @@ import jax  # noqa: E402
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 SCHEMAS = {
-    "person": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "New York"]},
-        "skills": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"street": {"type": "string", "maxLength": 24},
-                                                     "zip": {"type": "string", "pattern": "[0-9]{5}"}},
-                    "required": ["street", "zip"]}},
-        "required": ["name", "age", "city", "skills", "address"]},
-    "product": {"type": "object", "properties": {
-        "product_name": {"type": "string", "maxLength": 24},
-        "price_in_dollars": {"type": "integer", "minimum": 1, "maximum": 10000},
-        "in_stock": {"type": "boolean"},
-        "category": {"type": "string", "enum": ["electronics", "books", "clothing", "food"]},
-        "dimensions": {"type": "object", "properties": {"width_cm": {"type": "integer", "minimum": 0, "maximum": 999},
-                                                        "height_cm": {"type": "integer", "minimum": 0,
-                                                                      "maximum": 999}},
-                       "required": ["width_cm", "height_cm"]}},
-        "required": ["product_name", "price_in_dollars", "in_stock", "category", "dimensions"]},
-    "event": {"type": "object", "properties": {
-        "event_title": {"type": "string", "maxLength": 30},
-        "date": {"type": "string", "format": "date"},
-        "attendee_count": {"type": "integer", "minimum": 0, "maximum": 5000},
-        "is_online": {"type": "boolean"},
-        "organizer": {"type": "object", "properties": {"full_name": {"type": "string", "maxLength": 20},
-                                                       "email_address": {"type": "string", "maxLength": 30}},
-                      "required": ["full_name", "email_address"]}},
-        "required": ["event_title", "date", "attendee_count", "is_online", "organizer"]},
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "New York"]},
+            "skills": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "street": {"type": "string", "maxLength": 24},
+                    "zip": {"type": "string", "pattern": "[0-9]{5}"},
+                },
+                "required": ["street", "zip"],
+            },
+        },
+        "required": ["name", "age", "city", "skills", "address"],
+    },
+    "product": {
+        "type": "object",
+        "properties": {
+            "product_name": {"type": "string", "maxLength": 24},
+            "price_in_dollars": {"type": "integer", "minimum": 1, "maximum": 10000},
+            "in_stock": {"type": "boolean"},
+            "category": {"type": "string", "enum": ["electronics", "books", "clothing", "food"]},
+            "dimensions": {
+                "type": "object",
+                "properties": {
+                    "width_cm": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "height_cm": {"type": "integer", "minimum": 0, "maximum": 999},
+                },
+                "required": ["width_cm", "height_cm"],
+            },
+        },
+        "required": ["product_name", "price_in_dollars", "in_stock", "category", "dimensions"],
+    },
+    "event": {
+        "type": "object",
+        "properties": {
+            "event_title": {"type": "string", "maxLength": 30},
+            "date": {"type": "string", "format": "date"},
+            "attendee_count": {"type": "integer", "minimum": 0, "maximum": 5000},
+            "is_online": {"type": "boolean"},
+            "organizer": {
+                "type": "object",
+                "properties": {
+                    "full_name": {"type": "string", "maxLength": 20},
+                    "email_address": {"type": "string", "maxLength": 30},
+                },
+                "required": ["full_name", "email_address"],
+            },
+        },
+        "required": ["event_title", "date", "attendee_count", "is_online", "organizer"],
+    },
 }
 TOPICS = ["a software engineer", "a chef", "a teacher", "a pilot", "a gardener", "a doctor", "a painter", "a runner"]
 
@@ -81,8 +107,13 @@ def workload(tokenizer, n: int):
 def build_engine(args, extra):
     from sgjax.engine.engine import Engine
 
-    common = dict(max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-                  chunked_prefill_size=args.chunked_prefill_size, page_size=args.page_size, **extra)
+    common = dict(
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        page_size=args.page_size,
+        **extra,
+    )
     if args.dummy:
         from sgjax.model.checkpoint import config_from_hf
         from sgjax.model.config import llama3_8b_config
@@ -113,11 +144,17 @@ def check(value, schema) -> bool:
         return False
     t = schema["type"]
     if t == "object":
-        return (isinstance(value, dict) and set(schema["required"]) <= set(value) <= set(schema["properties"])
-                and all(check(value[k], schema["properties"][k]) for k in value))
+        return (
+            isinstance(value, dict)
+            and set(schema["required"]) <= set(value) <= set(schema["properties"])
+            and all(check(value[k], schema["properties"][k]) for k in value)
+        )
     if t == "array":
-        return (isinstance(value, list) and len(value) <= schema.get("maxItems", len(value))
-                and all(check(v, schema["items"]) for v in value))
+        return (
+            isinstance(value, list)
+            and len(value) <= schema.get("maxItems", len(value))
+            and all(check(v, schema["items"]) for v in value)
+        )
     if t == "string":
         ok = isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
         if "enum" in schema:
@@ -128,8 +165,11 @@ def check(value, schema) -> bool:
             ok = ok and re.fullmatch(r"\d{4}-\d{2}-\d{2}", value) is not None
         return ok
     if t == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)
-                and schema.get("minimum", value) <= value <= schema.get("maximum", value))
+        return (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and schema.get("minimum", value) <= value <= schema.get("maximum", value)
+        )
     if t == "boolean":
         return isinstance(value, bool)
     raise ValueError(f"check() does not know type {t}")
@@ -137,8 +177,10 @@ def check(value, schema) -> bool:
 
 def run_config(args, name, extra, reqs):
     eng = build_engine(args, extra)
-    params = [{"json_schema": json.dumps(SCHEMAS[s]), "max_new_tokens": args.max_new_tokens, "temperature": 0}
-              for s, _ in reqs]
+    params = [
+        {"json_schema": json.dumps(SCHEMAS[s]), "max_new_tokens": args.max_new_tokens, "temperature": 0}
+        for s, _ in reqs
+    ]
     ids = [r for _, r in reqs]
     # Warm-up: the whole workload once, untimed, so the timed run compiles nothing (every bucket it meets was
     # met here) and finds the grammars cached (except for "rebuild", which compiles them again anyway).
@@ -159,13 +201,20 @@ def run_config(args, name, extra, reqs):
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     gc0, gc1 = before["grammar_cache"], after["grammar_cache"]
     return {
-        "workload": "json", "config": name, "requests": len(reqs), "output_tokens": tokens, "wall_s": wall,
-        "output_tok_per_s": tokens / wall, "programs_per_s": len(reqs) / wall,
+        "workload": "json",
+        "config": name,
+        "requests": len(reqs),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_per_s": tokens / wall,
+        "programs_per_s": len(reqs) / wall,
         "steps": after["steps"] - before["steps"],
         "jump_forward_tokens": after["jump_forward_tokens"] - before["jump_forward_tokens"],
-        "grammar_compiles": gc1["misses"] - gc0["misses"], "step_compiles": after["traces"] - before["traces"],
+        "grammar_compiles": gc1["misses"] - gc0["misses"],
+        "step_compiles": after["traces"] - before["traces"],
         "grammar_compile_s": gc1["compile_seconds"] - gc0["compile_seconds"],
-        "invalid_outputs": invalid, "cache_hit_rate": (after["cached_tokens"] - before["cached_tokens"])
+        "invalid_outputs": invalid,
+        "cache_hit_rate": (after["cached_tokens"] - before["cached_tokens"])
         / max(after["prompt_tokens"] - before["prompt_tokens"], 1),
         "sample_output": outs[0]["text"][:200],
     }
@@ -198,8 +247,12 @@ def main():
     rows = []
     for name in args.configs.split(","):
         row = run_config(args, name, CONFIGS[name], reqs)
-        row.update(platform=device.platform, device=device.device_kind, model=args.dummy or "smollm2",
-                   command=" ".join(sys.argv))
+        row.update(
+            platform=device.platform,
+            device=device.device_kind,
+            model=args.dummy or "smollm2",
+            command=" ".join(sys.argv),
+        )
         rows.append(row)
         print(f"{name}: {row['wall_s']:.2f}s", flush=True)
         with open(args.out + ".partial", "a") as f:  # survives a timeout in a later configuration
@@ -207,12 +260,16 @@ def main():
     base = next((r for r in rows if r["config"] == "no-jump"), rows[0])
     for r in rows:
         r["speedup_vs_no_jump"] = base["wall_s"] / r["wall_s"]
-    print(f"\n{'config':<14}{'req':>5}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'steps':>7}{'jumped':>8}"
-          f"{'compiles':>9}{'compile s':>10}{'invalid':>8}{'speedup':>9}")
+    print(
+        f"\n{'config':<14}{'req':>5}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'steps':>7}{'jumped':>8}"
+        f"{'compiles':>9}{'compile s':>10}{'invalid':>8}{'speedup':>9}"
+    )
     for r in rows:
-        print(f"{r['config']:<14}{r['requests']:>5}{r['output_tokens']:>8}{r['wall_s']:>9.2f}"
-              f"{r['output_tok_per_s']:>9.1f}{r['steps']:>7}{r['jump_forward_tokens']:>8}{r['grammar_compiles']:>9}"
-              f"{r['grammar_compile_s']:>10.2f}{r['invalid_outputs']:>8}{r['speedup_vs_no_jump']:>8.2f}x")
+        print(
+            f"{r['config']:<14}{r['requests']:>5}{r['output_tokens']:>8}{r['wall_s']:>9.2f}"
+            f"{r['output_tok_per_s']:>9.1f}{r['steps']:>7}{r['jump_forward_tokens']:>8}{r['grammar_compiles']:>9}"
+            f"{r['grammar_compile_s']:>10.2f}{r['invalid_outputs']:>8}{r['speedup_vs_no_jump']:>8.2f}x"
+        )
     with open(args.out, "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

@@ -25,9 +25,11 @@ from sgjax.engine.steplog import summarize
 def make_engine(args, overlap: bool):
     from sgjax.engine.engine import Engine
 
-    common = dict(max_running_requests=args.batch,
-                  max_total_tokens=args.max_total_tokens or args.batch * (args.prompt + args.new + 32),
-                  disable_overlap_schedule=not overlap)
+    common = dict(
+        max_running_requests=args.batch,
+        max_total_tokens=args.max_total_tokens or args.batch * (args.prompt + args.new + 32),
+        disable_overlap_schedule=not overlap,
+    )
     if args.chunked_prefill_size:
         common["chunked_prefill_size"] = args.chunked_prefill_size
     if args.attention_backend:
@@ -54,20 +56,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--smollm2", action="store_true", help="the embedded SmolLM2 (the engine's default model)")
-    ap.add_argument("--load-format", default="auto", help="dummy: random weights for --model-path's config (e.g. the "
-                    "Llama-3-8B directory: a config.json of its shapes)")
+    ap.add_argument(
+        "--load-format",
+        default="auto",
+        help="dummy: random weights for --model-path's config (e.g. the "
+        "Llama-3-8B directory: a config.json of its shapes)",
+    )
     ap.add_argument("--dummy", default=None, help="llama3-8b: random Llama-3-8B weights (bf16), no tokenizer")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool (default: what the batch needs)")
-    ap.add_argument("--chunked-prefill-size", type=int, default=None,
-                    help="the engine's default otherwise; smaller means fewer step shapes to compile at start")
-    ap.add_argument("--attention-backend", default=None,
-                    help="ref | pallas | pallas:triton | pallas:mgpu (the 8B's ladder compiles faster with triton)")
-    ap.add_argument("--dtype", default=None, help="a checkpoint's dtype (the engine's default: bfloat16 on "
-                    "accelerators); the issue's SmolLM2 rows are float32")
+    ap.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="the engine's default otherwise; smaller means fewer step shapes to compile at start",
+    )
+    ap.add_argument(
+        "--attention-backend",
+        default=None,
+        help="ref | pallas | pallas:triton | pallas:mgpu (the 8B's ladder compiles faster with triton)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="a checkpoint's dtype (the engine's default: bfloat16 on "
+        "accelerators); the issue's SmolLM2 rows are float32",
+    )
     ap.add_argument("--out", default="bench_overlap.jsonl")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -88,29 +105,42 @@ def main() -> None:
                 after = eng.get_server_info()
                 eng.flush_cache()
             wall = statistics.median(times)
-            rows.append(dict(workload=f"decode {args.batch} x {args.new} after {args.prompt}-token prompts",
-                             config="overlap" if overlap else "one_step_at_a_time", wall_s=wall,
-                             wall_s_runs=times, output_tok_per_s=args.batch * args.new / wall,
-                             steps=after["steps"] - before["steps"],
-                             overlapped_steps=after["overlapped_steps"] - before["overlapped_steps"],
-                             timeline=summarize(eng.step_log),
-                             model=args.model_path or args.dummy or ("smollm2" if args.smollm2 else "tiny-random"),
-                             dtype=args.dtype or "default",
-                             outputs_hash=hash(tuple(tuple(o["output_ids"]) for o in outs))))
+            rows.append(
+                dict(
+                    workload=f"decode {args.batch} x {args.new} after {args.prompt}-token prompts",
+                    config="overlap" if overlap else "one_step_at_a_time",
+                    wall_s=wall,
+                    wall_s_runs=times,
+                    output_tok_per_s=args.batch * args.new / wall,
+                    steps=after["steps"] - before["steps"],
+                    overlapped_steps=after["overlapped_steps"] - before["overlapped_steps"],
+                    timeline=summarize(eng.step_log),
+                    model=args.model_path or args.dummy or ("smollm2" if args.smollm2 else "tiny-random"),
+                    dtype=args.dtype or "default",
+                    outputs_hash=hash(tuple(tuple(o["output_ids"]) for o in outs)),
+                )
+            )
     base = rows[0]["wall_s"]
     for r in rows:
         r["speedup_vs_one_step_at_a_time"] = base / r["wall_s"]
     if rows[0]["outputs_hash"] != rows[1]["outputs_hash"]:
         raise SystemExit("overlap changed the outputs")
-    print(f"{'config':22s} {'wall s':>8s} {'tok/s':>9s} {'steps':>6s} {'overlapped':>10s} {'vs sync':>8s} "
-          f"{'idle%':>6s} {'decode ms':>9s}")
+    print(
+        f"{'config':22s} {'wall s':>8s} {'tok/s':>9s} {'steps':>6s} {'overlapped':>10s} {'vs sync':>8s} "
+        f"{'idle%':>6s} {'decode ms':>9s}"
+    )
     for r in rows:
         t = r["timeline"]
-        print(f"{r['config']:22s} {r['wall_s']:8.3f} {r['output_tok_per_s']:9.1f} {r['steps']:6d} "
-              f"{r['overlapped_steps']:10d} {r['speedup_vs_one_step_at_a_time']:8.2f} "
-              f"{100 * t.get('idle_share', 0):6.2f} {1e3 * t.get('decode_busy_s', 0) / max(t.get('decode_steps', 0), 1):9.2f}")
-    print("idle%: device idle between steps / the steps' span of the last repeat (sgjax/engine/steplog.py); decode "
-          "ms: device time per decode step")
+        print(
+            f"{r['config']:22s} {r['wall_s']:8.3f} {r['output_tok_per_s']:9.1f} {r['steps']:6d} "
+            f"{r['overlapped_steps']:10d} {r['speedup_vs_one_step_at_a_time']:8.2f} "
+            f"{100 * t.get('idle_share', 0):6.2f} "
+            f"{1e3 * t.get('decode_busy_s', 0) / max(t.get('decode_steps', 0), 1):9.2f}"
+        )
+    print(
+        "idle%: device idle between steps / the steps' span of the last repeat (sgjax/engine/steplog.py); decode "
+        "ms: device time per decode step"
+    )
     with open(args.out, "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

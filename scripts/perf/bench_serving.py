@@ -42,8 +42,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # -- one request --------------------------------------------------------------------------------------------------
 async def one_request(http: httpx.AsyncClient, req: dict, delay: float, t0: float) -> dict:
     await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
-    body = {"input_ids": req["input_ids"], "stream": True,
-            "sampling_params": {"max_new_tokens": req["max_new_tokens"], "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": req["input_ids"],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": req["max_new_tokens"], "temperature": 0.0, "ignore_eos": True},
+    }
     start = time.perf_counter()
     chunk_times, last = [], None
     try:
@@ -62,9 +65,17 @@ async def one_request(http: httpx.AsyncClient, req: dict, delay: float, t0: floa
     latency = chunk_times[-1] - start
     ttft = chunk_times[0] - start
     out = meta["completion_tokens"]
-    return {"ok": True, "start": start, "end": chunk_times[-1], "ttft": ttft, "latency": latency,
-            "tpot": (latency - ttft) / (out - 1) if out > 1 else None,
-            "itl": list(np.diff(chunk_times)), "prompt_tokens": meta["prompt_tokens"], "output_tokens": out}
+    return {
+        "ok": True,
+        "start": start,
+        "end": chunk_times[-1],
+        "ttft": ttft,
+        "latency": latency,
+        "tpot": (latency - ttft) / (out - 1) if out > 1 else None,
+        "itl": list(np.diff(chunk_times)),
+        "prompt_tokens": meta["prompt_tokens"],
+        "output_tokens": out,
+    }
 
 
 async def probe_health(url: str, stop: asyncio.Event, out: list) -> None:
@@ -109,26 +120,44 @@ def summarize(results, duration, before, after, probes) -> dict:
     in_tokens = sum(r["prompt_tokens"] for r in ok)
     ttft, tpot = [r["ttft"] for r in ok], [r["tpot"] for r in ok if r["tpot"] is not None]
     itl, lat = [x for r in ok for x in r["itl"]], [r["latency"] for r in ok]
-    row = {"completed": len(ok), "failed": len(results) - len(ok),
-           "errors": sorted({r["error"] for r in results if not r["ok"]})[:3], "duration_s": duration,
-           "request_throughput": len(ok) / duration, "input_tok_per_s": in_tokens / duration,
-           "output_tok_per_s": out_tokens / duration, "total_tok_per_s": (in_tokens + out_tokens) / duration,
-           "input_tokens": in_tokens, "output_tokens": out_tokens, "concurrency": sum(lat) / duration,
-           "cache_hit_rate": cached / prompt if prompt else 0.0, "steps": after["steps"] - before["steps"],
-           "retractions": after["retractions"] - before["retractions"]}
+    row = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r["error"] for r in results if not r["ok"]})[:3],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "input_tok_per_s": in_tokens / duration,
+        "output_tok_per_s": out_tokens / duration,
+        "total_tok_per_s": (in_tokens + out_tokens) / duration,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "concurrency": sum(lat) / duration,
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "steps": after["steps"] - before["steps"],
+        "retractions": after["retractions"] - before["retractions"],
+    }
     # Engine-thread time: device steps, radix-tree bookkeeping, the admission (policy order and page accounting,
     # its tree matches included) and detokenization (host work between steps).
     for key in ("step_seconds", "tree_seconds", "admit_seconds", "detokenize_seconds"):
         row[key] = after[key] - before.get(key, 0.0) if key in after else 0.0
         row[key.replace("_seconds", "_share")] = row[key] / duration
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", lat)):
-        row.update({f"{name}_mean_ms": 1e3 * float(np.mean(xs)) if xs else None,
-                    f"{name}_p50_ms": 1e3 * pct(xs, 50) if xs else None,
-                    f"{name}_p99_ms": 1e3 * pct(xs, 99) if xs else None})
+        row.update(
+            {
+                f"{name}_mean_ms": 1e3 * float(np.mean(xs)) if xs else None,
+                f"{name}_p50_ms": 1e3 * pct(xs, 50) if xs else None,
+                f"{name}_p99_ms": 1e3 * pct(xs, 99) if xs else None,
+            }
+        )
     if probes:
         hl = [t for t, _ in probes]
-        row.update(health_probes=len(hl), health_non_200=sum(s != 200 for _, s in probes),
-                   health_p50_ms=1e3 * pct(hl, 50), health_p99_ms=1e3 * pct(hl, 99), health_max_ms=1e3 * max(hl))
+        row.update(
+            health_probes=len(hl),
+            health_non_200=sum(s != 200 for _, s in probes),
+            health_p50_ms=1e3 * pct(hl, 50),
+            health_p99_ms=1e3 * pct(hl, 99),
+            health_max_ms=1e3 * max(hl),
+        )
     return row
 
 
@@ -147,7 +176,7 @@ def build_workload(args) -> dict:
     if args.workload_file:  # bench_engine.py --dump-workload: token ids, for machines without the data or tokenizer
         with open(args.workload_file) as f:
             wl = json.load(f)["workloads"]["sharegpt"]
-        return {**wl, "requests": wl["requests"][:args.num_prompts]}
+        return {**wl, "requests": wl["requests"][: args.num_prompts]}
     from bench_engine import sharegpt_workload
 
     from sgjax.model.tokenizer import load_tokenizer
@@ -165,8 +194,11 @@ def main() -> None:
     ap.add_argument("--max-output-len", type=int, default=32, help="output tokens at most")
     ap.add_argument("--seed", type=int, default=1, help="Poisson arrivals")
     ap.add_argument("--health-probe", action="store_true", help="poll /health every 50 ms during each rate")
-    ap.add_argument("--workload-file", default=None,
-                    help="the sharegpt workload of a `bench_engine.py --dump-workload` file instead of building it")
+    ap.add_argument(
+        "--workload-file",
+        default=None,
+        help="the sharegpt workload of a `bench_engine.py --dump-workload` file instead of building it",
+    )
     ap.add_argument("--tag", default="", help="a label stored with the rows (e.g. the machine)")
     ap.add_argument("--out", default=None, help="JSON lines (appended)")
     args = ap.parse_args()
@@ -188,18 +220,37 @@ def main() -> None:
         info = httpx.get(url + "/get_server_info", timeout=60).json()
         # Warm-up outside the measurement: the first steps of each shape compile (or load from the persistent cache).
         asyncio.run(run_rate(url, wl["warmup"], math.inf, args.seed, False))
-        common = {"workload": "sharegpt", "num_prompts": len(reqs),
-                  "max_prompt_len": max(len(r["input_ids"]) for r in reqs),
-                  "max_output_len": args.max_output_len, "tag": args.tag, "command": command,
-                  "config": {k: info["server_args"][k] for k in (
-                      "page_size", "max_total_tokens", "max_running_requests", "chunked_prefill_size",
-                      "schedule_policy", "disable_radix_cache", "attention_backend", "dtype")},
-                  "model": info["served_model_name"], "attention_backend": info["attention_backend"],
-                  **(asyncio.run(idle_health(url)) if args.health_probe else {})}
+        common = {
+            "workload": "sharegpt",
+            "num_prompts": len(reqs),
+            "max_prompt_len": max(len(r["input_ids"]) for r in reqs),
+            "max_output_len": args.max_output_len,
+            "tag": args.tag,
+            "command": command,
+            "config": {
+                k: info["server_args"][k]
+                for k in (
+                    "page_size",
+                    "max_total_tokens",
+                    "max_running_requests",
+                    "chunked_prefill_size",
+                    "schedule_policy",
+                    "disable_radix_cache",
+                    "attention_backend",
+                    "dtype",
+                )
+            },
+            "model": info["served_model_name"],
+            "attention_backend": info["attention_backend"],
+            **(asyncio.run(idle_health(url)) if args.health_probe else {}),
+        }
         rows = []
         for rate in rates:
-            row = {**common, "request_rate": rate, **asyncio.run(run_rate(url, reqs, rate, args.seed,
-                                                                          args.health_probe))}
+            row = {
+                **common,
+                "request_rate": rate,
+                **asyncio.run(run_rate(url, reqs, rate, args.seed, args.health_probe)),
+            }
             rows.append(row)
             print(f"rate {rate}: {row['completed']} done in {row['duration_s']:.1f} s", flush=True)
     finally:
@@ -220,19 +271,25 @@ def print_table(rows) -> None:
     def ms(x):
         return "-" if x is None else f"{x:.0f}"
 
-    head = (f"{'rate':>5} {'done':>4} {'dur s':>6} {'req/s':>6} {'out tok/s':>9} {'ttft p50':>8} {'ttft p99':>8} "
-            f"{'tpot p50':>8} {'tpot p99':>8} {'e2e p50':>8} {'e2e p99':>8} {'hit':>5} {'step%':>5} {'detok%':>6} "
-            f"{'health p50/p99':>14}")
+    head = (
+        f"{'rate':>5} {'done':>4} {'dur s':>6} {'req/s':>6} {'out tok/s':>9} {'ttft p50':>8} {'ttft p99':>8} "
+        f"{'tpot p50':>8} {'tpot p99':>8} {'e2e p50':>8} {'e2e p99':>8} {'hit':>5} {'step%':>5} {'detok%':>6} "
+        f"{'health p50/p99':>14}"
+    )
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         health = f"{r['health_p50_ms']:.1f}/{r['health_p99_ms']:.1f}" if "health_p50_ms" in r else "-"
-        print(f"{r['request_rate']:>5} {r['completed']:>4} {r['duration_s']:6.1f} {r['request_throughput']:6.2f} "
-              f"{r['output_tok_per_s']:9.1f} {ms(r['ttft_p50_ms']):>8} {ms(r['ttft_p99_ms']):>8} "
-              f"{ms(r['tpot_p50_ms']):>8} {ms(r['tpot_p99_ms']):>8} {ms(r['e2e_p50_ms']):>8} "
-              f"{ms(r['e2e_p99_ms']):>8} {r['cache_hit_rate']:5.3f} {100 * r['step_share']:5.1f} "
-              f"{100 * r['detokenize_share']:6.2f} {health:>14}")
-    print("latencies in ms; hit: cached / prompt tokens over the rate's run (cache flushed before it); step%, detok%: "
-          "engine-thread time in device steps and in detokenization / run time; health: /health latency in ms")
+        print(
+            f"{r['request_rate']:>5} {r['completed']:>4} {r['duration_s']:6.1f} {r['request_throughput']:6.2f} "
+            f"{r['output_tok_per_s']:9.1f} {ms(r['ttft_p50_ms']):>8} {ms(r['ttft_p99_ms']):>8} "
+            f"{ms(r['tpot_p50_ms']):>8} {ms(r['tpot_p99_ms']):>8} {ms(r['e2e_p50_ms']):>8} "
+            f"{ms(r['e2e_p99_ms']):>8} {r['cache_hit_rate']:5.3f} {100 * r['step_share']:5.1f} "
+            f"{100 * r['detokenize_share']:6.2f} {health:>14}"
+        )
+    print(
+        "latencies in ms; hit: cached / prompt tokens over the rate's run (cache flushed before it); step%, detok%: "
+        "engine-thread time in device steps and in detokenization / run time; health: /health latency in ms"
+    )
 
 
 if __name__ == "__main__":

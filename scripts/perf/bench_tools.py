@@ -40,17 +40,30 @@ sys.path.insert(0, REPO)
 from sgjax.data import bfcl, bfcl_ast_match  # noqa: E402
 
 CONFIGS = {  # name -> (server, tool_choice)
-    "free-auto": ("free", "auto"), "free-named": ("free", "named"),
-    "auto": ("constrained", "auto"), "required": ("constrained", "required"), "named": ("constrained", "named"),
+    "free-auto": ("free", "auto"),
+    "free-named": ("free", "named"),
+    "auto": ("constrained", "auto"),
+    "required": ("constrained", "required"),
+    "named": ("constrained", "named"),
 }
 BASELINE = {"auto": "free-auto", "required": "free-auto", "named": "free-named"}
 
 
 def request(task: dict, choice: str, max_tokens: int) -> dict:
-    tool_choice = ({"type": "function", "function": {"name": task["tools"][0]["function"]["name"]}}
-                   if choice == "named" else choice)
-    return {"model": "m", "messages": task["messages"], "tools": task["tools"], "tool_choice": tool_choice,
-            "parallel_tool_calls": False, "max_tokens": max_tokens, "temperature": 0}
+    tool_choice = (
+        {"type": "function", "function": {"name": task["tools"][0]["function"]["name"]}}
+        if choice == "named"
+        else choice
+    )
+    return {
+        "model": "m",
+        "messages": task["messages"],
+        "tools": task["tools"],
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
 
 
 def judge(task: dict, answer: dict) -> dict:
@@ -68,8 +81,13 @@ def judge(task: dict, answer: dict) -> dict:
                 ast = bfcl_ast_match(fn["name"], args, task["ground_truth"])
         except (json.JSONDecodeError, jsonschema.ValidationError):
             pass
-    return {"valid": valid, "ast": ast, "calls": len(calls), "cut": choice["finish_reason"] == "length",
-            "tokens": answer["usage"]["completion_tokens"]}
+    return {
+        "valid": valid,
+        "ast": ast,
+        "calls": len(calls),
+        "cut": choice["finish_reason"] == "length",
+        "tokens": answer["usage"]["completion_tokens"],
+    }
 
 
 def run_config(url: str, tasks: list[dict], choice: str, args) -> dict:
@@ -91,12 +109,20 @@ def run_config(url: str, tasks: list[dict], choice: str, args) -> dict:
     generated = after["generated_tokens"] - before["generated_tokens"]
     lat = np.array([r["latency"] for r in rows])
     n = len(rows)
-    return {"requests": n, "wall_s": wall, "requests_per_s": n / wall,
-            "calls_per_s": sum(r["calls"] for r in rows) / wall, "latency_p50_s": float(np.percentile(lat, 50)),
-            "latency_p99_s": float(np.percentile(lat, 99)), "validity": sum(r["valid"] for r in rows) / n,
-            "ast_accuracy": sum(r["ast"] for r in rows) / n, "cut_off": sum(r["cut"] for r in rows),
-            "answers_with_calls": sum(r["calls"] > 0 for r in rows), "output_tokens": generated,
-            "jump_forward_share": jumped / generated if generated else 0.0}
+    return {
+        "requests": n,
+        "wall_s": wall,
+        "requests_per_s": n / wall,
+        "calls_per_s": sum(r["calls"] for r in rows) / wall,
+        "latency_p50_s": float(np.percentile(lat, 50)),
+        "latency_p99_s": float(np.percentile(lat, 99)),
+        "validity": sum(r["valid"] for r in rows) / n,
+        "ast_accuracy": sum(r["ast"] for r in rows) / n,
+        "cut_off": sum(r["cut"] for r in rows),
+        "answers_with_calls": sum(r["calls"] > 0 for r in rows),
+        "output_tokens": generated,
+        "jump_forward_share": jumped / generated if generated else 0.0,
+    }
 
 
 def start(flags: list[str]):
@@ -114,11 +140,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--server-args", default="--max-total-tokens 8192 --max-running-requests 8 "
-                                             "--chunked-prefill-size 256")
+    ap.add_argument(
+        "--server-args", default="--max-total-tokens 8192 --max-running-requests 8 --chunked-prefill-size 256"
+    )
     ap.add_argument("--out", default="out/bench_tools.jsonl")
     args = ap.parse_args()
-    tasks = list(bfcl(args.category)[:args.num_tasks])
+    tasks = list(bfcl(args.category)[: args.num_tasks])
     names = args.configs.split(",")
     results = {}
     for server_kind in ("free", "constrained"):
@@ -135,8 +162,10 @@ def main() -> None:
         finally:
             server.stop()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    header = (f"{'config':<11}{'req/s':>7}{'calls/s':>8}{'p50 s':>7}{'p99 s':>7}{'valid':>7}{'AST':>6}"
-              f"{'jump%':>7}{'cut':>5}{'vs free':>8}")
+    header = (
+        f"{'config':<11}{'req/s':>7}{'calls/s':>8}{'p50 s':>7}{'p99 s':>7}{'valid':>7}{'AST':>6}"
+        f"{'jump%':>7}{'cut':>5}{'vs free':>8}"
+    )
     print(f"BFCL {args.category}, {len(tasks)} tasks, max_tokens {args.max_tokens}, concurrency {args.concurrency}")
     print(header)
     with open(args.out, "w") as f:
@@ -144,15 +173,30 @@ def main() -> None:
             r = results[name]
             base = results.get(BASELINE.get(name, name))
             ratio = r["requests_per_s"] / base["requests_per_s"] if base else None
-            print(f"{name:<11}{r['requests_per_s']:>7.2f}{r['calls_per_s']:>8.2f}{r['latency_p50_s']:>7.1f}"
-                  f"{r['latency_p99_s']:>7.1f}{r['validity']:>7.2f}{r['ast_accuracy']:>6.2f}"
-                  f"{100 * r['jump_forward_share']:>7.1f}{r['cut_off']:>5}"
-                  f"{'' if ratio is None else f'{ratio:.2f}x':>8}")
-            f.write(json.dumps({"workload": f"bfcl_{args.category}", "num_tasks": len(tasks),
-                                "config": name, "server": CONFIGS[name][0], "tool_choice": CONFIGS[name][1],
-                                "max_tokens": args.max_tokens, "concurrency": args.concurrency,
-                                "server_args": args.server_args, **r, "ratio_to_unconstrained": ratio,
-                                "baseline": BASELINE.get(name)}) + "\n")
+            print(
+                f"{name:<11}{r['requests_per_s']:>7.2f}{r['calls_per_s']:>8.2f}{r['latency_p50_s']:>7.1f}"
+                f"{r['latency_p99_s']:>7.1f}{r['validity']:>7.2f}{r['ast_accuracy']:>6.2f}"
+                f"{100 * r['jump_forward_share']:>7.1f}{r['cut_off']:>5}"
+                f"{'' if ratio is None else f'{ratio:.2f}x':>8}"
+            )
+            f.write(
+                json.dumps(
+                    {
+                        "workload": f"bfcl_{args.category}",
+                        "num_tasks": len(tasks),
+                        "config": name,
+                        "server": CONFIGS[name][0],
+                        "tool_choice": CONFIGS[name][1],
+                        "max_tokens": args.max_tokens,
+                        "concurrency": args.concurrency,
+                        "server_args": args.server_args,
+                        **r,
+                        "ratio_to_unconstrained": ratio,
+                        "baseline": BASELINE.get(name),
+                    }
+                )
+                + "\n"
+            )
 
 
 if __name__ == "__main__":

@@ -28,11 +28,14 @@ import time
 
 def parse():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", choices=["tiny", "tiny-moe", "small", "llama8b-dummy",
-                                                       "mixtral-8x7b", "qwen3-30b-a3b"],
-                    help="tiny: TINY_SMOLLM2_VOCAB; tiny-moe: a 2-layer Qwen3-MoE of 8 experts; small: a 4-layer "
-                         "512-wide Llama; llama8b-dummy, mixtral-8x7b, qwen3-30b-a3b: random weights of those shapes "
-                         "(bf16)")
+    ap.add_argument(
+        "--model",
+        default="tiny",
+        choices=["tiny", "tiny-moe", "small", "llama8b-dummy", "mixtral-8x7b", "qwen3-30b-a3b"],
+        help="tiny: TINY_SMOLLM2_VOCAB; tiny-moe: a 2-layer Qwen3-MoE of 8 experts; small: a 4-layer "
+        "512-wide Llama; llama8b-dummy, mixtral-8x7b, qwen3-30b-a3b: random weights of those shapes "
+        "(bf16)",
+    )
     ap.add_argument("--tp", default="1,2,4", help="comma-separated TP sizes")
     ap.add_argument("--devices", type=int, default=4, help="CPU host devices (CPU only)")
     ap.add_argument("--shard-vocab", action="store_true", help="also time TP>1 with a vocab-sharded embed/lm_head")
@@ -56,16 +59,37 @@ def model(name: str):
     if name == "tiny":
         return TINY_SMOLLM2_VOCAB
     if name == "tiny-moe":
-        return ModelConfig(architecture="qwen3_moe", vocab_size=4096, hidden_size=128, intermediate_size=256,
-                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, num_experts=8,
-                           num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+        return ModelConfig(
+            architecture="qwen3_moe",
+            vocab_size=4096,
+            hidden_size=128,
+            intermediate_size=256,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            qk_norm=True,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+        )
     if name in BENCH_CONFIGS:
         return BENCH_CONFIGS[name]("bfloat16")
     if name == "small":
         dtype = "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
-        return ModelConfig(architecture="llama", vocab_size=32000, hidden_size=512, intermediate_size=1536,
-                           num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, max_position_embeddings=4096,
-                           dtype=dtype)
+        return ModelConfig(
+            architecture="llama",
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=64,
+            max_position_embeddings=4096,
+            dtype=dtype,
+        )
     return llama3_8b_config("bfloat16")
 
 
@@ -83,21 +107,35 @@ def run_one(cfg, tp_size: int, shard_vocab: bool, ep_size: int, args):
 
     mesh = tp.make_mesh(tp_size) if tp_size > 1 else None
     tp.check_model(cfg, tp_size, ep_size)
-    plan = resolve(ServerArgs(tp_size=tp_size, ep_size=ep_size, step_buckets="fine"), cfg, Machine.here(),
-                   given=cfg.dtype)
+    plan = resolve(
+        ServerArgs(tp_size=tp_size, ep_size=ep_size, step_buckets="fine"), cfg, Machine.here(), given=cfg.dtype
+    )
     if mesh is None:
         weights = run_weights(cfg, dummy_weights(cfg), plan)
     else:
-        weights = run_weights(cfg, tp.dummy_weights(cfg, mesh, shard_vocab=shard_vocab,
-                                                    expert_parallel=plan.expert_parallel), plan, mesh)
-    runner = Runner(tp.tp_config(cfg, tp_size), weights, plan, num_pages=1 + args.pool_tokens // args.page_size,
-                    page_size=args.page_size, max_context=max(args.context, args.prefill_tokens), max_top_logprobs=0,
-                    max_reqs=max(args.decode_batch, 4), mesh=mesh)
+        weights = run_weights(
+            cfg, tp.dummy_weights(cfg, mesh, shard_vocab=shard_vocab, expert_parallel=plan.expert_parallel), plan, mesh
+        )
+    runner = Runner(
+        tp.tp_config(cfg, tp_size),
+        weights,
+        plan,
+        num_pages=1 + args.pool_tokens // args.page_size,
+        page_size=args.page_size,
+        max_context=max(args.context, args.prefill_tokens),
+        max_top_logprobs=0,
+        max_reqs=max(args.decode_batch, 4),
+        mesh=mesh,
+    )
     width = -(-args.context // args.page_size)
     r = args.decode_batch
-    shapes = {"decode": (StepShape(BatchShape(max(16, r), r, width, r), 0, 0), r),
-              "prefill": (StepShape(BatchShape(args.prefill_tokens, 4, -(-args.prefill_tokens // args.page_size), 4),
-                                    0, 0), args.prefill_tokens)}
+    shapes = {
+        "decode": (StepShape(BatchShape(max(16, r), r, width, r), 0, 0), r),
+        "prefill": (
+            StepShape(BatchShape(args.prefill_tokens, 4, -(-args.prefill_tokens // args.page_size), 4), 0, 0),
+            args.prefill_tokens,
+        ),
+    }
     out = {}
     for workload, (shape, tokens) in shapes.items():
         jax.block_until_ready(runner.run_dummy(shape))  # compile + first run
@@ -132,17 +170,34 @@ def main():
         for workload, (sec, tokens) in res.items():
             base.setdefault(workload, sec if tp_size == 1 else None)
             ratio = base[workload] / sec if base.get(workload) else None
-            rows.append(dict(bench="bench_tp", workload=workload, model=args.model, platform=platform,
-                             configuration=label, tp_size=tp_size, shard_vocab=shard_vocab, ep_size=ep_size,
-                             latency_ms=sec * 1e3, throughput_tok_s=tokens / sec, ratio_to_tp1=ratio,
-                             weight_bytes_per_device=wbytes, pool_bytes_per_device=pbytes,
-                             state_sharding_kept=state_ok, compiles=traces))
-    print(f"{'workload':8} {'config':10} {'ms/step':>9} {'tok/s':>10} {'x tp1':>6} {'weights/dev':>12} "
-          f"{'pool/dev':>10}")
+            rows.append(
+                dict(
+                    bench="bench_tp",
+                    workload=workload,
+                    model=args.model,
+                    platform=platform,
+                    configuration=label,
+                    tp_size=tp_size,
+                    shard_vocab=shard_vocab,
+                    ep_size=ep_size,
+                    latency_ms=sec * 1e3,
+                    throughput_tok_s=tokens / sec,
+                    ratio_to_tp1=ratio,
+                    weight_bytes_per_device=wbytes,
+                    pool_bytes_per_device=pbytes,
+                    state_sharding_kept=state_ok,
+                    compiles=traces,
+                )
+            )
+    print(
+        f"{'workload':8} {'config':10} {'ms/step':>9} {'tok/s':>10} {'x tp1':>6} {'weights/dev':>12} {'pool/dev':>10}"
+    )
     for r in rows:
         ratio = "" if r["ratio_to_tp1"] is None else f"{r['ratio_to_tp1']:.2f}"
-        print(f"{r['workload']:8} {r['configuration']:10} {r['latency_ms']:9.2f} {r['throughput_tok_s']:10.0f} "
-              f"{ratio:>6} {r['weight_bytes_per_device'] / 2**20:10.1f}Mi {r['pool_bytes_per_device'] / 2**20:8.1f}Mi")
+        print(
+            f"{r['workload']:8} {r['configuration']:10} {r['latency_ms']:9.2f} {r['throughput_tok_s']:10.0f} "
+            f"{ratio:>6} {r['weight_bytes_per_device'] / 2**20:10.1f}Mi {r['pool_bytes_per_device'] / 2**20:8.1f}Mi"
+        )
     out = args.out or f"/tmp/bench_tp_{platform}.jsonl"
     with open(out, "w") as f:
         for r in rows:

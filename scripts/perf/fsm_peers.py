@@ -58,8 +58,7 @@ class XGrammar:
     def compile(self, kind, spec):
         if kind == "regex":
             return self.compiler.compile_regex(spec)
-        return self.compiler.compile_json_schema(spec, any_whitespace=False, separators=(", ", ": "),
-                                                 strict_mode=True)
+        return self.compiler.compile_json_schema(spec, any_whitespace=False, separators=(", ", ": "), strict_mode=True)
 
     def memory(self, cg):
         return {"memory_bytes": int(cg.memory_size_bytes)}
@@ -92,8 +91,11 @@ class LLGuidance:
 
     def compile(self, kind, spec):
         M = self.llg.LLMatcher
-        grammar = (M.grammar_from_regex(spec) if kind == "regex"
-                   else M.grammar_from_json_schema(spec, defaults=LL_JSON_OPTIONS))
+        grammar = (
+            M.grammar_from_regex(spec)
+            if kind == "regex"
+            else M.grammar_from_json_schema(spec, defaults=LL_JSON_OPTIONS)
+        )
         m = M(self.tok, grammar, log_level=0)
         if m.is_error():
             raise RuntimeError(m.get_error())

@@ -44,7 +44,7 @@ def matmul_rate(n: int = 8192) -> float:
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
     mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    return 2 * n ** 3 / time_fn(mm, a, b, iters=20)
+    return 2 * n**3 / time_fn(mm, a, b, iters=20)
 
 
 def roofline(seconds: float, bytes_moved: float, flops: float, bandwidth: float, rate: float) -> dict:

@@ -38,26 +38,107 @@ from sgjax.server.process import ServerProcess  # noqa: E402
 TEMPLATES = {
     "/generate": {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
     "/v1/completions": {"model": "m", "prompt": "Hi", "max_tokens": 4, "temperature": 0},
-    "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                             "temperature": 0},
+    "/v1/chat/completions": {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+    },
 }
 TOP = {
-    "/generate": ["text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                  "top_logprobs_num", "stream", "lora_path", "return_hidden_states", "image_data", "bogus"],
-    "/v1/completions": ["prompt", "max_tokens", "temperature", "top_p", "n", "stop", "logprobs", "echo", "seed",
-                        "best_of", "top_k", "regex", "json_schema", "stop_token_ids", "min_tokens", "suffix", "user"],
-    "/v1/chat/completions": ["messages", "max_tokens", "temperature", "n", "stop", "logprobs", "top_logprobs",
-                             "response_format", "seed", "tools", "tool_choice", "store", "metadata",
-                             "reasoning_effort", "stream_options"],
+    "/generate": [
+        "text",
+        "input_ids",
+        "sampling_params",
+        "rid",
+        "return_logprob",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "stream",
+        "lora_path",
+        "return_hidden_states",
+        "image_data",
+        "bogus",
+    ],
+    "/v1/completions": [
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "logprobs",
+        "echo",
+        "seed",
+        "best_of",
+        "top_k",
+        "regex",
+        "json_schema",
+        "stop_token_ids",
+        "min_tokens",
+        "suffix",
+        "user",
+    ],
+    "/v1/chat/completions": [
+        "messages",
+        "max_tokens",
+        "temperature",
+        "n",
+        "stop",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "seed",
+        "tools",
+        "tool_choice",
+        "store",
+        "metadata",
+        "reasoning_effort",
+        "stream_options",
+    ],
 }
-SAMPLING = ["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_regex", "stop_token_ids",
-            "regex", "json_schema", "ebnf", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
-            "ignore_eos", "min_new_tokens", "skip_special_tokens", "no_stop_trim"]
+SAMPLING = [
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "stop",
+    "stop_regex",
+    "stop_token_ids",
+    "regex",
+    "json_schema",
+    "ebnf",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_new_tokens",
+    "skip_special_tokens",
+    "no_stop_trim",
+]
 # Values that broke things once (issue #27) next to ordinary ones: int32 overflows, deep nesting, costly regexes,
 # many stop strings, strings where numbers belong.
-NASTY = [2 ** 31, 2 ** 63, -(2 ** 31) - 1, 1e308, -1e-300, "(" * 400 + ")" * 400, "[\u0000-\U0010FFFF]{1000}",
-         ["x"] * 200, ["y" * 5000], {"type": "array", "items": {"type": "array", "items": {"type": "array"}}},
-         json.dumps({"type": "object", "properties": {"a": {"$ref": "#"}}}), "", None, [], {}, True]
+NASTY = [
+    2**31,
+    2**63,
+    -(2**31) - 1,
+    1e308,
+    -1e-300,
+    "(" * 400 + ")" * 400,
+    "[\u0000-\U0010ffff]{1000}",
+    ["x"] * 200,
+    ["y" * 5000],
+    {"type": "array", "items": {"type": "array", "items": {"type": "array"}}},
+    json.dumps({"type": "object", "properties": {"a": {"$ref": "#"}}}),
+    "",
+    None,
+    [],
+    {},
+    True,
+]
 
 
 def value(rng: random.Random, depth: int = 0):
@@ -73,8 +154,9 @@ def value(rng: random.Random, depth: int = 0):
     if kind == 4 and depth < 3:
         return [value(rng, depth + 1) for _ in range(rng.randrange(4))]
     if kind == 5 and depth < 3:
-        return {rng.choice(SAMPLING + ["role", "content", "type"]): value(rng, depth + 1)
-                for _ in range(rng.randrange(4))}
+        return {
+            rng.choice(SAMPLING + ["role", "content", "type"]): value(rng, depth + 1) for _ in range(rng.randrange(4))
+        }
     return rng.choice([None, True, False, 0, 1, -1, 0.5, "x"])
 
 
@@ -138,8 +220,14 @@ def fuzz(url: str, n: int, seed: int, check_every: int, timeout: float) -> dict:
                 continue
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
             if r.status_code >= 500:
-                server_errors.append({"route": route, "body": raw[:300].decode("utf-8", "replace"),
-                                      "status": r.status_code, "answer": r.text[:300]})
+                server_errors.append(
+                    {
+                        "route": route,
+                        "body": raw[:300].decode("utf-8", "replace"),
+                        "status": r.status_code,
+                        "answer": r.text[:300],
+                    }
+                )
             elif r.status_code == 400 and not names_a_field(raw, r.json()):
                 unnamed += 1
             if (i + 1) % check_every == 0:
@@ -148,21 +236,42 @@ def fuzz(url: str, n: int, seed: int, check_every: int, timeout: float) -> dict:
                 except (httpx.HTTPError, KeyError, ValueError):
                     ok = False
                 keepalive_failed += not ok
-    return {"bodies": n, "statuses": {str(k): v for k, v in sorted(statuses.items())},
-            "server_errors": len(server_errors), "first_server_errors": server_errors[:5],
-            "unnamed_400": unnamed, "client_gave_up": gave_up, "keepalive_failed": keepalive_failed,
-            "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "bodies": n,
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "server_errors": len(server_errors),
+        "first_server_errors": server_errors[:5],
+        "unnamed_400": unnamed,
+        "client_gave_up": gave_up,
+        "keepalive_failed": keepalive_failed,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 # -- load rounds ----------------------------------------------------------------------------------------------------
-PROMPTS = ["The capital of France is", "List three colours:", "def fibonacci(n):", "Once upon a time",
-           "Water boils at", "The best way to learn a language is", "Translate 'cat' to French:", "1, 2, 3, 4,"]
+PROMPTS = [
+    "The capital of France is",
+    "List three colours:",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "Water boils at",
+    "The best way to learn a language is",
+    "Translate 'cat' to French:",
+    "1, 2, 3, 4,",
+]
 
 
 async def stream_one(http: httpx.AsyncClient, rng: random.Random, leave_after: int | None, rid: str) -> dict:
-    body = {"text": rng.choice(PROMPTS), "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": rng.randint(8, 48), "temperature": rng.choice([0, 0.8]),
-                                "ignore_eos": True}}
+    body = {
+        "text": rng.choice(PROMPTS),
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": rng.randint(8, 48),
+            "temperature": rng.choice([0, 0.8]),
+            "ignore_eos": True,
+        },
+    }
     start, chunks = time.perf_counter(), 0
     try:
         async with http.stream("POST", "/generate", json=body) as r:
@@ -179,8 +288,7 @@ async def stream_one(http: httpx.AsyncClient, rng: random.Random, leave_after: i
 
 
 async def greedy_one(http: httpx.AsyncClient, prompt: str) -> tuple[str, str | None]:
-    r = await http.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 12,
-                                                                                "temperature": 0}})
+    r = await http.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
     return prompt, r.json().get("text") if r.status_code == 200 else None
 
 
@@ -189,10 +297,18 @@ async def abort_later(http: httpx.AsyncClient, rid: str, delay: float) -> None:
     await http.post("/abort_request", json={"rid": rid})
 
 
-async def load_round(url: str, rng: random.Random, concurrency: int, leave_share: float, abort_share: float,
-                     alone: dict[str, str], round_no: int) -> dict:
-    async with httpx.AsyncClient(base_url=url, timeout=300,
-                                 limits=httpx.Limits(max_connections=concurrency * 2 + 8)) as http:
+async def load_round(
+    url: str,
+    rng: random.Random,
+    concurrency: int,
+    leave_share: float,
+    abort_share: float,
+    alone: dict[str, str],
+    round_no: int,
+) -> dict:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=300, limits=httpx.Limits(max_connections=concurrency * 2 + 8)
+    ) as http:
         tasks, aborts = [], []
         t0 = time.perf_counter()
         for i in range(concurrency):
@@ -204,17 +320,21 @@ async def load_round(url: str, rng: random.Random, concurrency: int, leave_share
         greedy = [greedy_one(http, p) for p in PROMPTS]
         results = await asyncio.gather(*tasks, *greedy, *aborts)
         wall = time.perf_counter() - t0
-    streams, answers = results[:concurrency], results[concurrency:concurrency + len(PROMPTS)]
+    streams, answers = results[:concurrency], results[concurrency : concurrency + len(PROMPTS)]
     lat = [r["latency"] for r in streams if "latency" in r]
     outcome: dict[str, int] = {}
     for r in streams:
         outcome[str(r["status"])] = outcome.get(str(r["status"]), 0) + 1
-    return {"wall_s": round(wall, 2), "outcomes": outcome, "finished": len(lat),
-            "req_per_s": round(len(lat) / wall, 2),
-            "p50_s": round(float(np.percentile(lat, 50)), 3) if lat else None,
-            "p99_s": round(float(np.percentile(lat, 99)), 3) if lat else None,
-            "server_errors": sum(str(r["status"]).startswith("5") for r in streams),
-            "greedy_differs": sum(text != alone[p] for p, text in answers)}
+    return {
+        "wall_s": round(wall, 2),
+        "outcomes": outcome,
+        "finished": len(lat),
+        "req_per_s": round(len(lat) / wall, 2),
+        "p50_s": round(float(np.percentile(lat, 50)), 3) if lat else None,
+        "p99_s": round(float(np.percentile(lat, 99)), 3) if lat else None,
+        "server_errors": sum(str(r["status"]).startswith("5") for r in streams),
+        "greedy_differs": sum(text != alone[p] for p, text in answers),
+    }
 
 
 def wait_idle(client: httpx.Client, timeout: float = 60.0) -> dict:
@@ -260,41 +380,71 @@ def main() -> int:
     if args.base_url:
         url, pid = args.base_url, args.server_pid
     else:
-        srv = ServerProcess(*shlex.split(args.server_args), cwd=REPO,
-                            env={"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}).wait_ready(900)
+        srv = ServerProcess(
+            *shlex.split(args.server_args), cwd=REPO, env={"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        ).wait_ready(900)
         url, pid = srv.url, srv.proc.pid
-    config = {"server_args": args.server_args, "seed": args.seed, "concurrency": args.concurrency,
-              "leave_share": args.leave_share, "abort_share": args.abort_share}
+    config = {
+        "server_args": args.server_args,
+        "seed": args.seed,
+        "concurrency": args.concurrency,
+        "leave_share": args.leave_share,
+        "abort_share": args.abort_share,
+    }
     rows = []
     try:
         with httpx.Client(base_url=url, timeout=300) as client:
-            alone = {p: client.post("/generate", json={"text": p, "sampling_params": {
-                "max_new_tokens": 12, "temperature": 0}}).json()["text"] for p in PROMPTS}
+            alone = {
+                p: client.post(
+                    "/generate", json={"text": p, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+                ).json()["text"]
+                for p in PROMPTS
+            }
             rss_start = rss_mib(pid)
             f = fuzz(url, args.fuzz, args.seed, args.check_every, args.fuzz_timeout)
             info = wait_idle(client)
-            rows.append({"workload": "fuzz", "configuration": config, **f, "pages_leaked": pages_leaked(info),
-                         "rss_before_mib": rss_start, "rss_after_mib": rss_mib(pid)})
+            rows.append(
+                {
+                    "workload": "fuzz",
+                    "configuration": config,
+                    **f,
+                    "pages_leaked": pages_leaked(info),
+                    "rss_before_mib": rss_start,
+                    "rss_after_mib": rss_mib(pid),
+                }
+            )
             rng = random.Random(args.seed + 1)
             for k in range(args.rounds):
                 before = rss_mib(pid)
                 r = asyncio.run(load_round(url, rng, args.concurrency, args.leave_share, args.abort_share, alone, k))
                 info = wait_idle(client)
-                rows.append({"workload": f"load round {k}", "configuration": config, **r,
-                             "pages_leaked": pages_leaked(info), "protected_pages": info["protected_pages"],
-                             "rss_before_mib": before, "rss_after_mib": rss_mib(pid)})
+                rows.append(
+                    {
+                        "workload": f"load round {k}",
+                        "configuration": config,
+                        **r,
+                        "pages_leaked": pages_leaked(info),
+                        "protected_pages": info["protected_pages"],
+                        "rss_before_mib": before,
+                        "rss_after_mib": rss_mib(pid),
+                    }
+                )
     finally:
         exit_status = srv.stop() if srv else None
     bad = 0
-    print(f"{'workload':<14} {'n':>6} {'5xx':>4} {'unnamed400':>10} {'keepalive':>9} {'p50 s':>7} {'p99 s':>7} "
-          f"{'req/s':>6} {'greedy!=':>8} {'leaked':>6} {'RSS MiB':>15}")
+    print(
+        f"{'workload':<14} {'n':>6} {'5xx':>4} {'unnamed400':>10} {'keepalive':>9} {'p50 s':>7} {'p99 s':>7} "
+        f"{'req/s':>6} {'greedy!=':>8} {'leaked':>6} {'RSS MiB':>15}"
+    )
     for row in rows:
         n = row.get("bodies", row.get("finished"))
         rss = f"{row['rss_before_mib']}->{row['rss_after_mib']}"
-        print(f"{row['workload']:<14} {n:>6} {row['server_errors']:>4} {row.get('unnamed_400', '-'):>10} "
-              f"{row.get('keepalive_failed', '-'):>9} {str(row.get('p50_s', '-')):>7} {str(row.get('p99_s', '-')):>7} "
-              f"{str(row.get('req_per_s', '-')):>6} {row.get('greedy_differs', '-'):>8} {row['pages_leaked']:>6} "
-              f"{rss:>15}")
+        print(
+            f"{row['workload']:<14} {n:>6} {row['server_errors']:>4} {row.get('unnamed_400', '-'):>10} "
+            f"{row.get('keepalive_failed', '-'):>9} {str(row.get('p50_s', '-')):>7} {str(row.get('p99_s', '-')):>7} "
+            f"{str(row.get('req_per_s', '-')):>6} {row.get('greedy_differs', '-'):>8} {row['pages_leaked']:>6} "
+            f"{rss:>15}"
+        )
         bad += row["server_errors"] + row.get("unnamed_400", 0) + row.get("keepalive_failed", 0) + row["pages_leaked"]
     if srv:
         print(f"server exit status after SIGTERM: {exit_status}")

@@ -28,8 +28,9 @@ def load_events(log_dir: str) -> tuple[list[dict], dict, dict]:
     with gzip.open(files[-1]) as f:
         events = json.load(f)["traceEvents"]
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     return [e for e in events if e.get("ph") == "X"], procs, threads
 
 
@@ -62,10 +63,15 @@ def summarize_trace(log_dir: str, top: int = 15) -> dict:
         by_name = collections.Counter()
         for e in ops:
             by_name[e["name"]] += e.get("dur", 0.0)
-        out.update(span_ms=(end - start) / 1e3, busy_ms=busy / 1e3,
-                   idle_share=1 - busy / (end - start) if end > start else 0.0,
-                   top_ops=[{"name": n[:120], "ms": d / 1e3, "share_of_busy": d / busy if busy else 0.0}
-                            for n, d in by_name.most_common(top)])
+        out.update(
+            span_ms=(end - start) / 1e3,
+            busy_ms=busy / 1e3,
+            idle_share=1 - busy / (end - start) if end > start else 0.0,
+            top_ops=[
+                {"name": n[:120], "ms": d / 1e3, "share_of_busy": d / busy if busy else 0.0}
+                for n, d in by_name.most_common(top)
+            ],
+        )
     marks = collections.Counter()
     for e in events:
         if e["name"] in HOST_MARKS:

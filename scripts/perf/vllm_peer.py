@@ -17,14 +17,23 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="an HF model directory")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--dtype", default="float32", help="float32, or bfloat16 (what vLLM's auto runs a float32 "
-                                                       "checkpoint in on a CPU)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32, or bfloat16 (what vLLM's auto runs a float32 checkpoint in on a CPU)",
+    )
     args = ap.parse_args()
     from vllm import LLM, SamplingParams, TokensPrompt
 
     # eager: torch.compile's warm-up on a 2-core machine takes minutes, and the peers' rows are steady-state decode
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              enforce_eager=True, enable_prefix_caching=True)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+    )
     print(REPLY + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)

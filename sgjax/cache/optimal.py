@@ -57,8 +57,9 @@ def optimal_hit_rate(
     return 1.0 - optimal_computed_tokens(seqs, page_size, extra_keys) / total
 
 
-def optimal_prompt_tokens_with_outputs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-                                       page_size: int = 1) -> int:
+def optimal_prompt_tokens_with_outputs(
+    prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], page_size: int = 1
+) -> int:
     """The Theorem 3.1 minimum for LM programs, where later prompts extend earlier requests' outputs.
 
     A program's next call sends back what an earlier call decoded (a fork after a gen, the next turn of a chat), so
@@ -71,7 +72,7 @@ def optimal_prompt_tokens_with_outputs(prompts: Sequence[Sequence[int]], outputs
     def page_keys(seq):
         key = None
         for k in range(len(seq) // S):
-            key = hash((key, tuple(seq[k * S:(k + 1) * S])))
+            key = hash((key, tuple(seq[k * S : (k + 1) * S])))
             yield k + 1, key
 
     decoded: set = set()

@@ -13,7 +13,15 @@ from typing import Hashable
 import numpy as np
 
 from sgjax.cache.allocator import EMPTY_PAGES, PageAllocator
-from sgjax.cache.base import TOKEN_BYTES, CacheInvariantError, MatchResult, Node, NodeStore, as_tokens, check_insert_args
+from sgjax.cache.base import (
+    TOKEN_BYTES,
+    CacheInvariantError,
+    MatchResult,
+    Node,
+    NodeStore,
+    as_tokens,
+    check_insert_args,
+)
 
 
 def _common_prefix_bytes(a: bytes, b: bytes, n: int) -> int:
@@ -135,8 +143,12 @@ class RadixCache(NodeStore):
 
     def _resumable(self, prev: MatchResult | None, n: int, extra_key: Hashable) -> bool:
         node = prev.last_node if prev is not None else None
-        return not (node is None or node.value is None or prev.num_tokens > n
-                    or (node.parent is None and self._roots.get(extra_key) is not node))
+        return not (
+            node is None
+            or node.value is None
+            or prev.num_tokens > n
+            or (node.parent is None and self._roots.get(extra_key) is not node)
+        )
 
     def insert(self, tokens, pages, extra_key: Hashable = None, below: MatchResult | None = None) -> int:
         """Cache `tokens` (whole pages) with their KV `pages`. Returns how many tokens were already cached.
@@ -160,7 +172,7 @@ class RadixCache(NodeStore):
         node, pos = self._walk(node, qb, n - start, now, cached)
         first = start // self.page_size
         if pos:
-            self._free_duplicates(p[first: first + pos // self.page_size], np.concatenate(cached))
+            self._free_duplicates(p[first : first + pos // self.page_size], np.concatenate(cached))
         if pos < n - start:
             self._add_leaf(node, qb[pos * TOKEN_BYTES :], p[first + pos // self.page_size :], now)
         else:

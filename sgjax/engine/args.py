@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-
 # --dtype's spellings (SGLang's) -> ours; None: the platform's default
-DTYPES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16", "half": "float16",
-          "float16": "float16"}
+DTYPES = {
+    "auto": None,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "half": "float16",
+    "float16": "float16",
+}
 
 
 @dataclass(frozen=True)
@@ -101,97 +106,241 @@ class ServerArgs:
 # (ServerArgs field, argparse options). Every engine setting has a flag (tests/server/test_cli.py checks it).
 ENGINE_FLAGS = [
     ("model_path", dict(help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct)")),
-    ("load_format", dict(choices=["auto", "dummy"],
-                         help="auto: the checkpoint's weights; dummy: random weights of the HF directory's "
-                              "config.json (serving benchmarks of large shapes)")),
-    ("dtype", dict(choices=list(DTYPES), help="activations, weights and KV cache dtype: float32 or bfloat16 "
-                   "(--weight-dtype / --kv-cache-dtype override the last two; SGLang's spellings: auto is the "
-                   "platform's default, float32 on CPU and bfloat16 on accelerators, and lets auto narrow the "
-                   "matrices and the pool; float is float32; half / float16 are refused)")),
-    ("weight_dtype", dict(choices=["auto", "float32", "bfloat16", "int8", "int4"],
-                          help="the weight matrices' dtype: auto (--dtype's when given; else on a CPU, for a float32 "
-                               "model, a GGUF's Q4_0 / Q4_1 / Q8_0 blocks kept as int4 / int8 where the CPU has int8 "
-                               "dot instructions, else bfloat16 where it has bf16 ones; else the model's), float32, "
-                               "bfloat16 (bf16 dots with float32 accumulation under float32 activations), int8 "
-                               "(a scale per 32 weights of a row, or per row) or int4 (groups of 32 weights along a "
-                               "row, 4 bits each with a scale and a minimum, as llama.cpp's Q4_1)")),
-    ("kv_cache_dtype", dict(choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
-                            help="KV cache dtype: auto (--dtype's when given; bfloat16 for a float32 model on a CPU "
-                                 "where auto narrowed the matrices; else the model's), the model's, or bfloat16 "
-                                 "under a float32 model (cpu and ref attention: keys and values stored rounded, "
-                                 "scores in float32); fp8 caches are refused")),
-    ("enable_deterministic_inference", dict(action="store_true",
-                                            help="refuse to start unless every request's greedy tokens are independent "
-                                                 "of the other requests sharing its steps (batch invariance: the CPU's "
-                                                 "native kernels for dense models give it; /server_info's plan says)")),
+    (
+        "load_format",
+        dict(
+            choices=["auto", "dummy"],
+            help="auto: the checkpoint's weights; dummy: random weights of the HF directory's "
+            "config.json (serving benchmarks of large shapes)",
+        ),
+    ),
+    (
+        "dtype",
+        dict(
+            choices=list(DTYPES),
+            help="activations, weights and KV cache dtype: float32 or bfloat16 "
+            "(--weight-dtype / --kv-cache-dtype override the last two; SGLang's spellings: auto is the "
+            "platform's default, float32 on CPU and bfloat16 on accelerators, and lets auto narrow the "
+            "matrices and the pool; float is float32; half / float16 are refused)",
+        ),
+    ),
+    (
+        "weight_dtype",
+        dict(
+            choices=["auto", "float32", "bfloat16", "int8", "int4"],
+            help="the weight matrices' dtype: auto (--dtype's when given; else on a CPU, for a float32 "
+            "model, a GGUF's Q4_0 / Q4_1 / Q8_0 blocks kept as int4 / int8 where the CPU has int8 "
+            "dot instructions, else bfloat16 where it has bf16 ones; else the model's), float32, "
+            "bfloat16 (bf16 dots with float32 accumulation under float32 activations), int8 "
+            "(a scale per 32 weights of a row, or per row) or int4 (groups of 32 weights along a "
+            "row, 4 bits each with a scale and a minimum, as llama.cpp's Q4_1)",
+        ),
+    ),
+    (
+        "kv_cache_dtype",
+        dict(
+            choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
+            help="KV cache dtype: auto (--dtype's when given; bfloat16 for a float32 model on a CPU "
+            "where auto narrowed the matrices; else the model's), the model's, or bfloat16 "
+            "under a float32 model (cpu and ref attention: keys and values stored rounded, "
+            "scores in float32); fp8 caches are refused",
+        ),
+    ),
+    (
+        "enable_deterministic_inference",
+        dict(
+            action="store_true",
+            help="refuse to start unless every request's greedy tokens are independent "
+            "of the other requests sharing its steps (batch invariance: the CPU's "
+            "native kernels for dense models give it; /server_info's plan says)",
+        ),
+    ),
     ("tokenizer_path", dict(help="tokenizer GGUF file or HF directory (default: the model's)")),
-    ("chat_template", dict(help="chat template for the chat routes: a jinja file or a built-in name "
-                                "(chatml, llama-3); default: the tokenizer's")),
-    ("trust_remote_code", dict(action="store_true", help="accepted for SGLang's launch lines; has no effect (sgjax "
-                                                         "builds every model from its own code)")),
-    ("enable_mixed_chunk", dict(action="store_true", help="accepted for SGLang's launch lines; sgjax always mixes "
-                                                          "prefill chunks with decode rows in one step")),
+    (
+        "chat_template",
+        dict(
+            help="chat template for the chat routes: a jinja file or a built-in name "
+            "(chatml, llama-3); default: the tokenizer's"
+        ),
+    ),
+    (
+        "trust_remote_code",
+        dict(
+            action="store_true",
+            help="accepted for SGLang's launch lines; has no effect (sgjax builds every model from its own code)",
+        ),
+    ),
+    (
+        "enable_mixed_chunk",
+        dict(
+            action="store_true",
+            help="accepted for SGLang's launch lines; sgjax always mixes prefill chunks with decode rows in one step",
+        ),
+    ),
     ("page_size", dict(type=int, help="tokens per KV page; the radix cache matches whole pages")),
-    ("max_total_tokens", dict(type=int, help="KV pool size in tokens (default: from --mem-fraction-static; 16384 "
-                                             "on CPU, where memory stats are missing)")),
-    ("mem_fraction_static", dict(type=float, help="fraction of device memory for weights and the KV pool, used "
-                                                  "when --max-total-tokens is not given")),
+    (
+        "max_total_tokens",
+        dict(
+            type=int,
+            help="KV pool size in tokens (default: from --mem-fraction-static; 16384 "
+            "on CPU, where memory stats are missing)",
+        ),
+    ),
+    (
+        "mem_fraction_static",
+        dict(
+            type=float,
+            help="fraction of device memory for weights and the KV pool, used when --max-total-tokens is not given",
+        ),
+    ),
     ("max_running_requests", dict(type=int, help="most requests in one running batch")),
-    ("chunked_prefill_size", dict(type=int, help="most prompt tokens prefilled in one step; longer prompts are "
-                                                 "prefilled in chunks")),
-    ("schedule_policy", dict(choices=["lpm", "dfs-weight", "fcfs", "random"],
-                             help="order of waiting requests: lpm (longest prefix match first), dfs-weight, fcfs, "
-                                  "random")),
-    ("schedule_conservativeness", dict(type=float, help="scales the pages reserved for future output tokens at "
-                                                        "admission; 0 admits greedily")),
+    (
+        "chunked_prefill_size",
+        dict(type=int, help="most prompt tokens prefilled in one step; longer prompts are prefilled in chunks"),
+    ),
+    (
+        "schedule_policy",
+        dict(
+            choices=["lpm", "dfs-weight", "fcfs", "random"],
+            help="order of waiting requests: lpm (longest prefix match first), dfs-weight, fcfs, random",
+        ),
+    ),
+    (
+        "schedule_conservativeness",
+        dict(type=float, help="scales the pages reserved for future output tokens at admission; 0 admits greedily"),
+    ),
     ("disable_radix_cache", dict(action="store_true", help="no prefix reuse (the paper's no-cache ablation)")),
-    ("cache", dict(choices=["radix", "table", "none"],
-                   help="prefix cache: radix tree, flat table (the no-tree ablation) or none")),
-    ("attention_backend", dict(choices=["ref", "cpu", "pallas", "pallas:triton", "pallas:mgpu"],
-                               help="attention implementation (default: cpu, the native kernel, on CPU where it "
-                                    "builds, else ref; pallas on GPU and TPU)")),
-    ("moe_kernel", dict(choices=["xla", "pallas"],
-                        help="a mixture of experts' grouped matmuls: xla (ragged_dot) or pallas (the Triton "
-                             "kernel; default on CUDA GPUs)")),
+    (
+        "cache",
+        dict(
+            choices=["radix", "table", "none"],
+            help="prefix cache: radix tree, flat table (the no-tree ablation) or none",
+        ),
+    ),
+    (
+        "attention_backend",
+        dict(
+            choices=["ref", "cpu", "pallas", "pallas:triton", "pallas:mgpu"],
+            help="attention implementation (default: cpu, the native kernel, on CPU where it "
+            "builds, else ref; pallas on GPU and TPU)",
+        ),
+    ),
+    (
+        "moe_kernel",
+        dict(
+            choices=["xla", "pallas"],
+            help="a mixture of experts' grouped matmuls: xla (ragged_dot) or pallas (the Triton "
+            "kernel; default on CUDA GPUs)",
+        ),
+    ),
     ("context_length", dict(type=int, help="longest prompt plus output (default: the model's)")),
-    ("max_top_logprobs_num", dict(type=int, help="largest top_logprobs_num (logprobs, top_logprobs) a request "
-                                                 "may ask for")),
-    ("precompile", dict(action=argparse.BooleanOptionalAction,
-                        help="compile the common step shapes at start (default: on accelerators only)")),
-    ("step_buckets", dict(choices=["fine", "coarse"],
-                          help="step-shape ladder: fine fits requests, logits rows and top-logprobs to each batch "
-                               "(cheap CPU compiles), coarse derives them from the token count (fewer shapes where "
-                               "a compile costs seconds); default: fine on CPU, coarse on accelerators")),
+    (
+        "max_top_logprobs_num",
+        dict(type=int, help="largest top_logprobs_num (logprobs, top_logprobs) a request may ask for"),
+    ),
+    (
+        "precompile",
+        dict(
+            action=argparse.BooleanOptionalAction,
+            help="compile the common step shapes at start (default: on accelerators only)",
+        ),
+    ),
+    (
+        "step_buckets",
+        dict(
+            choices=["fine", "coarse"],
+            help="step-shape ladder: fine fits requests, logits rows and top-logprobs to each batch "
+            "(cheap CPU compiles), coarse derives them from the token count (fewer shapes where "
+            "a compile costs seconds); default: fine on CPU, coarse on accelerators",
+        ),
+    ),
     ("random_seed", dict(type=int, help="seed of the seeds given to requests that bring none")),
-    ("skip_tokenizer_init", dict(action="store_true", help="no tokenizer: /generate takes input_ids and answers "
-                                                           "output_ids only; the OpenAI routes are refused")),
-    ("disable_jump_forward", dict(action="store_true", help="decode a grammar's forced text token by token "
-                                                            "(same output, more steps)")),
-    ("grammar_cache_size", dict(type=int, help="compiled regex / JSON-schema grammars kept; 0 rebuilds one per "
-                                               "request (the paper's ablation)")),
-    ("grammar_compile_timeout", dict(type=float, help="seconds one regex / JSON schema may take to compile; "
-                                                      "longer is a 400 naming the field")),
-    ("grammar_backend", dict(choices=["sgjax", "none", "xgrammar", "outlines", "llguidance"],
-                             help="regex / JSON-schema backend: sgjax (its compressed FSM with jump-forward) or none "
-                                  "(constrained requests get a 400); SGLang's xgrammar, outlines and llguidance are "
-                                  "refused at start")),
-    ("compilation_cache_dir", dict(help="JAX's persistent compilation cache, used when JAX_COMPILATION_CACHE_DIR "
-                                        "is not set; '' for none")),
-    ("gil_switch_interval_ms", dict(type=float, help="Python's thread switch interval while serving (the engine "
-                                                     "loop shares the GIL with the HTTP server's threads)")),
-    ("disable_overlap_schedule", dict(action="store_true", help="wait for each step's tokens before scheduling the "
-                                                                "next (no overlap of host work with decode steps)")),
-    ("tp_size", dict(type=int, help="tensor parallelism: shard the weights and the KV pool by heads over this many "
-                                    "devices (one jitted step over the mesh); with --nnodes, every device of "
-                                    "every host")),
-    ("ep_size", dict(type=int, help="expert parallelism (mixtures of experts): 1 or --tp-size; at tp-size each "
-                                    "device holds num_experts / tp-size whole experts instead of a slice of each")),
-    ("nnodes", dict(type=int, help="hosts (processes) the mesh spans; rank 0 serves HTTP, the others follow its "
-                                   "steps")),
+    (
+        "skip_tokenizer_init",
+        dict(
+            action="store_true",
+            help="no tokenizer: /generate takes input_ids and answers output_ids only; the OpenAI routes are refused",
+        ),
+    ),
+    (
+        "disable_jump_forward",
+        dict(action="store_true", help="decode a grammar's forced text token by token (same output, more steps)"),
+    ),
+    (
+        "grammar_cache_size",
+        dict(
+            type=int,
+            help="compiled regex / JSON-schema grammars kept; 0 rebuilds one per request (the paper's ablation)",
+        ),
+    ),
+    (
+        "grammar_compile_timeout",
+        dict(type=float, help="seconds one regex / JSON schema may take to compile; longer is a 400 naming the field"),
+    ),
+    (
+        "grammar_backend",
+        dict(
+            choices=["sgjax", "none", "xgrammar", "outlines", "llguidance"],
+            help="regex / JSON-schema backend: sgjax (its compressed FSM with jump-forward) or none "
+            "(constrained requests get a 400); SGLang's xgrammar, outlines and llguidance are "
+            "refused at start",
+        ),
+    ),
+    (
+        "compilation_cache_dir",
+        dict(help="JAX's persistent compilation cache, used when JAX_COMPILATION_CACHE_DIR is not set; '' for none"),
+    ),
+    (
+        "gil_switch_interval_ms",
+        dict(
+            type=float,
+            help="Python's thread switch interval while serving (the engine "
+            "loop shares the GIL with the HTTP server's threads)",
+        ),
+    ),
+    (
+        "disable_overlap_schedule",
+        dict(
+            action="store_true",
+            help="wait for each step's tokens before scheduling the next (no overlap of host work with decode steps)",
+        ),
+    ),
+    (
+        "tp_size",
+        dict(
+            type=int,
+            help="tensor parallelism: shard the weights and the KV pool by heads over this many "
+            "devices (one jitted step over the mesh); with --nnodes, every device of "
+            "every host",
+        ),
+    ),
+    (
+        "ep_size",
+        dict(
+            type=int,
+            help="expert parallelism (mixtures of experts): 1 or --tp-size; at tp-size each "
+            "device holds num_experts / tp-size whole experts instead of a slice of each",
+        ),
+    ),
+    (
+        "nnodes",
+        dict(type=int, help="hosts (processes) the mesh spans; rank 0 serves HTTP, the others follow its steps"),
+    ),
     ("node_rank", dict(type=int, help="this process's rank among --nnodes (0: the server)")),
-    ("dist_init_addr", dict(help="host:port of jax.distributed's coordinator on rank 0's host (port + 1 is also "
-                                 "used, for the followers' liveness connections)")),
-    ("dist_step_timeout", dict(type=float, help="with --nnodes: seconds rank 0 waits for a follower to acknowledge "
-                                                "a step before failing every request and exiting, as for a dead "
-                                                "follower; 0: no limit")),
+    (
+        "dist_init_addr",
+        dict(
+            help="host:port of jax.distributed's coordinator on rank 0's host (port + 1 is also "
+            "used, for the followers' liveness connections)"
+        ),
+    ),
+    (
+        "dist_step_timeout",
+        dict(
+            type=float,
+            help="with --nnodes: seconds rank 0 waits for a follower to acknowledge "
+            "a step before failing every request and exiting, as for a dead "
+            "follower; 0: no limit",
+        ),
+    ),
 ]

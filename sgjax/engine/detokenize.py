@@ -52,8 +52,8 @@ class IncrementalDecoder:
 
     def _pending(self) -> str:
         """The text of ids[_read:] not emitted yet."""
-        full = self._decode(self.ids[self._prefix:])
-        return full[len(self._prefix_text) + self._held_emitted:]
+        full = self._decode(self.ids[self._prefix :])
+        return full[len(self._prefix_text) + self._held_emitted :]
 
     def push(self, token_ids: int | Iterable[int]) -> str:
         """Append token ids; return the newly stable text (possibly empty)."""
@@ -65,7 +65,7 @@ class IncrementalDecoder:
             return ""
         new = self._pending()
         if new and not new.endswith(REPLACEMENT):
-            self._prefix_text = self._decode(self.ids[self._read:])
+            self._prefix_text = self._decode(self.ids[self._read :])
             self._prefix, self._read, self._held_emitted = self._read, len(self.ids), 0
         else:  # empty or incomplete: emit what is before the trailing U+FFFD run, keep the offsets
             new = new.rstrip(REPLACEMENT)
@@ -79,7 +79,7 @@ class IncrementalDecoder:
         if self._read == len(self.ids):
             return ""
         new = self._pending()
-        self._prefix_text = self._decode(self.ids[self._read:])
+        self._prefix_text = self._decode(self.ids[self._read :])
         self._prefix, self._read, self._held_emitted = self._read, len(self.ids), 0
         if new:
             self._chunks.append(new)
@@ -142,10 +142,10 @@ class StopMatcher:
         if best is not None:
             end, start, stop = best
             self.matched, self.done, self._buf = stop, True, ""
-            return buf[:end if self.no_stop_trim else start], stop
+            return buf[: end if self.no_stop_trim else start], stop
         hold = self._held_len(buf)
-        self._buf = buf[len(buf) - hold:]
-        return buf[:len(buf) - hold], None
+        self._buf = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold], None
 
     def _held_len(self, buf: str) -> int:
         """Length of the longest suffix of buf that is a proper prefix of some stop string."""

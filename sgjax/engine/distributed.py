@@ -85,10 +85,16 @@ def initialize(args) -> None:
     platforms = os.environ.get("JAX_PLATFORMS", "") or (jax.config.jax_platforms or "")
     if "cpu" in platforms.split(","):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=args.dist_init_addr, num_processes=args.nnodes,
-                               process_id=args.node_rank)
-    log.info("jax.distributed: rank %d of %d, %d local / %d global devices", args.node_rank, args.nnodes,
-             jax.local_device_count(), jax.device_count())
+    jax.distributed.initialize(
+        coordinator_address=args.dist_init_addr, num_processes=args.nnodes, process_id=args.node_rank
+    )
+    log.info(
+        "jax.distributed: rank %d of %d, %d local / %d global devices",
+        args.node_rank,
+        args.nnodes,
+        jax.local_device_count(),
+        jax.device_count(),
+    )
 
 
 def _keepalive(conn: socket.socket) -> None:
@@ -139,8 +145,8 @@ def pack_prompts(prompts: list[list[int]]) -> np.ndarray:
 
 def unpack_prompts(buffer: np.ndarray) -> list[list[int]]:
     n = int(buffer[0])
-    ends = np.cumsum(buffer[1:1 + n]) + 1 + n
-    return [buffer[end - length:end].tolist() for end, length in zip(ends, buffer[1:1 + n])]
+    ends = np.cumsum(buffer[1 : 1 + n]) + 1 + n
+    return [buffer[end - length : end].tolist() for end, length in zip(ends, buffer[1 : 1 + n])]
 
 
 def _shape(h: np.ndarray) -> StepShape:
@@ -155,11 +161,15 @@ def roles(args, on_lost: Callable[[str], None]):
     import jax
 
     if jax.process_count() != args.nnodes:
-        raise ValueError(f"nnodes={args.nnodes} but jax sees {jax.process_count()} process(es): call "
-                         f"sgjax.engine.distributed.initialize first (sgjax serve does)")
+        raise ValueError(
+            f"nnodes={args.nnodes} but jax sees {jax.process_count()} process(es): call "
+            f"sgjax.engine.distributed.initialize first (sgjax serve does)"
+        )
     if args.tp_size != jax.device_count():
-        raise ValueError(f"with nnodes={args.nnodes}, tp_size must be every device of every host "
-                         f"({jax.device_count()}), got {args.tp_size}")
+        raise ValueError(
+            f"with nnodes={args.nnodes}, tp_size must be every device of every host "
+            f"({jax.device_count()}), got {args.tp_size}"
+        )
     return (Leader(args, on_lost=on_lost), None) if args.node_rank == 0 else (None, Follower(args))
 
 
@@ -223,8 +233,7 @@ class Leader:
         self._listener.close()
         self.acks = Acks(self._conns)
         for rank, conn in self._conns.items():
-            threading.Thread(target=self._watch, args=(rank, conn), name=f"sgjax-watch-rank{rank}",
-                             daemon=True).start()
+            threading.Thread(target=self._watch, args=(rank, conn), name=f"sgjax-watch-rank{rank}", daemon=True).start()
 
     def _watch(self, rank: int, conn: socket.socket) -> None:
         reason = "its process died or its host went away"
@@ -245,8 +254,10 @@ class Leader:
                     self.acks.ready(rank, time.monotonic())
                 self.acks.ack(rank, data.count(ACK))
             if self.step_timeout > 0 and self.acks.waiting(rank, time.monotonic()) > self.step_timeout:
-                reason = (f"alive but not joining the collective: no acknowledgement of a step for "
-                          f"{self.step_timeout:g} s (--dist-step-timeout); stopped or hung")
+                reason = (
+                    f"alive but not joining the collective: no acknowledgement of a step for "
+                    f"{self.step_timeout:g} s (--dist-step-timeout); stopped or hung"
+                )
                 late = True
                 break
         # A clean stop closes the connections itself; a follower stuck in the STOP broadcast still counts
@@ -263,7 +274,7 @@ class Leader:
         _broadcast(header, True)
         if buffer is not None:
             padded = np.zeros(_padded(buffer.size), np.int32)
-            padded[:buffer.size] = buffer
+            padded[: buffer.size] = buffer
             _broadcast(padded, True)
 
     def step(self, shape, buffer: np.ndarray, features: np.ndarray | None) -> None:

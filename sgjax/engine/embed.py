@@ -40,8 +40,9 @@ def jitted_readout(cfg: ModelConfig, plan: StepPlan, readout: str, mesh=None):
             logits, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, ops=ops, experts_fn=experts_fn)
             out = jax.nn.log_softmax(logits, axis=-1)
         else:
-            hidden, _ = forward(weights, pool, batch, cfg=cfg, attention=attend, ops=ops, output="hidden",
-                                experts_fn=experts_fn)
+            hidden, _ = forward(
+                weights, pool, batch, cfg=cfg, attention=attend, ops=ops, output="hidden", experts_fn=experts_fn
+            )
             out = hidden / jnp.maximum(jnp.linalg.norm(hidden, axis=-1, keepdims=True), 1e-12)
         if mesh is not None:
             out = jax.lax.with_sharding_constraint(out, tp.replicated(mesh))
@@ -50,8 +51,16 @@ def jitted_readout(cfg: ModelConfig, plan: StepPlan, readout: str, mesh=None):
     return jax.jit(run)
 
 
-def readout(cfg: ModelConfig, weights, plan: StepPlan, page_size: int, prompts: list[list[int]], kind: str,
-            mesh=None, to_device=jnp.asarray) -> np.ndarray:
+def readout(
+    cfg: ModelConfig,
+    weights,
+    plan: StepPlan,
+    page_size: int,
+    prompts: list[list[int]],
+    kind: str,
+    mesh=None,
+    to_device=jnp.asarray,
+) -> np.ndarray:
     """[len(prompts), hidden] float32 unit vectors (kind "embedding") or [len(prompts), vocab] float32
     log p(next token | prompt) ("logprobs"). `to_device` places a host input (across hosts: each process its own
     devices' copies, Runner._to_device). Shapes are bucketed (tokens, requests, pages) as steps are."""
@@ -63,10 +72,24 @@ def readout(cfg: ModelConfig, weights, plan: StepPlan, page_size: int, prompts: 
         tables.append(list(range(nxt, nxt + n)))
         nxt += n
     num_pages = bucket(nxt, 16)
-    batch = build_batch([list(p) for p in prompts], [len(p) for p in prompts], tables, page_size,
-                        bucket(sum(map(len, prompts)), 16), num_reqs, width)
-    pool = allocate_pool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                         dtype=jnp.dtype(plan.kv_dtype), sharding=None if mesh is None else tp.pool_sharding(mesh))
+    batch = build_batch(
+        [list(p) for p in prompts],
+        [len(p) for p in prompts],
+        tables,
+        page_size,
+        bucket(sum(map(len, prompts)), 16),
+        num_reqs,
+        width,
+    )
+    pool = allocate_pool(
+        cfg.num_layers,
+        num_pages,
+        page_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        dtype=jnp.dtype(plan.kv_dtype),
+        sharding=None if mesh is None else tp.pool_sharding(mesh),
+    )
     out = jitted_readout(cfg, plan.program(), kind, mesh)(weights, pool, jax.tree.map(to_device, batch))
     local = out if out.is_fully_addressable else out.addressable_data(0)
-    return np.asarray(local)[:len(prompts)]
+    return np.asarray(local)[: len(prompts)]

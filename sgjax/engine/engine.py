@@ -18,37 +18,39 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import jax
-
+from sgjax.engine import distributed, scoring, sinks
+from sgjax.engine import mesh as tp
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.images import ImageEncoder
-from sgjax.engine.loading import (VISION, apply_process_settings, block_dtype, check_args, load_model_cached,
-                                  pool_pages, run_weights)
-from sgjax.engine.plan import Machine, StepPlan, activation_dtype, resolve
-from sgjax.engine import distributed, mesh as tp
-from sgjax.engine import scoring, sinks
 from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
+from sgjax.engine.loading import (
+    VISION,
+    apply_process_settings,
+    block_dtype,
+    check_args,
+    load_model_cached,
+    pool_pages,
+    run_weights,
+)
+from sgjax.engine.loop import FATAL_GRACE_SECONDS, EngineLoop
 from sgjax.engine.outputs import Outputs, abort_reason
+from sgjax.engine.plan import Machine, StepPlan, activation_dtype, resolve
 from sgjax.engine.request import Req
 from sgjax.engine.requests import GenerateCall, RequestBuilder, asks_for_grammar
 from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
-from sgjax.engine.steplog import StepRecord, StepWatcher, record_of
+from sgjax.engine.steplog import StepRecord, StepWatcher
 from sgjax.errors import INTERNAL, SHUTDOWN, EngineError
 from sgjax.model import chat_templates
 from sgjax.model.config import ModelConfig
-from sgjax.model.tokenizer import Tokenizer, load_tokenizer
 from sgjax.model.loader import load_config
+from sgjax.model.tokenizer import Tokenizer, load_tokenizer
 from sgjax.model.weights import Weights, matrices_dtype
 
 log = logging.getLogger("sgjax.engine")
 
 
-# Multi-host: seconds between failing every request on a lost follower and ending the process (the responses' time)
-FATAL_GRACE_SECONDS = 1.0
-
-
-class Engine:
+class Engine(EngineLoop):
     def __init__(self, model_path: str | None = None, **kwargs):
         """Load a model (None: the default SmolLM2) and start serving. kwargs: ServerArgs fields."""
         args = ServerArgs.from_kwargs(model_path, kwargs)
@@ -58,14 +60,17 @@ class Engine:
         apply_process_settings(args)  # before loading: casting the weights compiles programs the cache keeps
         mesh = tp.make_mesh(args.tp_size)  # before loading: a tp_size the host cannot give fails at once
         cfg = load_config(args.model_path, dtype, args.load_format)
-        plan = resolve(args, cfg, machine, block_dtype=block_dtype(args.model_path) if args.load_format == "auto"
-                       else None)
-        cfg, weights = load_model_cached(args.model_path, dtype, args.load_format,
-                                         mesh=mesh if args.tp_size > 1 else None, plan=plan)
+        plan = resolve(
+            args, cfg, machine, block_dtype=block_dtype(args.model_path) if args.load_format == "auto" else None
+        )
+        cfg, weights = load_model_cached(
+            args.model_path, dtype, args.load_format, mesh=mesh if args.tp_size > 1 else None, plan=plan
+        )
         tokenizer = None
         if not args.skip_tokenizer_init:
-            tokenizer = chat_templates.with_template(load_tokenizer(args.tokenizer_path or args.model_path),
-                                                     args.chat_template, cfg.architecture)
+            tokenizer = chat_templates.with_template(
+                load_tokenizer(args.tokenizer_path or args.model_path), args.chat_template, cfg.architecture
+            )
         self._start(args, plan, cfg, weights, tokenizer, VISION.get((args.model_path, dtype, args.load_format)))
 
     @classmethod
@@ -82,8 +87,15 @@ class Engine:
         engine._start(args, plan, cfg, run_weights(cfg, weights, plan, mesh), tokenizer)
         return engine
 
-    def _start(self, args: ServerArgs, plan: StepPlan, cfg: ModelConfig, weights: Weights,
-               tokenizer: Tokenizer | None, vision=None) -> None:
+    def _start(
+        self,
+        args: ServerArgs,
+        plan: StepPlan,
+        cfg: ModelConfig,
+        weights: Weights,
+        tokenizer: Tokenizer | None,
+        vision=None,
+    ) -> None:
         """`weights` as the plan's step reads them (loading.run_weights)."""
         self.mesh = tp.make_mesh(args.tp_size)
         tp.check_model(cfg, args.tp_size, args.ep_size)
@@ -103,21 +115,41 @@ class Engine:
             num_pages = distributed.agree(num_pages, leader is not None)
         self.scheduler = Scheduler(SchedulerConfig.from_args(args, num_pages))
         self.max_total_tokens = (num_pages - 1) * args.page_size
-        self.runner = Runner(run_cfg, weights, plan, num_pages=num_pages, page_size=args.page_size,
-                             max_context=self.context_length, max_top_logprobs=args.max_top_logprobs_num,
-                             max_reqs=args.max_running_requests, mesh=run_mesh)
+        self.runner = Runner(
+            run_cfg,
+            weights,
+            plan,
+            num_pages=num_pages,
+            page_size=args.page_size,
+            max_context=self.context_length,
+            max_top_logprobs=args.max_top_logprobs_num,
+            max_reqs=args.max_running_requests,
+            mesh=run_mesh,
+        )
         self.runner.leader = leader
         self._follower = follower
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self.images = None if vision is None else ImageEncoder(*vision)  # a vision-language model (LLaVA)
-        self.requests = RequestBuilder(cfg, tokenizer, self.images, context_length=self.context_length,
-                                       max_total_tokens=self.max_total_tokens,
-                                       max_top_logprobs=args.max_top_logprobs_num, eos_ids=self.eos_ids,
-                                       seed=args.random_seed, grammar_cache_size=args.grammar_cache_size,
-                                       grammar_compile_timeout=args.grammar_compile_timeout,
-                                       grammars_on=args.grammar_backend != "none")
-        self.outputs = Outputs(self.scheduler, tokenizer, self.eos_ids, jump_forward=not args.disable_jump_forward,
-                               on_finish=self.requests.forget)
+        self.requests = RequestBuilder(
+            cfg,
+            tokenizer,
+            self.images,
+            context_length=self.context_length,
+            max_total_tokens=self.max_total_tokens,
+            max_top_logprobs=args.max_top_logprobs_num,
+            eos_ids=self.eos_ids,
+            seed=args.random_seed,
+            grammar_cache_size=args.grammar_cache_size,
+            grammar_compile_timeout=args.grammar_compile_timeout,
+            grammars_on=args.grammar_backend != "none",
+        )
+        self.outputs = Outputs(
+            self.scheduler,
+            tokenizer,
+            self.eos_ids,
+            jump_forward=not args.disable_jump_forward,
+            on_finish=self.requests.forget,
+        )
         self._overlapped_steps = 0
         self._grammar_workers = ThreadPoolExecutor(2, thread_name_prefix="sgjax-grammar")
         self.on_step = None  # called on the engine thread with each step's seconds (the server's histogram)
@@ -134,8 +166,11 @@ class Engine:
         self._preparing = 0  # async_generate calls being tokenized (read by queued_requests, event-loop thread)
         if args.precompile if args.precompile is not None else plan.platform != "cpu":
             # a follower compiles the same shapes and runs rank 0's broadcast warm-up steps in `follow`
-            log.info(self.runner.precompile_start(args.chunked_prefill_size + args.max_running_requests,
-                                                  warm=follower is None))
+            log.info(
+                self.runner.precompile_start(
+                    args.chunked_prefill_size + args.max_running_requests, warm=follower is None
+                )
+            )
         if follower is not None:  # a follower runs no loop thread: `follow` executes rank 0's steps
             return
         self._thread = threading.Thread(target=self._loop, name="sgjax-engine", daemon=True)
@@ -169,14 +204,35 @@ class Engine:
         threading.Timer(FATAL_GRACE_SECONDS, os._exit, args=(status,)).start()
 
     # -- public API -------------------------------------------------------------------------------------
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None, image_data=None):
+    def generate(
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        return_logprob=False,
+        logprob_start_len=None,
+        top_logprobs_num=None,
+        stream=False,
+        rid=None,
+        image_data=None,
+    ):
         """One prompt -> one result dict (a list when n > 1); a list of prompts -> a list of results.
         stream=True returns an iterator of result dicts whose `text` grows (one prompt, n == 1).
         image_data (vision-language models): base64 images of a prompt, one image token each in the prompt
         (a list per prompt for a batch)."""
-        return self.run(GenerateCall(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                     top_logprobs_num, stream, rid, image_data))
+        return self.run(
+            GenerateCall(
+                prompt,
+                sampling_params,
+                input_ids,
+                return_logprob,
+                logprob_start_len,
+                top_logprobs_num,
+                stream,
+                rid,
+                image_data,
+            )
+        )
 
     def run(self, call: GenerateCall):
         """`generate` for a call already built (engine/requests.GenerateCall)."""
@@ -187,10 +243,31 @@ class Engine:
         results = [w() for w in waits]
         return results[0] if single and len(results) == 1 else results
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None, image_data=None):
-        return await self.async_run(GenerateCall(prompt, sampling_params, input_ids, return_logprob,
-                                                 logprob_start_len, top_logprobs_num, stream, rid, image_data))
+    async def async_generate(
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        return_logprob=False,
+        logprob_start_len=None,
+        top_logprobs_num=None,
+        stream=False,
+        rid=None,
+        image_data=None,
+    ):
+        return await self.async_run(
+            GenerateCall(
+                prompt,
+                sampling_params,
+                input_ids,
+                return_logprob,
+                logprob_start_len,
+                top_logprobs_num,
+                stream,
+                rid,
+                image_data,
+            )
+        )
 
     async def async_run(self, call: GenerateCall):
         """`async_generate` for a call already built (the HTTP server's)."""
@@ -215,12 +292,28 @@ class Engine:
         ids = self.requests.whole_prompts(prompt, input_ids)
         return [v.tolist() for v in self._call(lambda: self._readout("embedding", ids))]
 
-    def score(self, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
-              item_first: bool = False, temperature: float = 1.0, detail: bool = False):
+    def score(
+        self,
+        query=None,
+        items=None,
+        label_token_ids=None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+        temperature: float = 1.0,
+        detail: bool = False,
+    ):
         """SGLang's Engine.score: scores[i][j], the probability of label j as the next token after query + item i
         (engine/scoring.py), from the same scratch prefill as encode. detail: a Scores with the log-probabilities."""
-        out = scoring.score(self.requests, lambda ids: self._call(lambda: self._readout("logprobs", ids)), query,
-                            items, label_token_ids, apply_softmax, item_first, temperature)
+        out = scoring.score(
+            self.requests,
+            lambda ids: self._call(lambda: self._readout("logprobs", ids)),
+            query,
+            items,
+            label_token_ids,
+            apply_softmax,
+            item_first,
+            temperature,
+        )
         return out if detail else out.scores
 
     def _readout(self, kind: str, ids: list[list[int]]):
@@ -289,10 +382,11 @@ class Engine:
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
-            raise EngineError(self._fatal_message or "the engine is shut down",
-                              INTERNAL if self._fatal_message else SHUTDOWN)
+            raise EngineError(
+                self._fatal_message or "the engine is shut down", INTERNAL if self._fatal_message else SHUTDOWN
+            )
 
-    # -- the loop ---------------------------------------------------------------------------------------
+    # -- the engine thread (engine/loop.py runs it) -------------------------------------------------
     def _call(self, fn):
         """Run `fn` on the engine thread between steps and return its result."""
         self._refuse_if_closed()
@@ -303,144 +397,16 @@ class Engine:
             raise box["error"]
         return box["result"]
 
-    def _loop(self) -> None:
-        """Schedule, dispatch, commit. With overlap, a decode step's commit waits for the next step's dispatch:
-        (a) schedule k on the provisional state of k-1, (b) dispatch k, (c) commit k-1 for real (tokens, stops,
-        streams, finishes), (d) commit k ahead (placeholders) when it can overlap, else wait for it now."""
-        sched = self.scheduler
-        ahead = None  # (works, handle, t0) of a dispatched step committed ahead, not yet for real
-        while True:
-            try:
-                if not self._drain(block=not sched.has_work and ahead is None):
-                    break
-                had_ahead = ahead is not None
-                with jax.profiler.TraceAnnotation("sgjax.schedule"):
-                    works = sched.schedule(retract=ahead is None)
-                if works is None:  # a retraction must see real tokens: finish the step in flight first
-                    self._commit(*ahead)
-                    ahead = None
-                    with jax.profiler.TraceAnnotation("sgjax.schedule"):
-                        works = sched.schedule()
-                t0 = time.perf_counter()
-                handle = record = None
-                if works:
-                    with jax.profiler.TraceAnnotation("sgjax.dispatch"):
-                        works, handle = self._dispatch(works, t0)
-                    if handle is not None and self.step_log is not None:
-                        record = self._log_step(works, handle, t0)
-                if ahead is not None:
-                    self._commit(*ahead)
-                    ahead = None
-                if handle is None:
-                    # nothing fits even with no request running: cannot happen for validated requests; never spin
-                    # (after a step in flight the pages it freed were not free yet when this round scheduled)
-                    if not had_ahead and sched.waiting and not sched.running:
-                        req = sched.waiting.pop(0)
-                        self.outputs.finish(req, abort_reason("the request does not fit", INTERNAL), release=False)
-                    continue
-                if self._overlaps(works):
-                    sched.commit_ahead(works)
-                    ahead = handle
-                    self._overlapped_steps += 1
-                    if record is not None:
-                        record.overlapped = True
-                else:
-                    self._commit(*handle)
-            except Exception as e:  # a bug or a device error: fail what ran, keep serving
-                log.exception("engine step failed")
-                if self.runner.leader is not None:  # across hosts a failed collective is not recoverable
-                    time.sleep(FATAL_GRACE_SECONDS)  # the watcher names a lost follower first, if one is
-                    self._fatal(f"a step across hosts failed: {type(e).__name__}: {e}")
-                    return
-                ahead = None
-                for req in list(sched.running):
-                    self.outputs.abort(req.rid, abort_reason(f"internal error: {e}", INTERNAL))
-                if self.runner.pool_lost():  # the donated pool died with the step: its KV is gone
-                    self.runner.reset_pool()
-                    sched.cache.reset()
-
-    def _dispatch(self, works, t0):
-        """Dispatch a step. When building it fails, the rows that fail on their own are aborted with the error and
-        the step runs for the others (one bad request must not fail its neighbours); a failure no single row
-        reproduces is the whole step's (the loop's handler aborts what ran)."""
-        try:
-            return works, (works, self.runner.dispatch(works), t0)
-        except Exception as e:
-            bad = [w for w in works if not self.runner.prepares([w])]
-            if not bad:
-                raise
-            log.exception("building a step failed for %d of its %d requests; aborting those", len(bad), len(works))
-            for w in bad:
-                self.outputs.abort(w.req.rid, abort_reason(f"internal error: {type(e).__name__}: {e}", INTERNAL))
-            works = [w for w in works if w not in bad]
-            return works, ((works, self.runner.dispatch(works), t0) if works else None)
-
-    def _overlaps(self, works) -> bool:
-        """Whether the next step may read this step's tokens on the device: every row decodes a request whose
-        next step needs nothing from the host (no FSM state: its mask needs the real token). A penalty window reads
-        the in-flight token from the device like the input does."""
-        if self.args.disable_overlap_schedule:
-            return False
-        for w in works:
-            req = w.req
-            if not (w.sample and len(w.tokens) == 1 and req.prefill_done and req.grammar is None):
-                return False
-        return True
-
-    def _commit(self, works, handle, t0) -> None:
-        with jax.profiler.TraceAnnotation("sgjax.collect"):
-            tokens, logprobs, top = self.runner.collect(works, handle)
-        dt = time.perf_counter() - t0
-        self._step_seconds += dt
-        if self.on_step is not None:
-            self.on_step(dt)
-        with jax.profiler.TraceAnnotation("sgjax.commit"):
-            for req in self.scheduler.commit(works, tokens, logprobs, top):
-                self.outputs.on_token(req)
-
-    def _log_step(self, works, handle, t0) -> StepRecord:
-        record = record_of(works, t0, time.perf_counter())
-        if self._watcher is None:
-            self._watcher = StepWatcher()
-        self._watcher.watch(record, handle[1][0].tokens)
-        self.step_log.append(record)
-        return record
-
-    def _drain(self, block: bool) -> bool:
-        """Handle inbox messages; wait for one when idle. False when asked to stop."""
-        while True:
-            try:
-                msg = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if isinstance(msg, Stop):
-                self.outputs.abort_all(abort_reason("engine shut down", SHUTDOWN))
-                return False
-            if isinstance(msg, Add):
-                if not self.outputs.start(msg.req):  # forced text before the first token may finish it
-                    self.scheduler.add(msg.req)
-            elif isinstance(msg, Abort):
-                if msg.rid is None:
-                    self.outputs.abort_all()
-                else:
-                    self.outputs.abort(msg.rid)
-            elif isinstance(msg, Call):
-                self._in_call = msg
-                try:
-                    msg.box["result"] = msg.fn()
-                except Exception as e:  # returned to the caller's thread
-                    msg.box["error"] = e
-                finally:
-                    self._in_call = None
-                msg.done.set()
-
     def _server_info(self) -> dict:
         return {
-            "model_path": self.args.model_path, "page_size": self.args.page_size,
-            "max_total_tokens": self.max_total_tokens, "context_length": self.context_length,
-            **self.runner.report(), **self.scheduler.report(),
-            "step_seconds": self._step_seconds, "detokenize_seconds": self.outputs.detokenize_seconds,
+            "model_path": self.args.model_path,
+            "page_size": self.args.page_size,
+            "max_total_tokens": self.max_total_tokens,
+            "context_length": self.context_length,
+            **self.runner.report(),
+            **self.scheduler.report(),
+            "step_seconds": self._step_seconds,
+            "detokenize_seconds": self.outputs.detokenize_seconds,
             "jump_forward_tokens": self.outputs.jumped_tokens,
             "overlapped_steps": self._overlapped_steps,
             "generated_tokens": self.outputs.sampled_tokens + self.outputs.jumped_tokens,

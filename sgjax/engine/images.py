@@ -8,7 +8,8 @@ made, then handed to the steps as feature rows at the prompt positions that hold
   (N ids all equal by chance is out of reach). The embedding of a pad id is never used: the step puts the image
   feature rows there (`Runner`, `forward(input_embeds=...)`).
 - The features are computed when the request is made on the host side of the engine (a jitted tower call; the
-  last 16 images' features are kept by hash, so the same image is encoded once) and travel with the request, so retraction, chunked prefill and cache hits need nothing more: a step asks for the rows of
+  last 16 images' features are kept by hash, so the same image is encoded once) and travel with the request, so
+  retraction, chunked prefill and cache hits need nothing more: a step asks for the rows of
   the positions its chunk covers.
 """
 
@@ -84,13 +85,13 @@ class ImageEncoder:
                     self._cache.popitem(last=False)
         return np.stack([found[d] for d in digests])
 
-    def prepare(self, ids: list[int], image_data, vocab: int, prompt: int | None = None
-                ) -> tuple[list[int], RequestImages]:
+    def prepare(
+        self, ids: list[int], image_data, vocab: int, prompt: int | None = None
+    ) -> tuple[list[int], RequestImages]:
         """The prompt with placeholders expanded and replaced by pad ids, and the images' feature rows. `prompt`:
         the prompt's index in a batch, for error messages."""
         if not isinstance(image_data, (str, list, tuple)):
-            raise ImageDataError(f"expected a base64 string or a list of them, got {type(image_data).__name__}",
-                                 prompt)
+            raise ImageDataError(f"expected a base64 string or a list of them, got {type(image_data).__name__}", prompt)
         images = [image_data] if isinstance(image_data, str) else list(image_data)
         if not images:
             raise ImageDataError("an empty list (leave it out for a text prompt)", prompt)
@@ -102,14 +103,17 @@ class ImageEncoder:
         if marks == n:  # one placeholder per image: expand
             ids = np.concatenate([np.full(per, token) if t == token else [t] for t in ids]).astype(np.int64)
         elif marks != n * per:
-            raise ImageDataError(f"{n} image(s) but the prompt has {marks} image tokens (id {token}); give one per "
-                                 f"image, or {per} per image already expanded", prompt)
+            raise ImageDataError(
+                f"{n} image(s) but the prompt has {marks} image tokens (id {token}); give one per "
+                f"image, or {per} per image already expanded",
+                prompt,
+            )
         digests = [hashlib.sha256(r).digest() for r in raw]
         features = self._features(raw, digests, prompt)  # [n, per, D]
         positions = np.flatnonzero(ids == token).astype(np.int32)
         for k, digest in enumerate(digests):
             seed = int.from_bytes(digest[:8], "little")
-            ids[positions[k * per:(k + 1) * per]] = np.random.default_rng(seed).integers(0, vocab, per)
+            ids[positions[k * per : (k + 1) * per]] = np.random.default_rng(seed).integers(0, vocab, per)
         return ids.tolist(), RequestImages(positions, features.reshape(n * per, -1))
 
 

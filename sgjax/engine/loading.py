@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+
 import jax
 
 from sgjax.engine.args import ServerArgs
@@ -59,8 +60,10 @@ def check_args(args: ServerArgs) -> None:
     if args.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
     if args.grammar_backend not in ("sgjax", "none"):
-        raise ValueError(f"grammar_backend {args.grammar_backend!r} is not supported: sgjax compiles regexes and JSON "
-                         f"schemas with its own compressed FSM (grammar_backend 'sgjax', or 'none' to refuse them)")
+        raise ValueError(
+            f"grammar_backend {args.grammar_backend!r} is not supported: sgjax compiles regexes and JSON "
+            f"schemas with its own compressed FSM (grammar_backend 'sgjax', or 'none' to refuse them)"
+        )
 
 
 def load_model_cached(path, dtype, load_format="auto", mesh=None, plan: StepPlan | None = None):
@@ -92,7 +95,8 @@ def _loaded(key, path, dtype, load_format, mesh, ep):
         if load_format == "dummy":
             cfg = load_config(path, dtype, load_format)
             if mesh is not None:
-                from sgjax.engine.mesh import check_model, dummy_weights as sharded_dummy_weights, tp_size
+                from sgjax.engine.mesh import check_model, tp_size
+                from sgjax.engine.mesh import dummy_weights as sharded_dummy_weights
 
                 check_model(cfg, tp_size(mesh), tp_size(mesh) if ep else 1)
                 MODELS[key] = cfg, sharded_dummy_weights(cfg, mesh, expert_parallel=ep)
@@ -124,8 +128,9 @@ def run_weights(cfg: ModelConfig, weights: Weights, plan: StepPlan, mesh=None) -
         if plan.layer_loop != "unrolled":
             return weights
         spec = getattr(weights.embed.sharding, "spec", ())
-        return tp.unstack_placed(weights, mesh, shard_vocab=len(spec) > 0 and spec[0] is not None,
-                                 expert_parallel=plan.expert_parallel)
+        return tp.unstack_placed(
+            weights, mesh, shard_vocab=len(spec) > 0 and spec[0] is not None, expert_parallel=plan.expert_parallel
+        )
     if plan.matmul == "native":
         from sgjax.model.native import pack_weights
 

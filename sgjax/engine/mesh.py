@@ -24,10 +24,11 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from sgjax.model.config import ModelConfig
 from sgjax.model import weights as W
+from sgjax.model.config import ModelConfig
 from sgjax.model.moe import experts
 
 AXES = ("data", "tensor")
@@ -54,8 +55,10 @@ def make_mesh(tp_size: int, devices: Sequence[Any] | None = None) -> Mesh:
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
     if tp_size > len(devices):
-        raise ValueError(f"tp_size={tp_size} needs {tp_size} devices, but only {len(devices)} "
-                         f"{devices[0].platform} device(s) are visible")
+        raise ValueError(
+            f"tp_size={tp_size} needs {tp_size} devices, but only {len(devices)} "
+            f"{devices[0].platform} device(s) are visible"
+        )
     return Mesh(np.asarray(devices[:tp_size]).reshape(1, tp_size), AXES, **_AUTO_AXES)
 
 
@@ -101,8 +104,9 @@ def rules(shard_vocab: bool = False, expert_parallel: bool = False) -> dict:
     return {**(VOCAB_RULES if shard_vocab else RULES), **(EP_CHANGES if expert_parallel else {})}
 
 
-def weight_shardings(weights: W.Weights, mesh: Mesh, shard_vocab: bool = False,
-                     expert_parallel: bool = False) -> W.Weights:
+def weight_shardings(
+    weights: W.Weights, mesh: Mesh, shard_vocab: bool = False, expert_parallel: bool = False
+) -> W.Weights:
     return W.shardings(weights, mesh, rules(shard_vocab, expert_parallel))
 
 
@@ -122,12 +126,15 @@ def _leaves(weights: W.Weights) -> dict[str, Any]:
 
 def _from_leaves(flat: dict[str, Any]) -> W.Weights:
     layer_names = {f.name for f in dataclasses.fields(W.LayerWeights)}
-    return W.Weights(layers=W.LayerWeights(**{k: v for k, v in flat.items() if k in layer_names}),
-                     **{k: v for k, v in flat.items() if k not in layer_names})
+    return W.Weights(
+        layers=W.LayerWeights(**{k: v for k, v in flat.items() if k in layer_names}),
+        **{k: v for k, v in flat.items() if k not in layer_names},
+    )
 
 
-def place_weights(cfg: ModelConfig, weights: W.Weights, mesh: Mesh, shard_vocab: bool = False,
-                  expert_parallel: bool = False) -> W.Weights:
+def place_weights(
+    cfg: ModelConfig, weights: W.Weights, mesh: Mesh, shard_vocab: bool = False, expert_parallel: bool = False
+) -> W.Weights:
     """Stacked weights (host numpy or device arrays) on the mesh, KV heads expanded for tp > num_kv_heads. A leaf
     already placed as wanted is kept; any other is copied to the host one leaf at a time and each device gets only
     its slice (make_array_from_callback), so no device holds the whole model."""
@@ -155,6 +162,7 @@ def place_weights(cfg: ModelConfig, weights: W.Weights, mesh: Mesh, shard_vocab:
 
 def _expanded_struct(cfg, weights, tp):
     """Shape-only Weights after the KV expansion (what the rules are applied to)."""
+
     def struct(name, a):
         if a is None:
             return None
@@ -166,8 +174,9 @@ def _expanded_struct(cfg, weights, tp):
     return _from_leaves({n: struct(n, a) for n, a in _leaves(weights).items()})
 
 
-def unstack_placed(weights: W.Weights, mesh: Mesh, shard_vocab: bool = False,
-                   expert_parallel: bool = False) -> W.Weights:
+def unstack_placed(
+    weights: W.Weights, mesh: Mesh, shard_vocab: bool = False, expert_parallel: bool = False
+) -> W.Weights:
     """Per-layer weights (the accelerators' unrolled forward) from placed stacked ones, each slice keeping its
     leaf's partitioning (a jit with out_shardings: no gather through one device)."""
     struct = jax.eval_shape(W.unstack_layers, weights)
@@ -175,16 +184,16 @@ def unstack_placed(weights: W.Weights, mesh: Mesh, shard_vocab: bool = False,
     return jax.jit(W.unstack_layers, out_shardings=out)(weights)
 
 
-def dummy_weights(cfg: ModelConfig, mesh: Mesh, seed: int = 0, shard_vocab: bool = False,
-                  expert_parallel: bool = False) -> W.Weights:
+def dummy_weights(
+    cfg: ModelConfig, mesh: Mesh, seed: int = 0, shard_vocab: bool = False, expert_parallel: bool = False
+) -> W.Weights:
     """Random weights born sharded: the initialiser is jitted with out_shardings (jax's partitionable threefry gives
     the same values as the unsharded `weights.dummy_weights`), KV heads then expanded for tp > num_kv_heads."""
     tp = tp_size(mesh)
     table = rules(shard_vocab, expert_parallel)
     if cfg.num_kv_heads % tp:
         table = {**table, "kv_heads": None}  # replicated until expanded
-    flat = {name: NamedSharding(mesh, P(*(table.get(n) for n in W.LOGICAL_AXES[name])))
-            for name in W.shapes(cfg)}
+    flat = {name: NamedSharding(mesh, P(*(table.get(n) for n in W.LOGICAL_AXES[name]))) for name in W.shapes(cfg)}
     return place_weights(cfg, W.dummy_weights(cfg, seed, shardings=flat), mesh, shard_vocab, expert_parallel)
 
 
@@ -201,6 +210,7 @@ def shard_map(f, mesh: Mesh, in_specs, out_specs):
 
 def sharded_attention(attend, mesh: Mesh):
     """The backend signature over the mesh: each device attends its local heads over its slice of the pool."""
+
     def attention(q, k, v, pool, layer, meta, *, sm_scale: float, **masks):
         # masks: a family's window / softcap (model/llama.py passes them only when it has them); a window that is
         # a static int stays static (jax's TPU kernel needs that), a traced one (scanned layers) is an operand.
@@ -213,8 +223,12 @@ def sharded_attention(attend, mesh: Mesh):
                 extra["window"] = window if static else win
             return attend(q, k, v, pool, layer, meta, sm_scale=sm_scale, **extra)
 
-        fn = shard_map(local, mesh, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, P(), P(), P()),
-                       out_specs=(HEADS_SPEC, POOL_SPEC))
+        fn = shard_map(
+            local,
+            mesh,
+            in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, P(), P(), P()),
+            out_specs=(HEADS_SPEC, POOL_SPEC),
+        )
         return fn(q, k, v, pool, layer, meta, jnp.asarray(0 if static else window, jnp.int32))
 
     return attention
@@ -245,8 +259,18 @@ def sharded_experts(mesh: Mesh, cfg: ModelConfig, kernel: str = "xla", expert_pa
 
     def local(h, top_w, top_i, w_gate, w_up, w_down):
         first = jax.lax.axis_index("tensor") * w_gate.shape[0] if ep else 0
-        part = experts(h, top_w, top_i, w_gate, w_up, w_down, first=first, activation=cfg.activation,
-                       out_dtype=jnp.float32, kernel=kernel)
+        part = experts(
+            h,
+            top_w,
+            top_i,
+            w_gate,
+            w_up,
+            w_down,
+            first=first,
+            activation=cfg.activation,
+            out_dtype=jnp.float32,
+            kernel=kernel,
+        )
         return jax.lax.psum(part, "tensor").astype(h.dtype)
 
     return shard_map(local, mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec), out_specs=P())

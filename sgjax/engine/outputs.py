@@ -96,7 +96,7 @@ class Outputs:
         jump = req.grammar.jump(req.fsm_state)
         if jump is None:
             return False
-        tokens = list(jump.tokens[:req.params.max_new_tokens - len(req.output_ids)])
+        tokens = list(jump.tokens[: req.params.max_new_tokens - len(req.output_ids)])
         if not tokens:
             return False
         state = jump.state if len(tokens) == len(jump.tokens) else req.grammar.walk(tokens, req.fsm_state)
@@ -148,8 +148,13 @@ def result(req: Req, snap: tuple | None = None) -> dict:
     their ends (an overlap placeholder is replaced past the snapshot's length), so their first n entries can be read
     from another thread."""
     text, n, n_lp, cached, finish = snap or snapshot(req)
-    meta = {"id": req.rid, "prompt_tokens": len(req.input_ids), "completion_tokens": n,
-            "cached_tokens": cached, "finish_reason": finish}
+    meta = {
+        "id": req.rid,
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": n,
+        "cached_tokens": cached,
+        "finish_reason": finish,
+    }
     if req.return_logprob:
         meta["input_token_logprobs"] = [(lp, t, None) for lp, t in req.input_logprobs]
         meta["output_token_logprobs"] = [(lp, t, None) for lp, t in req.output_logprobs[:n_lp]]

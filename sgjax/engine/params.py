@@ -175,13 +175,16 @@ class SamplingParams:
             if not -2 <= getattr(self, name) <= 2:
                 raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}", name)
         if not 0 < self.repetition_penalty <= 2:
-            raise SamplingParamsError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}",
-                                      "repetition_penalty")
+            raise SamplingParamsError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}", "repetition_penalty"
+            )
         if self.max_new_tokens < 0:
             raise SamplingParamsError(f"max_new_tokens must be >= 0, got {self.max_new_tokens!r}", "max_new_tokens")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise SamplingParamsError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                                      f"got {self.min_new_tokens!r}", "min_new_tokens")
+            raise SamplingParamsError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens!r}",
+                "min_new_tokens",
+            )
         if not 1 <= self.n <= MAX_N:
             raise SamplingParamsError(f"n must be in [1, {MAX_N}], got {self.n!r}", "n")
         if self.seed is not None:
@@ -190,7 +193,9 @@ class SamplingParams:
         for name in ("stop", "stop_regex"):
             self._validate_stops(name)
         if not isinstance(self.stop_token_ids, tuple):
-            raise SamplingParamsError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}", "stop_token_ids")
+            raise SamplingParamsError(
+                f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}", "stop_token_ids"
+            )
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                 raise SamplingParamsError(f"stop_token_ids must hold ints, got {t!r}", "stop_token_ids")
@@ -203,8 +208,9 @@ class SamplingParams:
             raise SamplingParamsError(f"regex must be a string, got {self.regex!r}", "regex")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str):
-                raise SamplingParamsError(f"json_schema must be a JSON string or an object, got {self.json_schema!r}",
-                                          "json_schema")
+                raise SamplingParamsError(
+                    f"json_schema must be a JSON string or an object, got {self.json_schema!r}", "json_schema"
+                )
             try:
                 json.loads(self.json_schema)
             except ValueError as e:
@@ -214,8 +220,9 @@ class SamplingParams:
         if self.ebnf is not None and not isinstance(self.ebnf, str):
             raise SamplingParamsError(f"ebnf must be a string, got {self.ebnf!r}", "ebnf")
         if self.structural_tag is not None and not isinstance(self.structural_tag, str):
-            raise SamplingParamsError(f"structural_tag must be a JSON string or an object, got {self.structural_tag!r}",
-                                      "structural_tag")
+            raise SamplingParamsError(
+                f"structural_tag must be a JSON string or an object, got {self.structural_tag!r}", "structural_tag"
+            )
         given = [n for n in ("regex", "json_schema", "ebnf", "structural_tag") if getattr(self, n) is not None]
         if len(given) > 1:
             raise SamplingParamsError(f"{' and '.join(given)} are mutually exclusive: give at most one", given[0])
@@ -230,8 +237,9 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise SamplingParamsError(f"{name} must hold non-empty strings, got {s!r}", name)
             if len(s) > MAX_STOP_CHARS:
-                raise SamplingParamsError(f"{name} entries take at most {MAX_STOP_CHARS} characters, got {len(s)}",
-                                          name)
+                raise SamplingParamsError(
+                    f"{name} entries take at most {MAX_STOP_CHARS} characters, got {len(s)}", name
+                )
             if name == "stop_regex":
                 try:
                     re.compile(s)
@@ -240,20 +248,28 @@ class SamplingParams:
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if not isinstance(self.logit_bias, tuple):
-            raise SamplingParamsError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}", "logit_bias")
+            raise SamplingParamsError(
+                f"logit_bias must map token ids to numbers, got {self.logit_bias!r}", "logit_bias"
+            )
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise SamplingParamsError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
-                                      "logit_bias")
+            raise SamplingParamsError(
+                f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}", "logit_bias"
+            )
         for entry in self.logit_bias:
             token, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, None)
-            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0 or (
-                    vocab_size is not None and token >= vocab_size):
+            if (
+                isinstance(token, bool)
+                or not isinstance(token, numbers.Integral)
+                or token < 0
+                or (vocab_size is not None and token >= vocab_size)
+            ):
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
                 raise SamplingParamsError(f"logit_bias keys must be token ids in {bound}, got {token!r}", "logit_bias")
             _check_float("logit_bias", bias)
             if not -100 <= bias <= 100:
-                raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}",
-                                          "logit_bias")
+                raise SamplingParamsError(
+                    f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}", "logit_bias"
+                )
 
     @property
     def is_greedy(self) -> bool:

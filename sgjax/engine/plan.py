@@ -29,11 +29,19 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4")
 KV_DTYPES = ("float32", "bfloat16")
 BF16_POOL_BACKENDS = ("cpu", "ref")  # the attention backends that read a bf16 pool under float32 queries
 # A GGUF's layer matrix types -> the weight dtype that holds them exactly (loading.block_dtype).
-BLOCK_DTYPES = {frozenset({"Q4_0"}): "int4", frozenset({"Q4_1"}): "int4", frozenset({"Q4_0", "Q4_1"}): "int4",
-                frozenset({"Q8_0"}): "int8"}
+BLOCK_DTYPES = {
+    frozenset({"Q4_0"}): "int4",
+    frozenset({"Q4_1"}): "int4",
+    frozenset({"Q4_0", "Q4_1"}): "int4",
+    frozenset({"Q8_0"}): "int8",
+}
 # The CPU flags the native kernel's vector path needs for each matrix dtype (else its scalar path would run).
-NATIVE_FLAGS = {"float32": {"avx512f"}, "bfloat16": {"avx512f", "avx512_bf16"},
-                "int8": {"avx512f", "avx512bw", "avx512_vnni"}, "int4": {"avx512f", "avx512bw", "avx512_vnni"}}
+NATIVE_FLAGS = {
+    "float32": {"avx512f"},
+    "bfloat16": {"avx512f", "avx512_bf16"},
+    "int8": {"avx512f", "avx512bw", "avx512_vnni"},
+    "int4": {"avx512f", "avx512bw", "avx512_vnni"},
+}
 # The matrices' K each integer dtype needs (the kernel's groups; model/quant's int4 runs).
 K_MULTIPLE = {"float32": 1, "bfloat16": 2, "int8": 32, "int4": 64}
 
@@ -92,9 +100,17 @@ class StepPlan:
     def program(self) -> "StepPlan":
         """The plan reduced to what the step's program depends on (the jitted step's cache key): the weights, the
         pool and the shapes are its arguments, so engines differing only there share one program."""
-        return StepPlan(platform=self.platform, dtype=self.dtype, weight_dtype="", kv_dtype="", matmul=self.matmul,
-                        layer_loop=self.layer_loop, attention=self.attention, moe_kernel=self.moe_kernel,
-                        expert_parallel=self.expert_parallel)
+        return StepPlan(
+            platform=self.platform,
+            dtype=self.dtype,
+            weight_dtype="",
+            kv_dtype="",
+            matmul=self.matmul,
+            layer_loop=self.layer_loop,
+            attention=self.attention,
+            moe_kernel=self.moe_kernel,
+            expert_parallel=self.expert_parallel,
+        )
 
     def describe(self) -> dict:
         """The plan as /server_info and the startup log show it."""
@@ -105,8 +121,11 @@ class StepPlan:
         return out
 
     def line(self) -> str:
-        return ("step plan: " + ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "auto")
-                + (f" (auto chose {', '.join(self.auto)})" if self.auto else ""))
+        return (
+            "step plan: "
+            + ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "auto")
+            + (f" (auto chose {', '.join(self.auto)})" if self.auto else "")
+        )
 
 
 def explicit_dtype(args: ServerArgs) -> str | None:
@@ -124,38 +143,58 @@ def activation_dtype(args: ServerArgs, platform: str) -> str:
     return explicit_dtype(args) or ("float32" if platform == "cpu" else "bfloat16")
 
 
-def resolve(args: ServerArgs, cfg: ModelConfig, machine: Machine, *, block_dtype: str | None = None,
-            given: str | None = None) -> StepPlan:
+def resolve(
+    args: ServerArgs, cfg: ModelConfig, machine: Machine, *, block_dtype: str | None = None, given: str | None = None
+) -> StepPlan:
     """The plan for `args` on `machine`. cfg: the checkpoint's config in the activation dtype; block_dtype: the
     dtype that holds a GGUF's layer blocks exactly (loading.block_dtype), if any; given: the matrices' dtype of
     weights handed in ready (Engine.from_weights), which auto keeps."""
     platform = machine.platform
     dtype = cfg.dtype
     if explicit_dtype(args) not in (None, dtype):
-        raise ValueError(f"dtype {args.dtype!r}: the model is loaded in {dtype} (weights handed in ready keep "
-                         "theirs); load it in the dtype asked for")
+        raise ValueError(
+            f"dtype {args.dtype!r}: the model is loaded in {dtype} (weights handed in ready keep "
+            "theirs); load it in the dtype asked for"
+        )
     chosen: list[str] = []
     weight_dtype = _weight_dtype(args, dtype, platform, machine, block_dtype, given, chosen)
     attention = args.attention_backend or _default_attention(platform, machine)
     kv_dtype = _kv_dtype(args, dtype, weight_dtype, attention, machine, chosen)
     one_device = args.tp_size == 1 and args.nnodes == 1
-    native = (platform == "cpu" and one_device and machine.native and machine.has(*NATIVE_FLAGS[weight_dtype])
-              and _native_shapes(cfg, weight_dtype))
+    native = (
+        platform == "cpu"
+        and one_device
+        and machine.native
+        and machine.has(*NATIVE_FLAGS[weight_dtype])
+        and _native_shapes(cfg, weight_dtype)
+    )
     if weight_dtype in ("int8", "int4") and not one_device:
-        raise ValueError(f"weight_dtype {weight_dtype} runs on one device: tensor parallelism shards float matrices "
-                         "only")
+        raise ValueError(
+            f"weight_dtype {weight_dtype} runs on one device: tensor parallelism shards float matrices only"
+        )
     if args.step_buckets not in (None, "fine", "coarse"):
         raise ValueError(f"step_buckets must be 'fine' or 'coarse', got {args.step_buckets!r}")
     invariant = native and attention == "cpu" and not cfg.is_moe
     plan = StepPlan(
-        platform=platform, dtype=dtype, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-        matmul="native" if native else "xla", layer_loop="scan" if platform == "cpu" else "unrolled",
-        attention=attention, moe_kernel=args.moe_kernel or ("pallas" if platform in ("gpu", "cuda") else "xla"),
-        buckets=args.step_buckets or ("fine" if platform == "cpu" else "coarse"), tp_size=args.tp_size,
-        expert_parallel=cfg.is_moe and args.ep_size > 1, batch_invariant=invariant, auto=tuple(chosen))
+        platform=platform,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        kv_dtype=kv_dtype,
+        matmul="native" if native else "xla",
+        layer_loop="scan" if platform == "cpu" else "unrolled",
+        attention=attention,
+        moe_kernel=args.moe_kernel or ("pallas" if platform in ("gpu", "cuda") else "xla"),
+        buckets=args.step_buckets or ("fine" if platform == "cpu" else "coarse"),
+        tp_size=args.tp_size,
+        expert_parallel=cfg.is_moe and args.ep_size > 1,
+        batch_invariant=invariant,
+        auto=tuple(chosen),
+    )
     if args.enable_deterministic_inference and not invariant:
-        raise ValueError("enable_deterministic_inference: this run cannot promise batch-invariant outputs: "
-                         + _why_not_invariant(plan, cfg))
+        raise ValueError(
+            "enable_deterministic_inference: this run cannot promise batch-invariant outputs: "
+            + _why_not_invariant(plan, cfg)
+        )
     return plan
 
 
@@ -187,20 +226,30 @@ def _kv_dtype(args, dtype, weight_dtype, attention, machine, chosen) -> str:
     if given == "auto":
         if explicit_dtype(args) is not None:
             return dtype
-        narrow = (machine.platform == "cpu" and dtype == "float32" and weight_dtype != "float32"
-                  and args.tp_size == 1 and args.nnodes == 1 and attention == "cpu"
-                  and (machine.has("avx512_bf16") or machine.has("amx_bf16")))
+        narrow = (
+            machine.platform == "cpu"
+            and dtype == "float32"
+            and weight_dtype != "float32"
+            and args.tp_size == 1
+            and args.nnodes == 1
+            and attention == "cpu"
+            and (machine.has("avx512_bf16") or machine.has("amx_bf16"))
+        )
         if narrow:
             chosen.append("kv_cache_dtype=bfloat16 (beside narrowed matrices)")
             return "bfloat16"
         return dtype
     if given != dtype:
         if dtype == "bfloat16":
-            raise ValueError("kv_cache_dtype 'float32': a float32 KV cache for a bfloat16 model is not supported; "
-                             "use auto or bfloat16")
+            raise ValueError(
+                "kv_cache_dtype 'float32': a float32 KV cache for a bfloat16 model is not supported; "
+                "use auto or bfloat16"
+            )
         if attention not in BF16_POOL_BACKENDS:
-            raise ValueError(f"kv_cache_dtype 'bfloat16' under a float32 model needs an attention backend that reads "
-                             f"a bf16 pool with float32 queries ({', '.join(BF16_POOL_BACKENDS)}), not {attention!r}")
+            raise ValueError(
+                f"kv_cache_dtype 'bfloat16' under a float32 model needs an attention backend that reads "
+                f"a bf16 pool with float32 queries ({', '.join(BF16_POOL_BACKENDS)}), not {attention!r}"
+            )
     return given
 
 
@@ -218,11 +267,16 @@ def _native_shapes(cfg: ModelConfig, weight_dtype: str) -> bool:
 
 def _why_not_invariant(plan: StepPlan, cfg: ModelConfig) -> str:
     if plan.platform != "cpu":
-        return (f"on {plan.platform} the XLA GEMMs choose their tiling (and split-K) by shape and the attention "
-                "kernel splits long contexts by batch; the plan for it is in docs/engine.md")
+        return (
+            f"on {plan.platform} the XLA GEMMs choose their tiling (and split-K) by shape and the attention "
+            "kernel splits long contexts by batch; the plan for it is in docs/engine.md"
+        )
     if cfg.is_moe:
         return "a mixture of experts routes through XLA's ragged_dot, whose grouping depends on the batch"
     if plan.matmul != "native":
-        return ("XLA's CPU dots change a row's summation order with the row count; the native kernel needs one device "
-                f"and the CPU's dot instructions for {plan.weight_dtype} ({', '.join(sorted(NATIVE_FLAGS[plan.weight_dtype]))})")
+        return (
+            "XLA's CPU dots change a row's summation order with the row count; the native kernel needs one device "
+            f"and the CPU's dot instructions for {plan.weight_dtype} "
+            f"({', '.join(sorted(NATIVE_FLAGS[plan.weight_dtype]))})"
+        )
     return f"the {plan.attention!r} attention backend's reductions depend on the step's page-table width (use cpu)"

@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 
 from sgjax.engine import mesh as tp
+from sgjax.engine.plan import StepPlan
 from sgjax.engine.sampler import sample
 from sgjax.engine.sentinels import future_history, future_input, resolve_future
 from sgjax.engine.step import DeviceState, StepShape, unpack
 from sgjax.fsm.device import unpack_bits
 from sgjax.kernels import get_backend
-from sgjax.engine.plan import StepPlan
 from sgjax.model.config import ModelConfig
 from sgjax.model.llama import XLA, embed_lookup, forward
 
@@ -98,8 +98,17 @@ def _jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | Non
         future = state.future
         batch, rows, image_rows, mask_words = _step_inputs(future, buffer, shape)
         embeds = _image_embeds(weights.embed, batch, image_rows, image_features, shape, cfg)
-        logits, pool, stats = forward(weights, state.pool, batch, cfg=cfg, attention=attend, ops=ops,
-                                      input_embeds=embeds, experts_fn=experts_fn, with_stats=True)
+        logits, pool, stats = forward(
+            weights,
+            state.pool,
+            batch,
+            cfg=cfg,
+            attention=attend,
+            ops=ops,
+            input_embeds=embeds,
+            experts_fn=experts_fn,
+            with_stats=True,
+        )
         expert_tokens = None if stats is None else state.expert_tokens + stats
         if mesh is not None:  # full-vocabulary logits for the sampler (a gather when the lm_head is vocab-sharded)
             logits = jax.lax.with_sharding_constraint(logits, tp.replicated(mesh))

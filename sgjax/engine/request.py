@@ -94,7 +94,7 @@ class Req:
 
     @property
     def own_pages(self) -> np.ndarray:
-        return self.pages[self.tree_pages:]
+        return self.pages[self.tree_pages :]
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,8 @@
 """From an API call to runtime requests: validation, tokenization, images, length limits, grammars, n copies.
 
 Runs on the caller's thread (or a worker thread for `async_generate`), never on the engine loop: compiling a new
-grammar takes a noticeable time, which the loop must not wait out. Every refusal is a `RequestError` (or `SamplingParamsError`) whose `field` names what was
+grammar takes a noticeable time, which the loop must not wait out. Every refusal is a `RequestError` (or
+`SamplingParamsError`) whose `field` names what was
 wrong in the engine's terms, so API layers can rename it without reading the message.
 """
 
@@ -40,7 +41,7 @@ class GenerateCall:
 def copy_seed(params: SamplingParams, copy: int) -> int | None:
     """The seed of copy `copy` of a seeded request with n > 1 (seed + copy): the engine's n and the server's
     per-copy streams give the same tokens."""
-    return None if params.seed is None else (params.seed32 + copy) % 2 ** 31
+    return None if params.seed is None else (params.seed32 + copy) % 2**31
 
 
 def copy_rid(base: str | None, params: SamplingParams, copy: int) -> str | None:
@@ -76,8 +77,10 @@ class LiveIds:
             if taken is None and len(set(rids)) < len(rids):
                 taken = next(rid for rid in rids if rids.count(rid) > 1)
             if taken is not None:
-                raise RequestError(f"rid: a request with id {taken!r} is already running (ids must be unique "
-                                   f"among live requests)", "rid")
+                raise RequestError(
+                    f"rid: a request with id {taken!r} is already running (ids must be unique among live requests)",
+                    "rid",
+                )
             self._ids.update(rids)
 
     def release(self, rid: str) -> None:
@@ -86,9 +89,21 @@ class LiveIds:
 
 
 class RequestBuilder:
-    def __init__(self, cfg: ModelConfig, tokenizer, images, *, context_length: int, max_total_tokens: int,
-                 max_top_logprobs: int, eos_ids: frozenset, seed: int, grammar_cache_size: int,
-                 grammar_compile_timeout: float | None = None, grammars_on: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tokenizer,
+        images,
+        *,
+        context_length: int,
+        max_total_tokens: int,
+        max_top_logprobs: int,
+        eos_ids: frozenset,
+        seed: int,
+        grammar_cache_size: int,
+        grammar_compile_timeout: float | None = None,
+        grammars_on: bool = True,
+    ):
         self.cfg, self.tokenizer, self.images = cfg, tokenizer, images
         self.context_length, self.max_total_tokens = context_length, max_total_tokens
         self.max_top_logprobs, self.eos_ids = max_top_logprobs, eos_ids
@@ -127,11 +142,20 @@ class RequestBuilder:
             base = rids[i] or uuid.uuid4().hex
             for j in range(params.n):
                 seed = copy_seed(params, j)
-                reqs.append(Req(rid=copy_rid(base, params, j), input_ids=list(ids), params=params,
-                                seed=seed if seed is not None else int(self._seeds.integers(2 ** 31)),
-                                return_logprob=bool(call.return_logprob), logprob_start_len=lp_start,
-                                top_logprobs_num=int(call.top_logprobs_num or 0), grammar=grammar, images=images,
-                                min_tokens_stops=self.min_tokens_stops(params)))
+                reqs.append(
+                    Req(
+                        rid=copy_rid(base, params, j),
+                        input_ids=list(ids),
+                        params=params,
+                        seed=seed if seed is not None else int(self._seeds.integers(2**31)),
+                        return_logprob=bool(call.return_logprob),
+                        logprob_start_len=lp_start,
+                        top_logprobs_num=int(call.top_logprobs_num or 0),
+                        grammar=grammar,
+                        images=images,
+                        min_tokens_stops=self.min_tokens_stops(params),
+                    )
+                )
         if call.stream and len(reqs) != 1:
             raise RequestError("stream=True takes one prompt with n == 1", "stream")
         self.live.claim([r.rid for r in reqs])
@@ -145,8 +169,10 @@ class RequestBuilder:
         if image_data is None:
             return None
         if self.images is None:
-            raise RequestError("image_data: this engine's model is text-only (load a LLaVA checkpoint directory "
-                               "for images)", "image_data")
+            raise RequestError(
+                "image_data: this engine's model is text-only (load a LLaVA checkpoint directory for images)",
+                "image_data",
+            )
         images_list = [image_data] if single else list(image_data)
         if len(images_list) != count:
             raise RequestError(f"image_data: {count} prompts but {len(images_list)} image lists", "image_data")
@@ -200,17 +226,20 @@ class RequestBuilder:
         ids = [self.prompt_ids(p, None) if prompt is not None else self.prompt_ids(None, p) for p in items]
         for x in ids:
             if len(x) >= self.context_length:
-                raise RequestError(f"the prompt has {len(x)} tokens; at most {self.context_length - 1} fit "
-                                   f"(context_length)", "prompt")
+                raise RequestError(
+                    f"the prompt has {len(x)} tokens; at most {self.context_length - 1} fit (context_length)", "prompt"
+                )
         return ids
 
     def _fit_length(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
         """Reject prompts that cannot fit; shorten max_new_tokens to the context and the pool, as SGLang does."""
         limit = min(self.context_length, self.max_total_tokens)
         if len(ids) >= limit:
-            raise RequestError(f"the prompt has {len(ids)} tokens; this engine takes at most {limit - 1} "
-                               f"(context_length {self.context_length}, max_total_tokens {self.max_total_tokens})",
-                               "prompt")
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; this engine takes at most {limit - 1} "
+                f"(context_length {self.context_length}, max_total_tokens {self.max_total_tokens})",
+                "prompt",
+            )
         if len(ids) + params.max_new_tokens > limit:
             return dataclasses.replace(params, max_new_tokens=limit - len(ids))
         return params
@@ -218,13 +247,16 @@ class RequestBuilder:
     def _logprob_start(self, call: GenerateCall, ids) -> int:
         top, start = call.top_logprobs_num, call.logprob_start_len
         if top is not None and (not isinstance(top, int) or top < 0 or top > self.max_top_logprobs):
-            raise RequestError(f"top_logprobs_num must be an int in [0, {self.max_top_logprobs}], got {top!r}",
-                               "top_logprobs_num")
+            raise RequestError(
+                f"top_logprobs_num must be an int in [0, {self.max_top_logprobs}], got {top!r}", "top_logprobs_num"
+            )
         if start is None or not call.return_logprob:
             return -1
         if not isinstance(start, int) or start < -1 or start >= len(ids):
-            raise RequestError(f"logprob_start_len must be -1 or in [0, {len(ids)}) for this prompt, got {start!r}",
-                               "logprob_start_len")
+            raise RequestError(
+                f"logprob_start_len must be -1 or in [0, {len(ids)}) for this prompt, got {start!r}",
+                "logprob_start_len",
+            )
         return start
 
     def min_tokens_stops(self, p: SamplingParams) -> tuple:

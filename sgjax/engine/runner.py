@@ -33,15 +33,24 @@ from sgjax.model.batch import BatchShape, build_batch
 from sgjax.model.config import ModelConfig
 from sgjax.model.weights import Weights
 
-
 # A sampling row's temperature is float32: far above any logit range, larger values change nothing.
 MAX_TEMPERATURE = 1e6
 
 
 class Runner:
-    def __init__(self, cfg: ModelConfig, weights: Weights, plan: StepPlan, *, num_pages: int, page_size: int,
-                 max_context: int, max_top_logprobs: int = 20, max_reqs: int = 64,
-                 mesh: jax.sharding.Mesh | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        plan: StepPlan,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_context: int,
+        max_top_logprobs: int = 20,
+        max_reqs: int = 64,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
         """`weights` as the plan's step reads them (engine/loading.run_weights); `mesh`: tensor parallelism
         (engine/mesh.py), cfg then the sharded model's (mesh.tp_config)."""
         self.cfg, self.weights, self.plan, self.page_size, self.mesh = cfg, weights, plan, page_size, mesh
@@ -56,8 +65,9 @@ class Runner:
         # Multi-host (engine/distributed.py): rank 0's Leader, which broadcasts every step (and pool reset) to the
         # followers before running it; None on one host and on the followers.
         self.leader = None
-        self.multiprocess = mesh is not None and not all(d.process_index == jax.process_index()
-                                                         for d in mesh.devices.flat)
+        self.multiprocess = mesh is not None and not all(
+            d.process_index == jax.process_index() for d in mesh.devices.flat
+        )
         self.reset_pool()
         self.step = jitted_step(cfg, plan, mesh)
         self.shapes_seen: set[StepShape] = set()
@@ -68,9 +78,15 @@ class Runner:
         mesh = self.mesh
         if self.leader is not None:
             self.leader.reset()
-        pool = allocate_pool(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
-                             dtype=jnp.dtype(self.plan.kv_dtype),
-                             sharding=None if mesh is None else tp.pool_sharding(mesh))
+        pool = allocate_pool(
+            cfg.num_layers,
+            self.num_pages,
+            self.page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=jnp.dtype(self.plan.kv_dtype),
+            sharding=None if mesh is None else tp.pool_sharding(mesh),
+        )
         place = self._to_device if mesh is not None else jnp.asarray
         future = place(np.zeros(self.max_reqs, np.int32))
         expert_tokens = place(np.zeros((cfg.num_layers, cfg.num_experts), np.int32)) if cfg.is_moe else None
@@ -82,9 +98,16 @@ class Runner:
         routing since the pool was made ((token, choice) pairs per layer and expert; none for a lost state). Waits
         for the steps in flight: the engine asks between steps."""
         cfg, plan = self.cfg, self.plan
-        out = {"attention_backend": plan.attention, "dtype": plan.dtype, "weight_dtype": plan.weight_dtype,
-               "kv_cache_dtype": plan.kv_dtype, "matmul": plan.matmul, "step_plan": plan.describe(),
-               "compiled_shapes": len(self.shapes_seen), "traces": self.traces}
+        out = {
+            "attention_backend": plan.attention,
+            "dtype": plan.dtype,
+            "weight_dtype": plan.weight_dtype,
+            "kv_cache_dtype": plan.kv_dtype,
+            "matmul": plan.matmul,
+            "step_plan": plan.describe(),
+            "compiled_shapes": len(self.shapes_seen),
+            "traces": self.traces,
+        }
         if cfg.is_moe:
             out["moe_kernel"] = plan.moe_kernel
         state = self.state
@@ -155,8 +178,9 @@ class Runner:
 
     def collect(self, works: list[Work], handle):
         out, sample_rows, prompt_rows = handle
-        tokens, logprobs, top_ids, top_lps = jax.device_get(tuple(map(_local, (out.tokens, out.logprobs, out.top_ids,
-                                                                                out.top_logprobs))))
+        tokens, logprobs, top_ids, top_lps = jax.device_get(
+            tuple(map(_local, (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)))
+        )
         return self._unpack_results(works, sample_rows, prompt_rows, tokens, logprobs, top_ids, top_lps)
 
     def prepares(self, works: list[Work]) -> bool:
@@ -185,14 +209,28 @@ class Runner:
         num_reqs = self.buckets.reqs(num_tokens, len(works))
         num_logits = self.buckets.logits(len(logits_rows), num_reqs, num_tokens)
         width = self._width(max(len(p) for p in tables))
-        batch = build_batch(chunks, kv_lens, [p[:width] for p in tables], self.page_size, num_tokens, num_reqs,
-                            width, logits_rows=logits_rows, num_logits=num_logits)
+        batch = build_batch(
+            chunks,
+            kv_lens,
+            [p[:width] for p in tables],
+            self.page_size,
+            num_tokens,
+            num_reqs,
+            width,
+            logits_rows=logits_rows,
+            num_logits=num_logits,
+        )
         rows, history, top_k = self._sampling_rows(works, num_logits, sample_rows, prompt_rows)
         masks = self._masks(works, num_logits, sample_rows)
         which, features = self._image_rows(works, num_tokens)
-        shape = StepShape(BatchShape.of(batch), history, top_k, 0 if masks is None else masks.shape[1],
-                          0 if features is None else features.shape[0],
-                          self.buckets.branches(bool(rows["needs_filter"])))
+        shape = StepShape(
+            BatchShape.of(batch),
+            history,
+            top_k,
+            0 if masks is None else masks.shape[1],
+            0 if features is None else features.shape[0],
+            self.buckets.branches(bool(rows["needs_filter"])),
+        )
         return pack_step(shape, batch, rows, which, masks), shape, sample_rows, prompt_rows, features
 
     def _image_rows(self, works, num_tokens):
@@ -213,7 +251,7 @@ class Runner:
         which = np.full(num_tokens, -1, np.int32)
         which[rows] = np.arange(len(rows), dtype=np.int32)
         padded = np.zeros((bucket(len(rows), 16), feats.shape[1]), np.float32)
-        padded[:len(rows)] = feats
+        padded[: len(rows)] = feats
         return which, padded
 
     def _masks(self, works, num_logits, sample_rows):
@@ -221,8 +259,9 @@ class Runner:
         constrained. The FSM state lives on the host, which needs every token anyway (stops, jump-forward), so
         the mask row is copied from the grammar's table: ceil(V/32) words per row, in the step's one buffer.
         A request short of min_new_tokens also masks its stop tokens (EOS, stop_token_ids), as SGLang and HF do."""
-        constrained = [(w, r) for w, r in zip(works, sample_rows)
-                       if r >= 0 and (w.req.grammar is not None or _banned(w.req))]
+        constrained = [
+            (w, r) for w, r in zip(works, sample_rows) if r >= 0 and (w.req.grammar is not None or _banned(w.req))
+        ]
         if not constrained:
             return None
         words = -(-self.cfg.vocab_size // 32)
@@ -230,8 +269,8 @@ class Runner:
         for w, row in constrained:
             if w.req.grammar is not None:
                 bits = w.req.grammar.mask_bits[w.req.fsm_state]
-                masks[row, :len(bits)] = bits
-                masks[row, len(bits):] = 0  # model ids past the tokenizer's vocabulary are never allowed
+                masks[row, : len(bits)] = bits
+                masks[row, len(bits) :] = 0  # model ids past the tokenizer's vocabulary are never allowed
             banned = [t for t in _banned(w.req) if 0 <= t < self.cfg.vocab_size]
             if banned:
                 cleared = masks[row].view(np.uint32).copy()
@@ -270,8 +309,8 @@ class Runner:
                 rows["presence_penalty"][srow] = p.presence_penalty
                 rows["repetition_penalty"][srow] = p.repetition_penalty
                 ids, bias = h
-                rows["history"][srow, :len(ids)] = ids
-                rows["bias"][srow, :len(ids)] = bias
+                rows["history"][srow, : len(ids)] = ids
+                rows["bias"][srow, : len(ids)] = bias
         rows["needs_filter"] = np.asarray(int(uses_filter(rows)), np.int32)  # the shape's filter flag reads it too
         return rows, width, top
 
@@ -314,21 +353,25 @@ class Runner:
         for t in b.tokens_ladder(max_tokens):
             r = b.reqs(t, 1)
             for logits in sorted({r, t}):
-                out += [StepShape(BatchShape(t, r, width, logits), 0, 0, mask, branches=b.branches(False))
-                        for mask in (0, words)]
+                out += [
+                    StepShape(BatchShape(t, r, width, logits), 0, 0, mask, branches=b.branches(False))
+                    for mask in (0, words)
+                ]
             # top-k / top-p / min-p sampling without a grammar, the common chat request, is ready at start too
             out.append(StepShape(BatchShape(t, r, width, r), 0, 0, 0, branches=b.branches(True)))
         return out
 
     def precompile(self, shapes: list[StepShape], threads: int = 1) -> None:
         """Compile step shapes ahead of traffic, `threads` at a time (XLA compiles outside the GIL: on a GPU host,
-        where a shape takes seconds, most of each compile overlaps with the others'). Lowering with the live arrays fills jit's own cache,
+        where a shape takes seconds, most of each compile overlaps with the others'). Lowering with the live arrays
+        fills jit's own cache,
         so traffic of these shapes neither traces nor compiles again."""
         todo = [s for s in shapes if s not in self.shapes_seen]
 
         def compile_one(shape):
-            buffer = jax.ShapeDtypeStruct((shape.size,), jnp.int32,
-                                          sharding=None if self.mesh is None else tp.replicated(self.mesh))
+            buffer = jax.ShapeDtypeStruct(
+                (shape.size,), jnp.int32, sharding=None if self.mesh is None else tp.replicated(self.mesh)
+            )
             self.step.precompile(self.weights, self.state, buffer, shape)
             return shape
 
@@ -344,8 +387,9 @@ class Runner:
     def _dummy_buffer(self, shape: StepShape) -> np.ndarray:
         """A step buffer of `shape`: one one-token request on the null page, every row unconstrained."""
         b = shape.batch
-        batch = build_batch([[0]], [1], [[0]], self.page_size, b.num_tokens, b.num_reqs, b.pages_per_req,
-                            num_logits=b.num_logits)
+        batch = build_batch(
+            [[0]], [1], [[0]], self.page_size, b.num_tokens, b.num_reqs, b.pages_per_req, num_logits=b.num_logits
+        )
         rows = default_rows(b.num_logits, shape.history)
         rows["needs_filter"] = np.asarray(0, np.int32)
         mask = np.full((b.num_logits, shape.mask_words), -1, np.int32) if shape.mask_words else None

@@ -153,8 +153,11 @@ def sampling_layout(num_rows: int, width: int) -> tuple[Segment, ...]:
     """The sampling rows' segments of the step buffer (model/packing.py): the per-row fields, the window and its
     biases, then the filter flag."""
     rows = tuple(Segment(name, (num_rows,), np.dtype(dtype).name) for name, dtype, _ in ROW_FIELDS)
-    return rows + (Segment("history", (num_rows, width)), Segment("bias", (num_rows, width), "float32"),
-                   Segment("needs_filter", ()))
+    return rows + (
+        Segment("history", (num_rows, width)),
+        Segment("bias", (num_rows, width), "float32"),
+        Segment("needs_filter", ()),
+    )
 
 
 def sampling_size(num_rows: int, width: int) -> int:
@@ -166,9 +169,12 @@ def sampling_values(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     forgetting to set it cannot silently drop a filter."""
     num_rows, width = np.shape(rows["history"])
     bias = rows.get("bias")
-    return {**{name: rows[name] for name, _, _ in ROW_FIELDS}, "history": rows["history"],
-            "bias": np.zeros((num_rows, width), np.float32) if bias is None else bias,
-            "needs_filter": int(bool(np.any(rows.get("needs_filter", 0))) or uses_filter(rows))}
+    return {
+        **{name: rows[name] for name, _, _ in ROW_FIELDS},
+        "history": rows["history"],
+        "bias": np.zeros((num_rows, width), np.float32) if bias is None else bias,
+        "needs_filter": int(bool(np.any(rows.get("needs_filter", 0))) or uses_filter(rows)),
+    }
 
 
 def pack_sampling(rows: dict[str, np.ndarray]) -> np.ndarray:
@@ -217,15 +223,19 @@ def apply_penalties(logits, batch: SamplingBatch):
     rep = batch.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     count = count.astype(jnp.float32)
-    logits = (logits - batch.frequency_penalty[:, None] * count
-              - batch.presence_penalty[:, None] * (count > 0).astype(jnp.float32))
+    logits = (
+        logits
+        - batch.frequency_penalty[:, None] * count
+        - batch.presence_penalty[:, None] * (count > 0).astype(jnp.float32)
+    )
     if batch.bias is None:
         return logits
     # Scattered straight into the logits (no [L, V] bias array); padding and penalty entries add 0 at id 0.
     is_bias = is_bias_entry(batch.history, vocab)
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, jnp.where(is_bias, bias_token(batch.history, vocab), 0)].add(
-        jnp.where(is_bias, batch.bias, 0.0))
+        jnp.where(is_bias, batch.bias, 0.0)
+    )
 
 
 def argmax(x):
@@ -302,15 +312,20 @@ def _top_logprobs(logits, lse, k: int):
     return ids.astype(jnp.int32), values - lse[:, None]
 
 
-def sample(logits, batch: SamplingBatch, *, num_top_logprobs: int = 0, mask=None,
-           branches: Branches = ON_DEVICE) -> SampleOutput:
+def sample(
+    logits, batch: SamplingBatch, *, num_top_logprobs: int = 0, mask=None, branches: Branches = ON_DEVICE
+) -> SampleOutput:
     """Choose one token per row; see the module docstring. mask: optional bool[L, V], True = allowed."""
     logits = logits.astype(jnp.float32)
     x = process_logits(logits, batch, mask, branches)
     greedy = argmax(x)
     draws = (batch.temperature > 0) & (batch.top_k != 1) & (batch.target < 0)
-    tokens = _branch(branches.draws, jnp.any(draws),
-                     lambda: jnp.where(draws, _gumbel_argmax(x, batch.seed, batch.step), greedy), lambda: greedy)
+    tokens = _branch(
+        branches.draws,
+        jnp.any(draws),
+        lambda: jnp.where(draws, _gumbel_argmax(x, batch.seed, batch.step), greedy),
+        lambda: greedy,
+    )
     raw_argmax = argmax(logits)
     if mask is not None:
         tokens = jnp.where(jnp.any(mask, axis=-1), tokens, raw_argmax)

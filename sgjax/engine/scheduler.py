@@ -48,11 +48,17 @@ class SchedulerConfig:
     @classmethod
     def from_args(cls, args, num_pages: int) -> "SchedulerConfig":
         """The scheduler's settings from the engine's (engine/args.ServerArgs)."""
-        return cls(num_pages=num_pages, page_size=args.page_size, policy=args.schedule_policy,
-                   cache="none" if args.disable_radix_cache else args.cache,
-                   chunked_prefill_size=args.chunked_prefill_size, max_running_requests=args.max_running_requests,
-                   init_new_token_ratio=0.7 * args.schedule_conservativeness,
-                   min_new_token_ratio=0.1 * args.schedule_conservativeness, seed=args.random_seed)
+        return cls(
+            num_pages=num_pages,
+            page_size=args.page_size,
+            policy=args.schedule_policy,
+            cache="none" if args.disable_radix_cache else args.cache,
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_running_requests=args.max_running_requests,
+            init_new_token_ratio=0.7 * args.schedule_conservativeness,
+            min_new_token_ratio=0.1 * args.schedule_conservativeness,
+            seed=args.random_seed,
+        )
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -210,7 +216,7 @@ class Scheduler:
         t0 = time.perf_counter()
         policy = cfg.policy if len(self.waiting) <= cfg.max_match_queue else "fcfs"
         if policy in ("lpm", "dfs-weight"):  # the order needs every match
-            queue = self.waiting[:cfg.max_match_queue]
+            queue = self.waiting[: cfg.max_match_queue]
             matches = [self._match(r) for r in queue]
             order = schedule_order(policy, [m.num_tokens for m in matches], [m.last_node for m in matches], self.rng)
         else:  # the order ignores the cache: match only the requests we try to admit
@@ -237,7 +243,12 @@ class Scheduler:
             if need > self.allocator.num_free + self.cache.evictable_pages:
                 self._timed(self.cache.unlock, m.last_node)
                 break
-            req.pages, req.tree_pages, req.last_node, req.kv_len = m.pages.copy(), len(m.pages), m.last_node, m.num_tokens
+            req.pages, req.tree_pages, req.last_node, req.kv_len = (
+                m.pages.copy(),
+                len(m.pages),
+                m.last_node,
+                m.num_tokens,
+            )
             req.match = None
             req.slot = self._free_slots.pop()
             if req.cached_tokens < 0:
@@ -263,9 +274,9 @@ class Scheduler:
         threshold = self.cfg.in_batch_prefix_tokens
         if not admitted or len(req.input_ids) - matched < threshold:
             return False
-        mine = req.input_array[:matched + threshold]
+        mine = req.input_array[: matched + threshold]
         for other in admitted:
-            theirs = other.input_array[:len(mine)]
+            theirs = other.input_array[: len(mine)]
             if len(theirs) == len(mine) and np.array_equal(theirs, mine):
                 return True
         return False
@@ -327,8 +338,7 @@ class Scheduler:
             req.prefill_done = True
             updated.append(req)
         self.stats.tree_seconds += t_tree
-        self.new_token_ratio = max(self.cfg.min_new_token_ratio,
-                                   self.new_token_ratio - self.cfg.new_token_ratio_decay)
+        self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay)
         return updated
 
     def commit_ahead(self, works: list[Work]) -> None:
@@ -401,15 +411,16 @@ class Scheduler:
         resume there instead of walking it again (the lock keeps it in the tree)."""
         if req.last_node is None:
             return None
-        return MatchResult(req.pages[:req.tree_pages], req.last_node, req.tree_pages * self.page_size)
+        return MatchResult(req.pages[: req.tree_pages], req.last_node, req.tree_pages * self.page_size)
 
     def _release(self, req: Req, keep: bool) -> None:
         """Give back a request's pages: whole computed pages to the cache when `keep`, everything else freed."""
         t0 = time.perf_counter()
         full = req.kv_len // self.page_size
         if keep and self.cfg.cache != "none" and full > req.tree_pages:
-            self.cache.insert(req.fill_prefix(full * self.page_size), req.pages[:full], req.extra_key,
-                              below=self._held(req))
+            self.cache.insert(
+                req.fill_prefix(full * self.page_size), req.pages[:full], req.extra_key, below=self._held(req)
+            )
             self.allocator.free(req.pages[full:])
         else:
             self.allocator.free(req.own_pages)
@@ -436,12 +447,21 @@ class Scheduler:
         """The scheduler's, pool's and cache's gauges and counters (the engine's server info)."""
         a, c, st = self.allocator, self.cache, self.stats
         return {
-            "schedule_policy": self.cfg.policy, "cache": self.cfg.cache,
-            "num_pages": a.capacity, "free_pages": a.num_free, "evictable_pages": c.evictable_pages,
-            "protected_pages": c.protected_pages, "pool_usage": 1.0 - a.num_free / a.capacity,
-            "running_requests": len(self.running), "waiting_requests": len(self.waiting),
-            "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens, "cache_hit_rate": self.hit_rate,
-            "retractions": st.retractions, "steps": st.steps, "tree_seconds": st.tree_seconds,
+            "schedule_policy": self.cfg.policy,
+            "cache": self.cfg.cache,
+            "num_pages": a.capacity,
+            "free_pages": a.num_free,
+            "evictable_pages": c.evictable_pages,
+            "protected_pages": c.protected_pages,
+            "pool_usage": 1.0 - a.num_free / a.capacity,
+            "running_requests": len(self.running),
+            "waiting_requests": len(self.waiting),
+            "prompt_tokens": st.prompt_tokens,
+            "cached_tokens": st.cached_tokens,
+            "cache_hit_rate": self.hit_rate,
+            "retractions": st.retractions,
+            "steps": st.steps,
+            "tree_seconds": st.tree_seconds,
             "admit_seconds": st.admit_seconds,
         }
 

@@ -63,8 +63,9 @@ def check_temperature(temperature: float, apply_softmax: bool) -> None:
         raise RequestError("needs apply_softmax (it scales the softmax over the labels)", "temperature")
 
 
-def score(requests, logprob_rows, query, items, label_token_ids, apply_softmax: bool, item_first: bool,
-          temperature: float) -> Scores:
+def score(
+    requests, logprob_rows, query, items, label_token_ids, apply_softmax: bool, item_first: bool, temperature: float
+) -> Scores:
     """The whole computation of Engine.score: `requests` (a RequestBuilder) checks and tokenizes the joined
     prompts, `logprob_rows(ids)` runs the scratch prefill ([len(ids), vocab] log-probabilities)."""
     check_temperature(temperature, apply_softmax)

@@ -25,6 +25,7 @@ from sgjax.model.packing import Segment
 
 Array = Any
 
+
 # -- the static shape ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StepShape:
@@ -110,8 +111,9 @@ def unpack(buffer, shape: StepShape) -> tuple[StepBatch, sampler.SamplingBatch, 
     """(batch, sampling rows, image_rows or None, packed mask words or None), inside the jitted step."""
     d = packing.unpack(shape.layout(), buffer)
     batch = batch_mod.from_fields({s.name: d[s.name] for s in shape.batch.layout()})
-    rows = sampler.from_values({s.name: d[s.name] for s in sampler.sampling_layout(shape.batch.num_logits,
-                                                                                   shape.history)})
+    rows = sampler.from_values(
+        {s.name: d[s.name] for s in sampler.sampling_layout(shape.batch.num_logits, shape.history)}
+    )
     return batch, rows, d.get("image_rows"), d.get("mask")
 
 

@@ -35,9 +35,15 @@ def record_of(works, started: float, dispatched: float) -> StepRecord:
     decode = sum(1 for w in works if len(w.tokens) == 1 and w.sample)
     tokens = sum(len(w.tokens) for w in works)
     kind = "decode" if decode == len(works) else ("prefill" if decode == 0 else "mixed")
-    return StepRecord(kind=kind, requests=len(works), tokens=tokens,
-                      kv_tokens=sum(w.start + len(w.tokens) for w in works), decode_rows=decode,
-                      started=started, dispatched=dispatched)
+    return StepRecord(
+        kind=kind,
+        requests=len(works),
+        tokens=tokens,
+        kv_tokens=sum(w.start + len(w.tokens) for w in works),
+        decode_rows=decode,
+        started=started,
+        dispatched=dispatched,
+    )
 
 
 class StepWatcher:
@@ -68,8 +74,13 @@ class StepWatcher:
             record.ready = time.perf_counter()
 
 
-def summarize(records: list[StepRecord], weight_bytes: int | None = None, kv_bytes_per_token: int | None = None,
-              bandwidth: float | None = None, min_decode_rows: int = 1) -> dict:
+def summarize(
+    records: list[StepRecord],
+    weight_bytes: int | None = None,
+    kv_bytes_per_token: int | None = None,
+    bandwidth: float | None = None,
+    min_decode_rows: int = 1,
+) -> dict:
     """Device busy and idle time over the timeline, per step kind; with the roofline terms, the decode steps'
     ideal time (weights + KV read once, over the bandwidth) against their device time."""
     done = sorted((r for r in records if r.ready is not None), key=lambda r: r.dispatched)
@@ -85,19 +96,33 @@ def summarize(records: list[StepRecord], weight_bytes: int | None = None, kv_byt
             idle += max(0.0, r.dispatched - prev_ready)
         device = max(r.ready - start, 0.0)
         busy[r.kind] += device
-        if (bandwidth and r.kind == "decode" and r.decode_rows >= min_decode_rows and weight_bytes is not None
-                and kv_bytes_per_token is not None):
+        if (
+            bandwidth
+            and r.kind == "decode"
+            and r.decode_rows >= min_decode_rows
+            and weight_bytes is not None
+            and kv_bytes_per_token is not None
+        ):
             ideal += (weight_bytes + r.kv_tokens * kv_bytes_per_token) / bandwidth
             roof_device += device
             roof_steps += 1
         prev_ready = r.ready if prev_ready is None else max(prev_ready, r.ready)
     span = prev_ready - done[0].dispatched
-    out = {"steps": len(done), "span_s": span, "idle_s": idle, "idle_share": idle / span if span > 0 else 0.0,
-           **{f"{k}_busy_s": v for k, v in busy.items()},
-           **{f"{k}_steps": sum(1 for r in done if r.kind == k) for k in busy},
-           "overlapped_steps": sum(1 for r in done if r.overlapped)}
+    out = {
+        "steps": len(done),
+        "span_s": span,
+        "idle_s": idle,
+        "idle_share": idle / span if span > 0 else 0.0,
+        **{f"{k}_busy_s": v for k, v in busy.items()},
+        **{f"{k}_steps": sum(1 for r in done if r.kind == k) for k in busy},
+        "overlapped_steps": sum(1 for r in done if r.overlapped),
+    }
     if roof_steps:
-        out.update(decode_roof_steps=roof_steps, decode_ideal_s=ideal, decode_device_s=roof_device,
-                   decode_roofline_ratio=ideal / roof_device if roof_device > 0 else None,
-                   decode_ms_per_step=1e3 * roof_device / roof_steps)
+        out.update(
+            decode_roof_steps=roof_steps,
+            decode_ideal_s=ideal,
+            decode_device_s=roof_device,
+            decode_roofline_ratio=ideal / roof_device if roof_device > 0 else None,
+            decode_ms_per_step=1e3 * roof_device / roof_steps,
+        )
     return out

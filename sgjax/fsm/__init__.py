@@ -6,16 +6,33 @@ Layers (docs/fsm.md): regex_parser (dialect) -> automaton (byte DFA) -> token_fs
 """
 
 from sgjax.fsm.automaton import ByteDFA, compile_regex
-from sgjax.fsm.errors import GrammarError
 from sgjax.fsm.compressed import Jump
 from sgjax.fsm.device import DeviceTables, advance, allowed_mask, apply_bitmask, apply_mask, pack_tables
+from sgjax.fsm.errors import GrammarError
 from sgjax.fsm.grammar import CompiledGrammar, GrammarCache, compile_grammar
 from sgjax.fsm.json_schema import JsonOptions, schema_to_regex
 from sgjax.fsm.regex_parser import RegexError
 from sgjax.fsm.vocab import Vocabulary, from_hf_tokenizer, from_tokenizer, load_vocabulary
 
 __all__ = [
-    "ByteDFA", "CompiledGrammar", "DeviceTables", "GrammarCache", "GrammarError", "JsonOptions", "Jump",
-    "RegexError", "Vocabulary", "advance", "allowed_mask", "apply_bitmask", "apply_mask", "compile_grammar",
-    "compile_regex", "from_hf_tokenizer", "from_tokenizer", "load_vocabulary", "pack_tables", "schema_to_regex",
+    "ByteDFA",
+    "CompiledGrammar",
+    "DeviceTables",
+    "GrammarCache",
+    "GrammarError",
+    "JsonOptions",
+    "Jump",
+    "RegexError",
+    "Vocabulary",
+    "advance",
+    "allowed_mask",
+    "apply_bitmask",
+    "apply_mask",
+    "compile_grammar",
+    "compile_regex",
+    "from_hf_tokenizer",
+    "from_tokenizer",
+    "load_vocabulary",
+    "pack_tables",
+    "schema_to_regex",
 ]

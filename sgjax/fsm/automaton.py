@@ -16,7 +16,6 @@ from sgjax.fsm import budget
 from sgjax.fsm.errors import GrammarError
 from sgjax.fsm.regex_parser import Alt, CharSet, Concat, Repeat, parse
 
-
 MAX_NFA_STATES = 200_000
 MAX_DFA_STATES = 50_000
 _UTF8_MAX = (0x7F, 0x7FF, 0xFFFF, 0x10FFFF)

@@ -26,5 +26,7 @@ def deadline(seconds: float | None):
 def check() -> None:
     d = getattr(_local, "deadline", None)
     if d is not None and time.monotonic() > d[0]:
-        raise GrammarError(f"the grammar takes longer than {d[1]:g} s to compile (simplify it: large repetitions "
-                           f"of wide character classes are the usual cause)")
+        raise GrammarError(
+            f"the grammar takes longer than {d[1]:g} s to compile (simplify it: large repetitions "
+            f"of wide character classes are the usual cause)"
+        )

@@ -69,7 +69,7 @@ def _text_prefix(data: bytes) -> str | None:
     try:
         return data.decode()
     except UnicodeDecodeError as e:
-        return data[:e.start].decode() if e.start > 0 else None
+        return data[: e.start].decode() if e.start > 0 else None
 
 
 def canonical_tokens(tables: TokenTables, jumps: list[bytes], vocab: Vocabulary) -> np.ndarray:

@@ -39,12 +39,18 @@ class DeviceTables:
 
 
 jax.tree_util.register_dataclass(
-    DeviceTables, data_fields=["token_class", "class_next", "grammar_of", "mask_bits"], meta_fields=["vocab_size"])
+    DeviceTables, data_fields=["token_class", "class_next", "grammar_of", "mask_bits"], meta_fields=["vocab_size"]
+)
 
 
-def pack_tables(grammars: Sequence, vocab_size: int, *, state_capacity: int | None = None,
-                class_capacity: int | None = None, grammar_capacity: int | None = None,
-                ) -> tuple[DeviceTables, list[int]]:
+def pack_tables(
+    grammars: Sequence,
+    vocab_size: int,
+    *,
+    state_capacity: int | None = None,
+    class_capacity: int | None = None,
+    grammar_capacity: int | None = None,
+) -> tuple[DeviceTables, list[int]]:
     """Arena of `grammars` (CompiledGrammar); returns the tables and each grammar's state offset.
 
     Transitions the mask forbids are pointed at the grammar's done state so every gather stays in
@@ -72,12 +78,13 @@ def pack_tables(grammars: Sequence, vocab_size: int, *, state_capacity: int | No
         n, c = g.tables.class_next.shape
         local = g.tables.class_next
         token_class[slot] = g.tables.token_class
-        class_next[off:off + n, :c] = np.where(local >= 0, local, g.done) + off
-        class_next[off:off + n, c:] = off + g.done
-        grammar_of[off:off + n] = slot
-        mask_bits[off:off + n] = g.mask_bits
-    tables = DeviceTables(jnp.asarray(token_class), jnp.asarray(class_next), jnp.asarray(grammar_of),
-                          jnp.asarray(mask_bits), vocab_size)
+        class_next[off : off + n, :c] = np.where(local >= 0, local, g.done) + off
+        class_next[off : off + n, c:] = off + g.done
+        grammar_of[off : off + n] = slot
+        mask_bits[off : off + n] = g.mask_bits
+    tables = DeviceTables(
+        jnp.asarray(token_class), jnp.asarray(class_next), jnp.asarray(grammar_of), jnp.asarray(mask_bits), vocab_size
+    )
     return tables, offsets
 
 

@@ -22,7 +22,8 @@ from sgjax.fsm.errors import GrammarError
 
 MAX_DEPTH = 3  # each level inlines the rules below it again: the regex grows exponentially with it
 MAX_REGEX_CHARS = 1 << 20  # past this the expansion is refused rather than handed to the DFA construction
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<ws>\s+|\#[^\n]*)
   | (?P<define>::=)
   | (?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)
@@ -30,7 +31,9 @@ _TOKEN = re.compile(r"""
   | (?P<cls>\[(?:[^\]\\]|\\.)*\])
   | (?P<repeat>\{\s*\d+\s*(?:,\s*\d*\s*)?\})
   | (?P<op>[|()*+?])
-""", re.X | re.S)
+""",
+    re.X | re.S,
+)
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "[": "[", "]": "]", "-": "-", "^": "^"}
 
 
@@ -73,7 +76,7 @@ def _unescape(body: str, src: str, pos: int) -> str:
             i += 2
         elif nxt in "xu":
             width = 2 if nxt == "x" else 4
-            digits = body[i + 2:i + 2 + width]
+            digits = body[i + 2 : i + 2 + width]
             if len(digits) != width or not all(d in "0123456789abcdefABCDEF" for d in digits):
                 raise GrammarError(f"bad \\{nxt} escape at {_where(src, pos + i)}")
             out.append(chr(int(digits, 16)))
@@ -171,15 +174,17 @@ class _Parser:
                 lo, comma, hi = tok.text[1:-1].replace(" ", "").partition(",")
                 lo, hi = int(lo), (int(hi) if hi else None) if comma else int(lo)
                 if hi is not None and hi < lo:
-                    raise GrammarError(f"repetition {tok.text}: the maximum is below the minimum at "
-                                       f"{_where(self.src, tok.pos)}")
+                    raise GrammarError(
+                        f"repetition {tok.text}: the maximum is below the minimum at {_where(self.src, tok.pos)}"
+                    )
                 node = ("rep", node, lo, hi)
         return node
 
 
 def _lit(text: str) -> str:
-    return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text).replace("\n", "\\n").replace("\t", "\\t").replace(
-        "\r", "\\r")
+    return (
+        re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text).replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    )
 
 
 class _Expander:
@@ -203,8 +208,10 @@ class _Expander:
             out = self.node(self.rules[name], stack + (name,))
             self.size += len(out or "")
             if self.size > MAX_REGEX_CHARS:
-                raise GrammarError(f"the grammar expands past {MAX_REGEX_CHARS} regex characters at recursion depth "
-                                   f"{self.max_depth}; simplify its recursion")
+                raise GrammarError(
+                    f"the grammar expands past {MAX_REGEX_CHARS} regex characters at recursion depth "
+                    f"{self.max_depth}; simplify its recursion"
+                )
             return None if out is None else f"(?:{out})"
         if kind == "seq":
             parts = [self.node(x, stack) for x in n[1]]

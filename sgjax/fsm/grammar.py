@@ -99,8 +99,7 @@ class CompiledGrammar:
         return state
 
 
-def compile_grammar(regex: str, vocab: Vocabulary, key: tuple | None = None,
-                    canonical: bool = True) -> CompiledGrammar:
+def compile_grammar(regex: str, vocab: Vocabulary, key: tuple | None = None, canonical: bool = True) -> CompiledGrammar:
     """regex -> byte DFA -> token tables + masks + compressed edges.
 
     canonical=False keeps every byte-valid token in forced states (plain regex masks); jump() then
@@ -118,10 +117,18 @@ def compile_grammar(regex: str, vocab: Vocabulary, key: tuple | None = None,
     rows = np.flatnonzero(canon >= 0)
     allowed[rows] = False
     allowed[rows, canon[rows]] = True
-    grammar = CompiledGrammar(key=key or ("regex", regex, vocab.fingerprint), regex=regex, dfa=dfa,
-                              tables=tables, mask_bits=pack_mask(allowed), canonical=canon,
-                              jump_text=tuple(text), jump_dst=dst, vocab=vocab,
-                              compile_seconds=time.perf_counter() - t0)
+    grammar = CompiledGrammar(
+        key=key or ("regex", regex, vocab.fingerprint),
+        regex=regex,
+        dfa=dfa,
+        tables=tables,
+        mask_bits=pack_mask(allowed),
+        canonical=canon,
+        jump_text=tuple(text),
+        jump_dst=dst,
+        vocab=vocab,
+        compile_seconds=time.perf_counter() - t0,
+    )
     return grammar
 
 
@@ -214,7 +221,6 @@ class GrammarCache:
                 self.stats.evictions += 1
             self._building.pop(key).set()
         return grammar
-
 
     def _fail(self, key: tuple, error: GrammarError) -> None:
         with self._lock:

@@ -30,13 +30,46 @@ FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
 # compile: each level holds four copies of the one below, and at 5 the DFA construction passes 50000 states.
 FREE_DEPTH = 4
 # Keywords that only describe or annotate; they never constrain what we emit.
-_IGNORED = {"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
-            "readOnly", "writeOnly", "additionalProperties", "$defs", "definitions", "type", "format",
-            "nullable", "strict"}
+_IGNORED = {
+    "title",
+    "description",
+    "examples",
+    "default",
+    "$schema",
+    "$id",
+    "$comment",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "additionalProperties",
+    "$defs",
+    "definitions",
+    "type",
+    "format",
+    "nullable",
+    "strict",
+}
 _ANNOTATIONS = {"title", "description", "examples", "default", "$comment", "deprecated", "readOnly", "writeOnly"}
-_HANDLED = {"properties", "required", "items", "minItems", "maxItems", "minLength", "maxLength", "pattern",
-            "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "minimum", "maximum", "exclusiveMinimum",
-            "exclusiveMaximum"}
+_HANDLED = {
+    "properties",
+    "required",
+    "items",
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "$ref",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+}
 
 
 @dataclass(frozen=True)
@@ -89,8 +122,11 @@ class _Converter:
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 # oneOf is emitted as anyOf: exclusivity is not regular in general (documented).
-                return "(?:" + "|".join(self.convert(s, f"{path}/{key}/{i}", refs)
-                                        for i, s in enumerate(schema[key])) + ")"
+                return (
+                    "(?:"
+                    + "|".join(self.convert(s, f"{path}/{key}/{i}", refs) for i, s in enumerate(schema[key]))
+                    + ")"
+                )
         if "allOf" in schema:
             if len(schema["allOf"]) != 1:
                 raise GrammarError(f"{path}/allOf: only a single sub-schema is supported")
@@ -220,9 +256,13 @@ class _Converter:
         if missing:
             raise GrammarError(f"{path}: required properties {sorted(missing)} have no schema in 'properties'")
         ws = self.open_ws
-        parts = [(f'{_lit(self.dump(name))}{self.key_sep}(?:{self.convert(sub, f"{path}/properties/{name}", refs)})',
-                  name in required)
-                 for name, sub in props.items()]
+        parts = [
+            (
+                f"{_lit(self.dump(name))}{self.key_sep}(?:{self.convert(sub, f'{path}/properties/{name}', refs)})",
+                name in required,
+            )
+            for name, sub in props.items()
+        ]
         if not parts:
             # No properties: any keys, unless additionalProperties says none (False) or gives their schema.
             extra = schema.get("additionalProperties", True)
@@ -238,7 +278,7 @@ class _Converter:
         # Choose the first emitted member i (all before it optional), then each later one is `sep member`.
         alternatives = []
         for i, (first, _) in enumerate(parts):
-            tail = "".join(f"{self.item_sep}{p}" if req else f"(?:{self.item_sep}{p})?" for p, req in parts[i + 1:])
+            tail = "".join(f"{self.item_sep}{p}" if req else f"(?:{self.item_sep}{p})?" for p, req in parts[i + 1 :])
             alternatives.append(first + tail)
             if parts[i][1]:
                 break
@@ -282,7 +322,7 @@ def int_range_regex(lo: int | None, hi: int | None) -> str:
 def _nonneg_range(lo: int, hi: int | None) -> str:
     if hi is None:
         digits = len(str(lo))  # below 10**digits: explicit ranges; above: any longer number
-        return "(?:" + "|".join(_same_width_ranges(lo, 10 ** digits - 1) + [f"[1-9][0-9]{{{digits},}}"]) + ")"
+        return "(?:" + "|".join(_same_width_ranges(lo, 10**digits - 1) + [f"[1-9][0-9]{{{digits},}}"]) + ")"
     return "(?:" + "|".join(_same_width_ranges(lo, hi)) + ")"
 
 
@@ -290,7 +330,7 @@ def _same_width_ranges(lo: int, hi: int) -> list[str]:
     out = []
     while lo <= hi:
         width = len(str(lo))
-        top = min(hi, 10 ** width - 1)
+        top = min(hi, 10**width - 1)
         out += _digit_ranges(str(lo), str(top))
         lo = top + 1
     return out

@@ -19,8 +19,22 @@ from sgjax.fsm.json_schema import JsonOptions, _Converter, _lit
 
 _U = r"\\u(?:[0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})"  # no surrogates, as in JSON strings
 _CHAR = rf'(?:[^"\\\x00-\x1f]|\\["\\bfnrt]|{_U})'
-_TOP_KEYS = {"type", "properties", "required", "additionalProperties", "title", "description", "$defs",
-             "definitions", "$schema", "$id", "$comment", "strict", "examples", "default"}
+_TOP_KEYS = {
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "title",
+    "description",
+    "$defs",
+    "definitions",
+    "$schema",
+    "$id",
+    "$comment",
+    "strict",
+    "examples",
+    "default",
+}
 
 
 class _PythonConverter(_Converter):
@@ -40,13 +54,14 @@ class _PythonConverter(_Converter):
         if schema is True or schema == {}:
             return ""
         if not isinstance(schema, dict) or schema.get("type", "object") != "object" or set(schema) - _TOP_KEYS:
-            raise GrammarError("#: a pythonic call's parameters must be an object schema of named properties "
-                               "(type, properties, required), its keyword arguments")
+            raise GrammarError(
+                "#: a pythonic call's parameters must be an object schema of named properties "
+                "(type, properties, required), its keyword arguments"
+            )
         props = schema.get("properties", {})
         required = set(schema.get("required", []))
         if required - set(props):
-            raise GrammarError(f"#: required properties {sorted(required - set(props))} have no schema in "
-                               f"'properties'")
+            raise GrammarError(f"#: required properties {sorted(required - set(props))} have no schema in 'properties'")
         parts = []
         for name, sub in props.items():
             if not name.isidentifier() or keyword.iskeyword(name):

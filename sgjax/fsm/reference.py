@@ -11,8 +11,9 @@ from typing import Callable
 import numpy as np
 
 
-def greedy_decode(grammar, logits_fn: Callable[[list[int]], np.ndarray], use_jump: bool,
-                  max_forwards: int = 300) -> tuple[list[int], int]:
+def greedy_decode(
+    grammar, logits_fn: Callable[[list[int]], np.ndarray], use_jump: bool, max_forwards: int = 300
+) -> tuple[list[int], int]:
     """Decode greedily under `grammar`; returns (tokens, forward passes). A jump counts as one forward (an extend)."""
     state, out, forwards = grammar.start, [], 0
     while state != grammar.done and forwards < max_forwards:

@@ -26,6 +26,7 @@ class RegexError(ValueError):
 @dataclass(frozen=True)
 class CharSet:
     """A set of code points as sorted, disjoint, non-adjacent inclusive ranges."""
+
     ranges: tuple[tuple[int, int], ...]
 
 
@@ -152,7 +153,7 @@ class _Parser:
         j = self.p.find("}", self.i)
         if j < 0:
             return None
-        body = self.p[self.i + 1:j]
+        body = self.p[self.i + 1 : j]
         lo_s, comma, hi_s = body.partition(",")
         if not (lo_s.isdigit() or (comma and lo_s == "")) or not (hi_s.isdigit() or hi_s == ""):
             return None
@@ -176,7 +177,7 @@ class _Parser:
                     self.i += 2
                 elif self.p.startswith("?P<", self.i):
                     close = self.p.find(">", self.i)
-                    if close < 0 or not self.p[self.i + 3:close].isidentifier():
+                    if close < 0 or not self.p[self.i + 3 : close].isidentifier():
                         self.error("bad group name")
                     self.i = close + 1
                 else:
@@ -216,7 +217,7 @@ class _Parser:
             return _CHAR_ESCAPES[c]
         if c in _HEX_ESCAPES:
             n = _HEX_ESCAPES[c]
-            digits = self.p[self.i:self.i + n]
+            digits = self.p[self.i : self.i + n]
             if len(digits) != n or any(d not in "0123456789abcdefABCDEF" for d in digits):
                 self.error(f"bad \\{c} escape", start)
             self.i += n

@@ -97,7 +97,7 @@ def _walk(trans: np.ndarray, seqs: np.ndarray, seq_lens: np.ndarray):
     st_parts, sq_parts = [], []
     for c in range(trans.shape[1]):
         live = np.flatnonzero(trans[:, c] >= 0).astype(np.int32)
-        group = order[bounds[c]:bounds[c + 1]]
+        group = order[bounds[c] : bounds[c + 1]]
         if live.size and group.size:
             st_parts.append(np.repeat(live, group.size))
             sq_parts.append(np.tile(group, live.size))

@@ -66,7 +66,7 @@ class Vocabulary:
         lens = np.full(self.size, -1, dtype=np.int32)
         for i, t in enumerate(self.tokens):
             if t is not None:
-                mat[i, :len(t)] = np.frombuffer(t, dtype=np.uint8)
+                mat[i, : len(t)] = np.frombuffer(t, dtype=np.uint8)
                 lens[i] = len(t)
         return mat, lens
 
@@ -127,8 +127,9 @@ def from_hf_tokenizer(hf, eos_ids, special_ids=(), name: str = "") -> Vocabulary
     def encode(text: str) -> list[int]:
         return hf.encode(text, add_special_tokens=False).ids
 
-    return Vocabulary(tokens=tuple(tokens), eos_ids=frozenset(int(e) for e in eos_ids), encode=encode,
-                      name=name or "hf")
+    return Vocabulary(
+        tokens=tuple(tokens), eos_ids=frozenset(int(e) for e in eos_ids), encode=encode, name=name or "hf"
+    )
 
 
 def from_tokenizer(tok) -> Vocabulary:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from sgjax.engine.params import OPENAI_NAMES
-from sgjax.lang.backend.default import (as_backend, get_default_backend, resolve_backend,  # noqa: F401
-                                        set_default_backend)
+from sgjax.lang.backend.default import as_backend, get_default_backend, resolve_backend, set_default_backend  # noqa: F401
 from sgjax.lang.choices import ChoicesMethod, token_length_normalized
 from sgjax.lang.function import Function
 from sgjax.lang.ir import ExprList, Image, RoleBegin, RoleEnd, Select, SeparateReasoning, make_gen, role
@@ -36,13 +35,33 @@ def function(func: Callable | None = None, *, num_api_spec_tokens: int | None = 
 _SGLANG_NAME = {theirs: ours for ours, (theirs, _) in OPENAI_NAMES.items() if theirs != ours}
 
 
-def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None, stop=None,
-        stop_token_ids=None, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-        min_p: float | None = None, frequency_penalty: float | None = None, presence_penalty: float | None = None,
-        repetition_penalty: float | None = None, ignore_eos: bool | None = None, return_logprob: bool | None = None,
-        logprob_start_len: int | None = None, top_logprobs_num: int | None = None, dtype=None, choices=None,
-        choices_method: ChoicesMethod | None = None, regex: str | None = None, json_schema=None, *,
-        return_text_in_logprobs: bool | None = None, n: int | None = None, stop_regex=None):
+def gen(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    stop=None,
+    stop_token_ids=None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    dtype=None,
+    choices=None,
+    choices_method: ChoicesMethod | None = None,
+    regex: str | None = None,
+    json_schema=None,
+    *,
+    return_text_in_logprobs: bool | None = None,
+    n: int | None = None,
+    stop_regex=None,
+):
     """Generate text into variable `name` (`s[name]`) and append it to the prompt. With `choices`, a select.
     `return_logprob` / `top_logprobs_num` / `return_text_in_logprobs` put the runtime's logprobs
     (`input_token_logprobs`, `output_token_logprobs`, `*_top_logprobs`: [logprob, token_id, text] entries) in the
@@ -54,14 +73,32 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
     if choices is not None:
         return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
     # gen's sampling arguments carry the OpenAI API's names (max_tokens, min_tokens): SGLang's names from the table
-    sampling = dict(max_tokens=max_tokens, min_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids,
-                    stop_regex=stop_regex or None,
-                    temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
-                    presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, ignore_eos=ignore_eos)
-    return make_gen(name, dtype=dtype, regex=regex, json_schema=json_schema,
-                    **{_SGLANG_NAME.get(k, k): v for k, v in sampling.items()},
-                    return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs)
+    sampling = dict(
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        stop_regex=stop_regex or None,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        repetition_penalty=repetition_penalty,
+        ignore_eos=ignore_eos,
+    )
+    return make_gen(
+        name,
+        dtype=dtype,
+        regex=regex,
+        json_schema=json_schema,
+        **{_SGLANG_NAME.get(k, k): v for k, v in sampling.items()},
+        return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len,
+        top_logprobs_num=top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs,
+    )
 
 
 def gen_int(name: str | None = None, **kwargs):
@@ -72,16 +109,22 @@ def gen_string(name: str | None = None, **kwargs):
     return gen(name, dtype=str, **kwargs)
 
 
-def select(name: str | None = None, choices=None, temperature: float = 0.0,
-           choices_method: ChoicesMethod = token_length_normalized):
+def select(
+    name: str | None = None,
+    choices=None,
+    temperature: float = 0.0,
+    choices_method: ChoicesMethod = token_length_normalized,
+):
     """Append the most likely of `choices` (scored with prompt logprobs) and store it in `s[name]`."""
     if not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"select needs a non-empty list of non-empty strings, got {choices!r}")
     if temperature:
         raise ValueError("select picks the best-scoring choice; temperature > 0 is not supported")
     if not isinstance(choices_method, ChoicesMethod):
-        raise TypeError(f"choices_method must be one of sgl.token_length_normalized, sgl.greedy_token_selection, "
-                        f"sgl.unconditional_likelihood_normalized (or a ChoicesSamplingMethod); got {choices_method!r}")
+        raise TypeError(
+            f"choices_method must be one of sgl.token_length_normalized, sgl.greedy_token_selection, "
+            f"sgl.unconditional_likelihood_normalized (or a ChoicesSamplingMethod); got {choices_method!r}"
+        )
     return Select(name, tuple(choices), choices_method)
 
 

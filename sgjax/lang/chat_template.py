@@ -67,6 +67,7 @@ def from_tokenizer(tokenizer) -> ChatTemplate:
 
 def derive(render) -> ChatTemplate:
     """Cut role prefixes and suffixes out of `render(messages, add_generation_prompt)`."""
+
     def msg(role):
         return {"role": role, "content": _MARK[role]}
 
@@ -75,9 +76,12 @@ def derive(render) -> ChatTemplate:
     sua = render([msg("system"), msg("user"), msg("assistant")])
     if not (su.startswith(s_only) and sua.startswith(su)):
         raise ValueError("the template does not render conversations as concatenated messages")
-    roles = {"system": _split(s_only, "system"), "user": _split(su[len(s_only):], "user"),
-             "assistant": _split(sua[len(su):], "assistant")}
-    generation_prompt = render([msg("system"), msg("user")], add_generation_prompt=True)[len(su):]
+    roles = {
+        "system": _split(s_only, "system"),
+        "user": _split(su[len(s_only) :], "user"),
+        "assistant": _split(sua[len(su) :], "assistant"),
+    }
+    generation_prompt = render([msg("system"), msg("user")], add_generation_prompt=True)[len(su) :]
     if generation_prompt and generation_prompt != roles["assistant"][0]:
         raise ValueError("the generation prompt differs from the assistant prefix")
     stop = roles["assistant"][1].strip()
@@ -98,36 +102,50 @@ def _default_system(render, roles) -> str | None:
     tail = user_prefix + _MARK["user"] + user_suffix
     if text == tail or not text.endswith(tail):
         return None
-    head = text[:-len(tail)]
+    head = text[: -len(tail)]
     sys_prefix, sys_suffix = roles["system"]
     if head.startswith(sys_prefix) and head.endswith(sys_suffix) and len(head) >= len(sys_prefix) + len(sys_suffix):
-        return head[len(sys_prefix):len(head) - len(sys_suffix)]
+        return head[len(sys_prefix) : len(head) - len(sys_suffix)]
     return None
 
 
 # SGLang's named templates that programs ask for by name: the markers of each model family's format.
 _IM = {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ROLES}
 _LLAMA3 = {r: (f"<|start_header_id|>{r}<|end_header_id|>\n\n", "<|eot_id|>") for r in ROLES}
-REGISTRY = {t.name: t for t in (
-    PLAIN,
-    ChatTemplate("default", {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"), "assistant": ("ASSISTANT:", "\n")}),
-    ChatTemplate("claude", {"system": ("", ""), "user": ("\n\nHuman: ", ""), "assistant": ("\n\nAssistant:", "")}),
-    ChatTemplate("chatml", _IM, stop_str=("<|im_end|>",)),
-    ChatTemplate("qwen", _IM, "You are a helpful assistant.", ("<|im_end|>",)),
-    ChatTemplate("vicuna_v1.1", {"system": ("", " "), "user": ("USER:", " "), "assistant": ("ASSISTANT:", "</s>")},
-                 "A chat between a curious user and an artificial intelligence assistant. The assistant gives "
-                 "helpful, detailed, and polite answers to the user's questions.", image_token=" <image>\n"),
-    ChatTemplate("llama-2-chat", {"system": ("<<SYS>>\n", "\n<</SYS>>\n\n"), "user": ("[INST] ", " [/INST]"),
-                                  "assistant": ("", " </s><s>")}, style="llama2"),
-    ChatTemplate("llama-3-instruct", _LLAMA3, stop_str=("<|eot_id|>",), image_token="<|image|>"),
-)}
+REGISTRY = {
+    t.name: t
+    for t in (
+        PLAIN,
+        ChatTemplate(
+            "default", {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"), "assistant": ("ASSISTANT:", "\n")}
+        ),
+        ChatTemplate("claude", {"system": ("", ""), "user": ("\n\nHuman: ", ""), "assistant": ("\n\nAssistant:", "")}),
+        ChatTemplate("chatml", _IM, stop_str=("<|im_end|>",)),
+        ChatTemplate("qwen", _IM, "You are a helpful assistant.", ("<|im_end|>",)),
+        ChatTemplate(
+            "vicuna_v1.1",
+            {"system": ("", " "), "user": ("USER:", " "), "assistant": ("ASSISTANT:", "</s>")},
+            "A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+            "helpful, detailed, and polite answers to the user's questions.",
+            image_token=" <image>\n",
+        ),
+        ChatTemplate(
+            "llama-2-chat",
+            {"system": ("<<SYS>>\n", "\n<</SYS>>\n\n"), "user": ("[INST] ", " [/INST]"), "assistant": ("", " </s><s>")},
+            style="llama2",
+        ),
+        ChatTemplate("llama-3-instruct", _LLAMA3, stop_str=("<|eot_id|>",), image_token="<|image|>"),
+    )
+}
 
 
 def get_chat_template(name: str) -> ChatTemplate:
     """One of SGLang's named templates (REGISTRY); "plain" is sgjax's default."""
     if name not in REGISTRY:
-        raise KeyError(f"no chat template {name!r}; sgjax has {sorted(REGISTRY)} (a model's own template comes from "
-                       f"its tokenizer: get_chat_template_by_model_path)")
+        raise KeyError(
+            f"no chat template {name!r}; sgjax has {sorted(REGISTRY)} (a model's own template comes from "
+            f"its tokenizer: get_chat_template_by_model_path)"
+        )
     return REGISTRY[name]
 
 

@@ -53,8 +53,9 @@ def token_length_normalized_scores(logprobs: list[list[float]]) -> list[float]:
     return [_mean(lps) for lps in logprobs]
 
 
-def unconditional_normalized_scores(logprobs: list[list[float]],
-                                    unconditional: list[list[float | None]]) -> list[float]:
+def unconditional_normalized_scores(
+    logprobs: list[list[float]], unconditional: list[list[float | None]]
+) -> list[float]:
     scores = []
     for cond, uncond in zip(logprobs, unconditional):
         if len(cond) != len(uncond):
@@ -108,9 +109,17 @@ class ChoicesMethod:
     name = "method"
     requires_unconditional_logprobs = False
 
-    def __call__(self, choices=None, logprobs=None, unconditional=None, *, normalized_prompt_logprobs=None,
-                 input_token_logprobs=None, output_token_logprobs=None,
-                 unconditional_token_logprobs=None) -> ChoicesDecision:
+    def __call__(
+        self,
+        choices=None,
+        logprobs=None,
+        unconditional=None,
+        *,
+        normalized_prompt_logprobs=None,
+        input_token_logprobs=None,
+        output_token_logprobs=None,
+        unconditional_token_logprobs=None,
+    ) -> ChoicesDecision:
         choices = list(choices)
         if input_token_logprobs is not None:  # SGLang's convention
             logprobs = _values(input_token_logprobs)
@@ -121,10 +130,12 @@ class ChoicesMethod:
         _check(choices, logprobs)
         means = token_length_normalized_scores(logprobs)
         upstream = {
-            "normalized_prompt_logprobs": list(normalized_prompt_logprobs) if normalized_prompt_logprobs is not None
+            "normalized_prompt_logprobs": list(normalized_prompt_logprobs)
+            if normalized_prompt_logprobs is not None
             else means,
             "input_token_logprobs": input_token_logprobs if input_token_logprobs is not None else _entries(logprobs),
-            "output_token_logprobs": output_token_logprobs if output_token_logprobs is not None
+            "output_token_logprobs": output_token_logprobs
+            if output_token_logprobs is not None
             else [[] for _ in choices],
         }
         if unconditional_token_logprobs is not None:
@@ -168,8 +179,11 @@ class UnconditionalLikelihoodNormalized(ChoicesMethod):
         if x.unconditional is None:
             raise ValueError("unconditional_likelihood_normalized needs the choices' unconditional logprobs")
         scores = unconditional_normalized_scores(x.logprobs, x.unconditional)
-        return argmax_first(scores), {"scores": scores, "unconditional_token_logprobs": x.unconditional,
-                                      "normalized_unconditional_prompt_logprobs": scores}
+        return argmax_first(scores), {
+            "scores": scores,
+            "unconditional_token_logprobs": x.unconditional,
+            "normalized_unconditional_prompt_logprobs": scores,
+        }
 
 
 token_length_normalized = TokenLengthNormalized()

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from sgjax.lang.backend.default import resolve_backend
 from sgjax.lang.global_config import global_config
 from sgjax.lang.interpreter import ProgramState, StreamExecutor, _ReadVar
-from sgjax.lang.backend.default import resolve_backend
 from sgjax.lang.ir import Constant, Expr, split_run_kwargs
 
 
@@ -45,8 +45,11 @@ class CompiledFunction:
         if not batch:
             return []
         prefix = self.graph.prefix()
-        if len(batch) > 1 and global_config.enable_precache_with_tracing and \
-                len(prefix) >= global_config.precache_min_chars:
+        if (
+            len(batch) > 1
+            and global_config.enable_precache_with_tracing
+            and len(prefix) >= global_config.precache_min_chars
+        ):
             backend.cache_prefix(prefix)
         workers = max(1, min(len(batch), 32 if num_threads == "auto" else int(num_threads)))
 

@@ -18,8 +18,10 @@ class Function:
     def __init__(self, func: Callable, num_api_spec_tokens: int | None = None, bind_arguments: dict | None = None):
         params = list(inspect.signature(func).parameters.values())
         if not params or params[0].name != "s":
-            raise TypeError(f"the first argument of an sgjax function must be `s` (the prompt state); "
-                            f"{func.__name__} has {params[0].name if params else 'none'}")
+            raise TypeError(
+                f"the first argument of an sgjax function must be `s` (the prompt state); "
+                f"{func.__name__} has {params[0].name if params else 'none'}"
+            )
         self.func = func
         self.name = func.__name__
         self.num_api_spec_tokens = num_api_spec_tokens
@@ -43,8 +45,10 @@ class Function:
         """Run the program once; returns its state (`state["x"]`, `state.text()`). Keyword arguments named like
         sampling parameters (max_new_tokens, temperature, stop, ...) are defaults for every gen."""
         if stream and self.num_api_spec_tokens is not None:
-            raise ValueError(f"{self.name}: API speculative execution (num_api_spec_tokens) reads later gens out of "
-                             f"one whole reply, so the program cannot stream; run it with stream=False")
+            raise ValueError(
+                f"{self.name}: API speculative execution (num_api_spec_tokens) reads later gens out of "
+                f"one whole reply, so the program cannot stream; run it with stream=False"
+            )
         sampling, program_kwargs = split_run_kwargs(kwargs)
         caller = running_program()
         if caller is not None:  # called by a running program: its backend and sampling defaults, unless given

@@ -16,8 +16,20 @@ from dataclasses import dataclass
 
 from sgjax.lang import speculative
 from sgjax.lang.global_config import global_config
-from sgjax.lang.ir import (Constant, ExprList, Gen, Image, RoleBegin, RoleEnd, Select, SeparateReasoning,
-                           VarScopeBegin, VarScopeEnd, reasoning_names, variable_names)
+from sgjax.lang.ir import (
+    Constant,
+    ExprList,
+    Gen,
+    Image,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SeparateReasoning,
+    VarScopeBegin,
+    VarScopeEnd,
+    reasoning_names,
+    variable_names,
+)
 from sgjax.lang.reasoning import split_reasoning
 from sgjax.lang.state import ProgramError, ProgramState, ProgramStateGroup, _PromptAPI, call_site  # noqa: F401
 
@@ -56,8 +68,14 @@ class _ReadVar:
 # Meta info lists a stream chunk carries whole so far; text_async_iter(return_meta_data=True) gives each chunk its
 # new entries, as SGLang's stream does (with `output_token_logprobs_length`, the count so far).
 class StreamExecutor:
-    def __init__(self, backend, defaults: dict, stream: bool = False, root: "StreamExecutor | None" = None,
-                 num_api_spec_tokens: int | None = None):
+    def __init__(
+        self,
+        backend,
+        defaults: dict,
+        stream: bool = False,
+        root: "StreamExecutor | None" = None,
+        num_api_spec_tokens: int | None = None,
+    ):
         self.backend = backend
         self.defaults = defaults  # the run's sampling parameters; a gen's own override them
         self.stream = stream
@@ -122,8 +140,12 @@ class StreamExecutor:
     def fork(self, size: int, hint: bool, where: str) -> list["StreamExecutor"]:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"fork takes a number of branches >= 1, got {size!r}")
-        children = [StreamExecutor(self.backend, self.defaults, self.stream, root=self.root,
-                                   num_api_spec_tokens=self.num_api_spec_tokens) for _ in range(size)]
+        children = [
+            StreamExecutor(
+                self.backend, self.defaults, self.stream, root=self.root, num_api_spec_tokens=self.num_api_spec_tokens
+            )
+            for _ in range(size)
+        ]
         self.root._descendants.extend(children)
         self.submit(_Fork(children, hint), where)
         return children
@@ -229,8 +251,9 @@ class StreamExecutor:
         elif isinstance(expr, Gen):
             self._gen(expr)
         elif isinstance(expr, Select):
-            decision = self.backend.select(self._prompt(f"select({expr.name!r})"), list(expr.choices), expr.method,
-                                           **self._media())
+            decision = self.backend.select(
+                self._prompt(f"select({expr.name!r})"), list(expr.choices), expr.method, **self._media()
+            )
             start = len(self.text_)
             self._fill(decision.decision)
             self._set(expr.name, decision.decision, decision.meta_info, start)
@@ -245,7 +268,7 @@ class StreamExecutor:
         elif isinstance(expr, VarScopeEnd):
             if expr.name not in self._scopes:
                 raise ValueError(f"var scope {expr.name!r} ends without a beginning")
-            self._set(expr.name, self.text_[self._scopes.pop(expr.name):], None)
+            self._set(expr.name, self.text_[self._scopes.pop(expr.name) :], None)
         elif isinstance(expr, _Fork):
             self._fork(expr)
         elif isinstance(expr, _Join):
@@ -325,14 +348,22 @@ class StreamExecutor:
         if not self.backend.is_chat_model:
             return self.text_
         if self.cur_role != "assistant":
-            raise ValueError(f"{what}: a chat model answers with an assistant message, so gen and select must be "
-                             f"inside assistant(...); here the current role is {self.cur_role!r}")
-        if self.text_[self.role_begin_pos:]:
-            raise ValueError(f"{what}: a chat model starts a new assistant message on every call, so gen and select "
-                             f"must come first in theirs; this one follows "
-                             f"{self.text_[self.role_begin_pos:][:60]!r}"
-                             + ("" if self.num_api_spec_tokens else "; with @sgl.function(num_api_spec_tokens=N) "
-                                "later gens of a message are matched in the reply to its first"))
+            raise ValueError(
+                f"{what}: a chat model answers with an assistant message, so gen and select must be "
+                f"inside assistant(...); here the current role is {self.cur_role!r}"
+            )
+        if self.text_[self.role_begin_pos :]:
+            raise ValueError(
+                f"{what}: a chat model starts a new assistant message on every call, so gen and select "
+                f"must come first in theirs; this one follows "
+                f"{self.text_[self.role_begin_pos :][:60]!r}"
+                + (
+                    ""
+                    if self.num_api_spec_tokens
+                    else "; with @sgl.function(num_api_spec_tokens=N) "
+                    "later gens of a message are matched in the reply to its first"
+                )
+            )
         return list(self.messages_)
 
     def _gen_speculative(self, gen: Gen, params: dict) -> tuple[str, dict]:
@@ -343,8 +374,12 @@ class StreamExecutor:
         if self.spec_reply is not None:
             got = speculative.answer(self.spec_reply, self.text_, params)
             if isinstance(got, speculative.Answer):
-                return got.value, {"speculative": "hit", "completion_tokens": got.tokens,
-                                   "finish_reason": got.finish_reason, "miss": None}
+                return got.value, {
+                    "speculative": "hit",
+                    "completion_tokens": got.tokens,
+                    "finish_reason": got.finish_reason,
+                    "miss": None,
+                }
             miss = got
         if self.backend.is_chat_model:
             if self.cur_role != "assistant":
@@ -357,8 +392,13 @@ class StreamExecutor:
         self.spec_reply = speculative.make_reply(anchor, text, meta, ends, call)
         got = speculative.answer(self.spec_reply, self.text_, params)
         if isinstance(got, speculative.Answer):
-            return got.value, {"speculative": "call", "completion_tokens": got.tokens,
-                               "finish_reason": got.finish_reason, "miss": miss, "call": {**meta, "text": text}}
+            return got.value, {
+                "speculative": "call",
+                "completion_tokens": got.tokens,
+                "finish_reason": got.finish_reason,
+                "miss": miss,
+                "call": {**meta, "text": text},
+            }
         self.spec_reply = None
         # The reply cannot answer (it does not repeat a chat message's fixed text, or its end is unknown): the
         # gen's own call, where there is one.
@@ -379,7 +419,7 @@ class StreamExecutor:
     def _role_end(self, role: str) -> None:
         if self.cur_role != role:
             raise ValueError(f"{role}_end() without {role}_begin() (the current role is {self.cur_role!r})")
-        content = self.text_[self.role_begin_pos:]
+        content = self.text_[self.role_begin_pos :]
         if self._message_images:
             content = _content_parts(content, self._message_images, self.chat_template.image_token)
             self._message_images = []
@@ -418,7 +458,7 @@ class StreamExecutor:
             if child.error_ is not None:
                 raise child.error_
         if op.mode == "concate_and_append":
-            self._fill("".join(c.text_[c.fork_start:] for c in op.children))
+            self._fill("".join(c.text_[c.fork_start :] for c in op.children))
         for name in op.names:
             values = [c.variables[name] for c in op.children if name in c.variables]
             self._set(name, values, [c.meta_info.get(name) for c in op.children if name in c.variables])
@@ -427,12 +467,14 @@ class StreamExecutor:
 
 
 # -- running programs ---------------------------------------------------------------------------------------
-def run_program(function, backend, args: tuple, kwargs: dict, defaults: dict, stream: bool = False,
-                sync: bool = False) -> ProgramState:
+def run_program(
+    function, backend, args: tuple, kwargs: dict, defaults: dict, stream: bool = False, sync: bool = False
+) -> ProgramState:
     executor = StreamExecutor(backend, defaults, stream, num_api_spec_tokens=function.num_api_spec_tokens)
     state = ProgramState(executor)
     kwargs = {**function.bind_arguments, **kwargs}
     if stream:
+
         def body():
             try:
                 _call(function, state, args, kwargs, sync)

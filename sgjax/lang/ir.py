@@ -11,9 +11,27 @@ import json
 from dataclasses import dataclass, field
 
 # What a gen may override; the rest of a request's sampling parameters come from `run(...)` and the backend.
-GEN_PARAMS = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
-              "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "regex",
-              "json_schema", "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+GEN_PARAMS = (
+    "max_new_tokens",
+    "min_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "regex",
+    "json_schema",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+)
 # Not sampling parameters: they ask the backend for logprobs in the result's meta info.
 LOGPROB_PARAMS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 
@@ -44,8 +62,9 @@ def as_expr(value) -> Expr:
         return value
     if isinstance(value, str):
         return Constant(value)
-    raise TypeError(f"a program state takes str or sgjax expressions (gen, select, roles), "
-                    f"not {type(value).__name__}: {value!r}")
+    raise TypeError(
+        f"a program state takes str or sgjax expressions (gen, select, roles), not {type(value).__name__}: {value!r}"
+    )
 
 
 @dataclass(eq=False)
@@ -158,8 +177,9 @@ class SeparateReasoning(Expr):
     @staticmethod
     def _named(e) -> bool:
         if not e.name:
-            raise ValueError(f"separate_reasoning: {e!r} needs a name (its reasoning goes to name + "
-                             f"{REASONING_SUFFIX!r})")
+            raise ValueError(
+                f"separate_reasoning: {e!r} needs a name (its reasoning goes to name + {REASONING_SUFFIX!r})"
+            )
         return True
 
     @staticmethod

@@ -14,8 +14,12 @@ import os
 
 import numpy as np
 
-_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"),
-          (b"BM", "image/bmp"))
+_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF8", "image/gif"),
+    (b"BM", "image/bmp"),
+)
 
 
 def is_url(data: str) -> bool:
@@ -79,8 +83,9 @@ def sample_frames(video, num_frames: int) -> list[str]:
     elif isinstance(video, (list, tuple)):
         frames = list(video)
     else:
-        raise TypeError(f"video: expected a file path, a [F, H, W, 3] array or a list of frames, "
-                        f"not {type(video).__name__}")
+        raise TypeError(
+            f"video: expected a file path, a [F, H, W, 3] array or a list of frames, not {type(video).__name__}"
+        )
     if not frames:
         raise ValueError("video: no frames")
     picks = np.linspace(0, len(frames) - 1, min(num_frames, len(frames))).round().astype(int)
@@ -93,8 +98,10 @@ def _read_video(path: str) -> list:
     try:
         import imageio.v3 as iio
     except ImportError:
-        raise ValueError(f"video: reading {path!r} needs imageio (pip install imageio[ffmpeg]); or pass the "
-                         f"frames as a [F, H, W, 3] array or a list of images") from None
+        raise ValueError(
+            f"video: reading {path!r} needs imageio (pip install imageio[ffmpeg]); or pass the "
+            f"frames as a [F, H, W, 3] array or a list of images"
+        ) from None
     return list(iio.imread(path))
 
 

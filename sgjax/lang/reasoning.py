@@ -31,8 +31,10 @@ def is_forced(model_type: str | None) -> bool:
         return True
     if name in OPTIONAL:
         return False
-    raise ValueError(f"separate_reasoning: unsupported model type {model_type!r}; sgjax knows "
-                     f"{sorted(FORCED + OPTIONAL)} (or None: reasoning only inside <think>...</think>)")
+    raise ValueError(
+        f"separate_reasoning: unsupported model type {model_type!r}; sgjax knows "
+        f"{sorted(FORCED + OPTIONAL)} (or None: reasoning only inside <think>...</think>)"
+    )
 
 
 def split_reasoning(text: str, model_type: str | None = None) -> tuple[str, str]:
@@ -42,7 +44,7 @@ def split_reasoning(text: str, model_type: str | None = None) -> tuple[str, str]
         return "", text
     body = text
     while body.startswith(THINK_START):  # the opening tag(s), when the model wrote them
-        body = body[len(THINK_START):]
+        body = body[len(THINK_START) :]
     if THINK_END not in body:
         return body, ""  # cut off while reasoning
     reasoning, _, answer = body.partition(THINK_END)

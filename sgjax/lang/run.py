@@ -12,8 +12,9 @@ from sgjax.lang.state import ProgramState
 from sgjax.lang.tracer import cache_common_prefix
 
 
-def run_program_batch(function, backend, batch_kwargs: list[dict], defaults: dict, num_threads="auto",
-                      progress_bar: bool = False) -> list[ProgramState]:
+def run_program_batch(
+    function, backend, batch_kwargs: list[dict], defaults: dict, num_threads="auto", progress_bar: bool = False
+) -> list[ProgramState]:
     """Run one program per argument dict in a thread pool; states come back in order. A program whose code
     raised returns a state that raises the error where it is used (one bad input does not sink the batch)."""
     if global_config.enable_precache_with_tracing and len(batch_kwargs) > 1:

@@ -37,8 +37,15 @@ from dataclasses import dataclass
 
 from sgjax.lang.backend.base import DEFAULT_MAX_NEW_TOKENS
 
-NOT_SPECULATED = ("regex", "json_schema", "min_new_tokens", "stop_token_ids", "return_logprob", "logprob_start_len",
-                  "top_logprobs_num")
+NOT_SPECULATED = (
+    "regex",
+    "json_schema",
+    "min_new_tokens",
+    "stop_token_ids",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+)
 _NOT_SAMPLING = ("stop", "max_new_tokens")
 
 
@@ -108,11 +115,13 @@ def first_stop(text: str, stops, start: int = 0) -> tuple[int, int, str] | None:
 def answer(reply: Reply, state_text: str, params: dict) -> Answer | str:
     """What the gen's own call would return, read off `reply`; or, when the reply cannot tell, why (a str)."""
     consumed = len(state_text) - reply.anchor
-    if consumed < 0 or not reply.text.startswith(state_text[reply.anchor:]):
-        said = reply.text[:max(consumed, 0)]
-        at = next((i for i, (a, b) in enumerate(zip(said, state_text[reply.anchor:])) if a != b), len(said))
-        return (f"the prompt since the reply began ({_clip(state_text[reply.anchor:])}) is not the reply's beginning "
-                f"({_clip(said)}); they differ at character {at}")
+    if consumed < 0 or not reply.text.startswith(state_text[reply.anchor :]):
+        said = reply.text[: max(consumed, 0)]
+        at = next((i for i, (a, b) in enumerate(zip(said, state_text[reply.anchor :])) if a != b), len(said))
+        return (
+            f"the prompt since the reply began ({_clip(state_text[reply.anchor :])}) is not the reply's beginning "
+            f"({_clip(said)}); they differ at character {at}"
+        )
     if sampling_key(params) != reply.key:
         return "its sampling parameters differ from those of the speculative call"
     rest = reply.text[consumed:]
@@ -126,11 +135,12 @@ def answer(reply: Reply, state_text: str, params: dict) -> Answer | str:
         if ends is None or (k is not None and k <= m):
             return Answer(rest[:pos], k, {"type": "stop", "matched": stop})
     if ends is not None and len(ends) >= m:  # m tokens before any stop string completes
-        return Answer(rest[:ends[m - 1]], m, {"type": "length", "length": m})
+        return Answer(rest[: ends[m - 1]], m, {"type": "length", "length": m})
     if reply.finished and hit is None:
         return Answer(rest, None if ends is None else len(ends), {"type": "stop", "matched": None})
-    return (f"the reply ends after {_clip(rest)} before the gen's stop string"
-            + ("" if ends is None else f" or its {m} tokens"))
+    return f"the reply ends after {_clip(rest)} before the gen's stop string" + (
+        "" if ends is None else f" or its {m} tokens"
+    )
 
 
 def _clip(text: str, n: int = 60) -> str:

@@ -30,8 +30,20 @@ from dataclasses import dataclass, field
 
 from sgjax.lang.chat_template import PLAIN
 from sgjax.lang.global_config import global_config
-from sgjax.lang.ir import (Constant, ExprList, Gen, Image, RoleBegin, RoleEnd, Select, SeparateReasoning,
-                           VarScopeBegin, VarScopeEnd, as_expr, split_run_kwargs)
+from sgjax.lang.ir import (
+    Constant,
+    ExprList,
+    Gen,
+    Image,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SeparateReasoning,
+    VarScopeBegin,
+    VarScopeEnd,
+    as_expr,
+    split_run_kwargs,
+)
 from sgjax.lang.state import ProgramStateGroup, _PromptAPI, call_site
 
 _MARKER = re.compile("\x00sgjax(\\d+)\x00")
@@ -47,11 +59,14 @@ class _StopTracing(BaseException):  # BaseException: a program's own `except Exc
 
 def _refuse(operation: str):
     def method(self, *args, **kwargs):
-        raise TracingError(f"compiler mode: {object.__getattribute__(self, '_what')} is not known while tracing, "
-                           f"and the program uses it in `{operation}` at {call_site()}. Control flow or Python "
-                           f"code that depends on a generated value or an abstract argument cannot be traced; "
-                           f"give its value (trace(arg=...) for an argument, trace(assume={{name: value}}) for a "
-                           f"gen or select result) or run the program in interpreter mode.")
+        raise TracingError(
+            f"compiler mode: {object.__getattribute__(self, '_what')} is not known while tracing, "
+            f"and the program uses it in `{operation}` at {call_site()}. Control flow or Python "
+            f"code that depends on a generated value or an abstract argument cannot be traced; "
+            f"give its value (trace(arg=...) for an argument, trace(assume={{name: value}}) for a "
+            f"gen or select result) or run the program in interpreter mode."
+        )
+
     return method
 
 
@@ -66,8 +81,24 @@ class Symbol(str):
     __hash__ = str.__hash__
 
 
-for _op in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__", "__iter__",
-            "__contains__", "__getitem__", "__int__", "__float__", "__mod__", "__mul__", "__rmul__"):
+for _op in (
+    "__eq__",
+    "__ne__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__bool__",
+    "__len__",
+    "__iter__",
+    "__contains__",
+    "__getitem__",
+    "__int__",
+    "__float__",
+    "__mod__",
+    "__mul__",
+    "__rmul__",
+):
     setattr(Symbol, _op, _refuse(_op))
 
 
@@ -168,7 +199,7 @@ class Graph:
 
 
 def _short(text: str, limit: int = 60) -> str:
-    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 class _Trace:
@@ -350,12 +381,15 @@ def _arguments(trace: _Trace, function, known: dict) -> dict:
     unknown = set(known) - set(function.arg_names)
     if unknown:
         raise TypeError(f"{function.name} has no argument(s) {sorted(unknown)}; its arguments: {function.arg_names}")
-    return {name: known[name] if name in known else
-            trace.symbol("argument", name, None, f"argument {name!r}") for name in function.arg_names}
+    return {
+        name: known[name] if name in known else trace.symbol("argument", name, None, f"argument {name!r}")
+        for name in function.arg_names
+    }
 
 
-def trace_program(function, backend=None, concrete: dict | None = None, assume: dict | None = None,
-                  prefix_only: bool = False) -> Graph:
+def trace_program(
+    function, backend=None, concrete: dict | None = None, assume: dict | None = None, prefix_only: bool = False
+) -> Graph:
     """Trace `function` with the arguments in `concrete` (plus its bound arguments and defaults) fixed and the
     others abstract."""
     template = backend.get_chat_template() if backend is not None else PLAIN

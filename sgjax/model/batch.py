@@ -25,9 +25,17 @@ class StepBatch:
     logits_idx: Array  # i32[B]: the rows whose logits are wanted (e.g. each request's last row)
 
 
-def build_batch(token_chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
-                num_tokens: int, num_reqs: int, pages_per_req: int, logits_rows: list[int] | None = None,
-                num_logits: int | None = None) -> StepBatch:
+def build_batch(
+    token_chunks: list[list[int]],
+    kv_lens: list[int],
+    page_tables: list[list[int]],
+    page_size: int,
+    num_tokens: int,
+    num_reqs: int,
+    pages_per_req: int,
+    logits_rows: list[int] | None = None,
+    num_logits: int | None = None,
+) -> StepBatch:
     """Pack requests' new tokens into one padded numpy batch (host side).
 
     token_chunks[r] are request r's new tokens; they take positions kv_lens[r] - len .. kv_lens[r] - 1
@@ -51,8 +59,8 @@ def build_batch(token_chunks: list[list[int]], kv_lens: list[int], page_tables: 
     page_cols = np.arange(page_rows.size) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
     table[page_rows, page_cols] = np.fromiter(itertools.chain.from_iterable(page_tables), np.int32, page_rows.size)
     cu = np.zeros(num_reqs + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = total
+    cu[1 : n + 1] = np.cumsum(q_lens)
+    cu[n + 1 :] = total
     lens = np.zeros(num_reqs, np.int32)
     lens[:n] = kv
     req_of_row = np.repeat(np.arange(n), q_lens)
@@ -64,13 +72,16 @@ def build_batch(token_chunks: list[list[int]], kv_lens: list[int], page_tables: 
     slots = np.zeros(num_tokens, np.int32)
     slots[:total] = table[req_of_row, pos // page_size] * page_size + pos % page_size
     if logits_rows is None:
-        logits_rows = cu[1:n + 1] - 1
+        logits_rows = cu[1 : n + 1] - 1
     num_logits = num_logits or num_reqs
     idx = np.zeros(num_logits, np.int32)
-    idx[:len(logits_rows)] = logits_rows
-    return StepBatch(input_ids=input_ids, positions=positions,
-                     attn=AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=lens, page_table=table),
-                     logits_idx=idx)
+    idx[: len(logits_rows)] = logits_rows
+    return StepBatch(
+        input_ids=input_ids,
+        positions=positions,
+        attn=AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=lens, page_table=table),
+        logits_idx=idx,
+    )
 
 
 @dataclass(frozen=True)
@@ -84,28 +95,50 @@ class BatchShape:
 
     @classmethod
     def of(cls, batch: StepBatch) -> "BatchShape":
-        return cls(num_tokens=batch.input_ids.shape[0], num_reqs=batch.attn.kv_lens.shape[0],
-                   pages_per_req=batch.attn.page_table.shape[1], num_logits=batch.logits_idx.shape[0])
+        return cls(
+            num_tokens=batch.input_ids.shape[0],
+            num_reqs=batch.attn.kv_lens.shape[0],
+            pages_per_req=batch.attn.page_table.shape[1],
+            num_logits=batch.logits_idx.shape[0],
+        )
 
     def layout(self) -> tuple[Segment, ...]:
         """The batch's segments of the step buffer (model/packing.py), in order."""
         t, r = self.num_tokens, self.num_reqs
-        return (Segment("input_ids", (t,)), Segment("positions", (t,)), Segment("slot_mapping", (t,)),
-                Segment("cu_q_lens", (r + 1,)), Segment("kv_lens", (r,)),
-                Segment("page_table", (r, self.pages_per_req)), Segment("logits_idx", (self.num_logits,)))
+        return (
+            Segment("input_ids", (t,)),
+            Segment("positions", (t,)),
+            Segment("slot_mapping", (t,)),
+            Segment("cu_q_lens", (r + 1,)),
+            Segment("kv_lens", (r,)),
+            Segment("page_table", (r, self.pages_per_req)),
+            Segment("logits_idx", (self.num_logits,)),
+        )
 
 
 def fields(batch: StepBatch) -> dict[str, Array]:
     """The batch's arrays by segment name."""
     a = batch.attn
-    return {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": a.slot_mapping,
-            "cu_q_lens": a.cu_q_lens, "kv_lens": a.kv_lens, "page_table": a.page_table, "logits_idx": batch.logits_idx}
+    return {
+        "input_ids": batch.input_ids,
+        "positions": batch.positions,
+        "slot_mapping": a.slot_mapping,
+        "cu_q_lens": a.cu_q_lens,
+        "kv_lens": a.kv_lens,
+        "page_table": a.page_table,
+        "logits_idx": batch.logits_idx,
+    }
 
 
 def from_fields(d: dict[str, Array]) -> StepBatch:
-    return StepBatch(input_ids=d["input_ids"], positions=d["positions"], logits_idx=d["logits_idx"],
-                     attn=AttentionMetadata(slot_mapping=d["slot_mapping"], cu_q_lens=d["cu_q_lens"],
-                                            kv_lens=d["kv_lens"], page_table=d["page_table"]))
+    return StepBatch(
+        input_ids=d["input_ids"],
+        positions=d["positions"],
+        logits_idx=d["logits_idx"],
+        attn=AttentionMetadata(
+            slot_mapping=d["slot_mapping"], cu_q_lens=d["cu_q_lens"], kv_lens=d["kv_lens"], page_table=d["page_table"]
+        ),
+    )
 
 
 def pack(batch: StepBatch) -> np.ndarray:

@@ -57,10 +57,13 @@ def _rope_scaling_from_hf(rs: dict | None) -> RopeScaling:
     if kind == "linear":
         return RopeScaling(kind="linear", factor=float(rs["factor"]))
     if kind == "llama3":
-        return RopeScaling(kind="llama3", factor=float(rs["factor"]),
-                           low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                           high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                           original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
+        return RopeScaling(
+            kind="llama3",
+            factor=float(rs["factor"]),
+            low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+        )
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
 
 

@@ -66,7 +66,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.rope_scaling.kind not in ("default", "linear", "llama3"):
@@ -78,7 +79,8 @@ class ModelConfig:
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size):
             raise UnsupportedModelError(
                 f"a mixture of {self.num_experts} experts needs 0 < num_experts_per_tok <= num_experts (got "
-                f"{self.num_experts_per_tok}) and a moe_intermediate_size (got {self.moe_intermediate_size})")
+                f"{self.num_experts_per_tok}) and a moe_intermediate_size (got {self.moe_intermediate_size})"
+            )
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -129,45 +131,119 @@ class ModelConfig:
 
 def llama3_8b_config(dtype: str = "bfloat16") -> ModelConfig:
     """Llama-3-8B's shapes, for performance runs with dummy weights."""
-    return ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                       rope_theta=500000.0, max_position_embeddings=8192, dtype=dtype)
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        dtype=dtype,
+    )
 
 
 def qwen3_8b_config(dtype: str = "bfloat16") -> ModelConfig:
     """Qwen3-8B's shapes (q/k norms, untied head), for performance runs with dummy weights."""
-    return ModelConfig(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                       num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                       rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True, dtype=dtype)
+    return ModelConfig(
+        architecture="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        qk_norm=True,
+        dtype=dtype,
+    )
 
 
 def gemma3_12b_config(dtype: str = "bfloat16") -> ModelConfig:
     """Gemma-3-12B's text shapes (5 sliding layers of 1024 keys : 1 global, head_dim 256), for performance runs."""
-    return ModelConfig(architecture="gemma3", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
-                       num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6,
-                       rope_theta=1000000.0, rope_scaling=RopeScaling(kind="linear", factor=8.0),
-                       max_position_embeddings=131072, tie_word_embeddings=True, qk_norm=True, sandwich_norms=True,
-                       activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=256.0, sliding_window=1024,
-                       sliding_layers=tuple((i + 1) % 6 != 0 for i in range(48)), rope_local_theta=10000.0,
-                       dtype=dtype)
+    return ModelConfig(
+        architecture="gemma3",
+        vocab_size=262208,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_layers=48,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_scaling=RopeScaling(kind="linear", factor=8.0),
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        embed_scale=True,
+        query_pre_attn_scalar=256.0,
+        sliding_window=1024,
+        sliding_layers=tuple((i + 1) % 6 != 0 for i in range(48)),
+        rope_local_theta=10000.0,
+        dtype=dtype,
+    )
 
 
 def mixtral_8x7b_config(dtype: str = "bfloat16") -> ModelConfig:
     """Mixtral-8x7B's shapes (8 experts of 14336, 2 per token), for performance runs with dummy weights."""
-    return ModelConfig(architecture="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                       rope_theta=1000000.0, max_position_embeddings=32768, num_experts=8, num_experts_per_tok=2,
-                       moe_intermediate_size=14336, norm_topk_prob=True, dtype=dtype)
+    return ModelConfig(
+        architecture="mixtral",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=14336,
+        norm_topk_prob=True,
+        dtype=dtype,
+    )
 
 
 def qwen3_30b_a3b_config(dtype: str = "bfloat16") -> ModelConfig:
     """Qwen3-30B-A3B's shapes (128 experts of 768, 8 per token, q/k norms), for performance runs."""
-    return ModelConfig(architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                       num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
-                       rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True, num_experts=128,
-                       num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, dtype=dtype)
+    return ModelConfig(
+        architecture="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        qk_norm=True,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        dtype=dtype,
+    )
 
 
 # Dummy-weight shapes for benchmarks, by name (scripts/perf/bench_forward.py --model).
-BENCH_CONFIGS = {"llama3-8b": llama3_8b_config, "qwen3-8b": qwen3_8b_config, "gemma3-12b": gemma3_12b_config,
-                 "mixtral-8x7b": mixtral_8x7b_config, "qwen3-30b-a3b": qwen3_30b_a3b_config}
+BENCH_CONFIGS = {
+    "llama3-8b": llama3_8b_config,
+    "qwen3-8b": qwen3_8b_config,
+    "gemma3-12b": gemma3_12b_config,
+    "mixtral-8x7b": mixtral_8x7b_config,
+    "qwen3-30b-a3b": qwen3_30b_a3b_config,
+}

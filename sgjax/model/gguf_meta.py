@@ -20,9 +20,19 @@ class GGUFError(ValueError):
 
 
 # GGUF value types -> (struct format, numpy dtype) of the fixed-size ones; 8 is a string, 9 an array.
-_SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16),
-            4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
-            10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64)}
+_SCALARS = {
+    0: ("<B", np.uint8),
+    1: ("<b", np.int8),
+    2: ("<H", np.uint16),
+    3: ("<h", np.int16),
+    4: ("<I", np.uint32),
+    5: ("<i", np.int32),
+    6: ("<f", np.float32),
+    7: ("<?", np.bool_),
+    10: ("<Q", np.uint64),
+    11: ("<q", np.int64),
+    12: ("<d", np.float64),
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -51,7 +61,7 @@ class _Cursor:
 
     def string(self) -> str:
         n = self.unpack("<Q")
-        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
         return s
 
@@ -101,12 +111,15 @@ def _read(path: str) -> GGUFFile:
         shape = tuple(reversed(dims))
         count = int(np.prod(dims))
         nbytes = count // block * type_size
-        raw = buf[start + offset:start + offset + nbytes]
+        raw = buf[start + offset : start + offset + nbytes]
         if len(raw) != nbytes:
             raise GGUFError(f"tensor {name!r} runs past the end of the file (truncated?)")
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            dtype = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-                     GGMLQuantizationType.BF16: np.uint16}[qtype]
+            dtype = {
+                GGMLQuantizationType.F32: np.float32,
+                GGMLQuantizationType.F16: np.float16,
+                GGMLQuantizationType.BF16: np.uint16,
+            }[qtype]
             data = raw.view(dtype).reshape(shape)
         else:  # rows of quantized blocks, the layout gguf.dequantize takes
             data = raw.reshape(*shape[:-1], shape[-1] // block * type_size)
@@ -131,5 +144,6 @@ def read_metadata(path: str) -> dict:
 def layer_matrix_types(path: str) -> frozenset[str]:
     """The quantization types (GGML names: Q4_1, Q8_0, F16, ...) of a GGUF's layer matrices (the 2-D blk.*
     tensors), from its header alone."""
-    return frozenset(t.tensor_type.name for t in open_gguf(path).tensors
-                     if t.name.startswith("blk.") and len(t.shape) == 2)
+    return frozenset(
+        t.tensor_type.name for t in open_gguf(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2
+    )

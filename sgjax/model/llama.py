@@ -191,8 +191,19 @@ def layer_rope(cfg: ModelConfig) -> np.ndarray:
     return np.stack([local if cfg.window(i) else glob for i in range(cfg.num_layers)])
 
 
-def forward(weights: Weights, pool, batch: StepBatch, *, cfg: ModelConfig, attention, ops: Ops = XLA,
-            input_embeds=None, output: str = "logits", experts_fn=None, with_stats: bool = False):
+def forward(
+    weights: Weights,
+    pool,
+    batch: StepBatch,
+    *,
+    cfg: ModelConfig,
+    attention,
+    ops: Ops = XLA,
+    input_embeds=None,
+    output: str = "logits",
+    experts_fn=None,
+    with_stats: bool = False,
+):
     """Returns (logits f32[B, V] for the rows in batch.logits_idx, the updated pool); output="hidden": the final
     normed hidden states f32[B, D] of those rows instead (embeddings). with_stats=True adds a third element: a
     mixture of experts' tokens per expert per layer, i32[L, E] (None for a dense model).
@@ -224,7 +235,7 @@ def embed_rows(embed, batch: StepBatch, cfg: ModelConfig, input_embeds=None):
         return input_embeds.astype(jnp.dtype(cfg.dtype))
     x = embed_lookup(embed, batch.input_ids).astype(jnp.dtype(cfg.dtype))
     if cfg.embed_scale:  # in the model's dtype, as HF's Gemma rounds it
-        x = x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.dtype(cfg.dtype))
+        x = x * jnp.asarray(cfg.hidden_size**0.5, jnp.dtype(cfg.dtype))
     return x
 
 
@@ -254,16 +265,16 @@ def _forward(weights, pool, batch, cfg, attention, ops, input_embeds, output="lo
     kind = kind.reshape(-1)
     tables = rope_tables(batch.positions, jnp.asarray(freqs))  # [K, T, D/2] each
     x = embed_rows(weights.embed, batch, cfg, input_embeds)
-    block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, experts_fn=experts_fn,
-                              ops=ops)
+    block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, experts_fn=experts_fn, ops=ops)
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
     if isinstance(weights.layers, (tuple, list)):
         # One jitted block per distinct window, called once per layer: jax traces and lowers it once (the module
         # calls one function L times; XLA inlines it), not L times: unrolled layer by layer, tracing and lowering a
         # step shape (its Pallas kernels built again for every layer) took several times its XLA compilation
         # (docs/journal/engine-h200.md).
-        jitted = {win: jax.jit(lambda x, pool, w, i, rope, win=win: block(x, pool, w, (i, win, rope)))
-                  for win in set(windows)}
+        jitted = {
+            win: jax.jit(lambda x, pool, w, i, rope, win=win: block(x, pool, w, (i, win, rope))) for win in set(windows)
+        }
         stats = []
         for i, w in enumerate(weights.layers):
             with jax.named_scope(f"layer{i}"):
@@ -282,7 +293,11 @@ def _forward(weights, pool, batch, cfg, attention, ops, input_embeds, output="lo
         rope = (tables[0][0], tables[1][0]) if len(freqs) == 1 else (tables[0][k], tables[1][k])
         return block(*carry, w, (i, windows[0] if same else win, rope))
 
-    scanned = (scanned_layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), jnp.asarray(windows, jnp.int32),
-               jnp.asarray(kind, jnp.int32))
+    scanned = (
+        scanned_layers,
+        jnp.arange(cfg.num_layers, dtype=jnp.int32),
+        jnp.asarray(windows, jnp.int32),
+        jnp.asarray(kind, jnp.int32),
+    )
     (x, pool), stats = jax.lax.scan(body, (x, pool), scanned)
     return head(weights, x, batch, cfg, ops, output), pool, stats

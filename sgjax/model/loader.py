@@ -10,7 +10,8 @@ import os
 import jax
 import numpy as np
 
-from sgjax.model import gguf_meta, weights as W
+from sgjax.model import gguf_meta
+from sgjax.model import weights as W
 from sgjax.model.checkpoint import config_from_gguf, config_from_hf_dir
 from sgjax.model.config import ModelConfig
 from sgjax.model.families import FAMILY
@@ -24,8 +25,9 @@ class WeightFileError(ValueError):
     """A weight file that exists but cannot be read (truncated, corrupt, wrong format)."""
 
 
-def load_model(model_path: str | None = None, dtype: str = "float32",
-               host: bool = False) -> tuple[ModelConfig, W.Weights]:
+def load_model(
+    model_path: str | None = None, dtype: str = "float32", host: bool = False
+) -> tuple[ModelConfig, W.Weights]:
     """Config and weights from a GGUF file, an HF directory or an orbax checkpoint; None = SmolLM2. host=True: the
     GGUF and HF loaders return numpy arrays, to be placed on a mesh (orbax restores onto the default device)."""
     if _is_orbax(model_path):
@@ -39,8 +41,11 @@ def load_model(model_path: str | None = None, dtype: str = "float32",
 def load_config(model_path: str | None = None, dtype: str = "float32", load_format: str = "auto") -> ModelConfig:
     """The checkpoint's config alone (metadata, config.json): what the step plan is resolved from before the weights
     are read."""
-    if load_format == "dummy" or (model_path is not None and os.path.isfile(os.path.join(model_path, "config.json"))
-                                  and _model_type(model_path) == "llava"):
+    if load_format == "dummy" or (
+        model_path is not None
+        and os.path.isfile(os.path.join(model_path, "config.json"))
+        and _model_type(model_path) == "llava"
+    ):
         from sgjax.model.vision import text_config_from_llava
 
         if load_format == "dummy":
@@ -70,18 +75,21 @@ def _is_orbax(path: str | None) -> bool:
 
 # --- GGUF -----------------------------------------------------------------------------------------
 
+
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     # llama.cpp's converter interleaves the two rotary halves of each head's q/k rows; undo it so
     # the rows are in HF's rotate_half order again (only for the llama architecture).
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str, dtype: str = "float32", host: bool = False,
-              keep_blocks: bool = False) -> tuple[ModelConfig, W.Weights]:
+def load_gguf(
+    path: str, dtype: str = "float32", host: bool = False, keep_blocks: bool = False
+) -> tuple[ModelConfig, W.Weights]:
     """keep_blocks: the matrices stored as blocks our quantized formats hold exactly stay as they are, [out, in]:
     a layer's Q4_0 / Q4_1 matrices as Int4Matrix (quant.int4_from_q4_0 / _q4_1), any Q8_0 matrix (the embedding
     too) as a grouped
-    Int8Matrix (quant.int8_from_q8_0); what weights.cast_matrices(.., "int4" / "int8") finishes (loading.load_model_cached),
+    Int8Matrix (quant.int8_from_q8_0); what weights.cast_matrices(.., "int4" / "int8") finishes
+    (loading.load_model_cached),
     without dequantizing and quantizing them again."""
     from gguf import GGMLQuantizationType, dequantize
 
@@ -93,15 +101,24 @@ def load_gguf(path: str, dtype: str = "float32", host: bool = False,
     by_layer = {W.gguf_name(cfg, leaf): leaf for leaf in present if leaf.layer}  # "attn_q.weight" (under blk.{i}.)
     top = {W.gguf_name(cfg, leaf): leaf for leaf in present if not leaf.layer}
     unpermute = FAMILY[cfg.architecture].gguf_unpermute_qk
-    kept_as = {GGMLQuantizationType.Q4_0: int4_from_q4_0, GGMLQuantizationType.Q4_1: int4_from_q4_1,
-               GGMLQuantizationType.Q8_0: int8_from_q8_0}
+    kept_as = {
+        GGMLQuantizationType.Q4_0: int4_from_q4_0,
+        GGMLQuantizationType.Q4_1: int4_from_q4_1,
+        GGMLQuantizationType.Q8_0: int8_from_q8_0,
+    }
     per_layer: dict[str, list] = {}
     flat: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
         leaf = by_layer.get(".".join(parts[2:])) if parts[0] == "blk" else top.get(t.name)
-        keep = (kept_as.get(t.tensor_type) if keep_blocks and leaf is not None and leaf.name in W.QUANTIZED_LEAVES
-                and (leaf.layer or t.tensor_type == GGMLQuantizationType.Q8_0) else None)  # int4 keeps the top int8
+        keep = (
+            kept_as.get(t.tensor_type)
+            if keep_blocks
+            and leaf is not None
+            and leaf.name in W.QUANTIZED_LEAVES
+            and (leaf.layer or t.tensor_type == GGMLQuantizationType.Q8_0)
+            else None
+        )  # int4 keeps the top int8
         try:
             w = keep(np.asarray(t.data)) if keep else dequantize(t.data, t.tensor_type).astype(np.float32)
         except Exception as e:
@@ -140,6 +157,7 @@ def _assemble(cfg, flat, path, host=False):
 
 # --- HF safetensors directory ------------------------------------------------------------------------
 
+
 def load_hf_dir(path: str, dtype: str = "float32", host: bool = False) -> tuple[ModelConfig, W.Weights]:
     from safetensors import safe_open
 
@@ -172,6 +190,7 @@ def load_hf_dir(path: str, dtype: str = "float32", host: bool = False) -> tuple[
 
 
 # --- orbax ------------------------------------------------------------------------------------------
+
 
 def save_orbax(path: str, cfg: ModelConfig, weights: W.Weights) -> None:
     """Save the params pytree with orbax, plus our config as JSON beside it."""

@@ -32,8 +32,20 @@ def route(h, router, cfg):
     return top_w.astype(h.dtype), top_i.astype(jnp.int32)
 
 
-def experts(h, top_w, top_i, w_gate, w_up, w_down, *, first=0, activation: str = "silu", out_dtype=None,
-            kernel: str = "xla", kernel_config: dict | None = None):
+def experts(
+    h,
+    top_w,
+    top_i,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    first=0,
+    activation: str = "silu",
+    out_dtype=None,
+    kernel: str = "xla",
+    kernel_config: dict | None = None,
+):
     """sum_k top_w[t, k] * expert_{top_i[t, k]}(h[t]) over the experts held here, f32-accumulated, in h's dtype
     (or out_dtype: float32 for partial sums that a psum adds up).
 

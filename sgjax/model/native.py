@@ -50,9 +50,14 @@ def pack_weights(weights: Weights) -> Weights:
     packed; norms, biases, the router and experts as they are."""
     if isinstance(weights.layers, (tuple, list)):
         raise ValueError("pack_weights takes stacked layers (the native forward scans them)")
-    layers = dataclasses.replace(weights.layers, **{
-        n: pack(getattr(weights.layers, n), rows_first=False) for n in DENSE_LEAVES
-        if getattr(weights.layers, n, None) is not None})
+    layers = dataclasses.replace(
+        weights.layers,
+        **{
+            n: pack(getattr(weights.layers, n), rows_first=False)
+            for n in DENSE_LEAVES
+            if getattr(weights.layers, n, None) is not None
+        },
+    )
     top = {"embed": pack(weights.embed, rows_first=True)}
     if weights.lm_head is not None:
         top["lm_head"] = pack(weights.lm_head, rows_first=False)

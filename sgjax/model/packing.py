@@ -47,7 +47,7 @@ def unpack(layout: tuple[Segment, ...], buffer) -> dict[str, Any]:
     """The inverse of pack, for a jax or numpy buffer (static slices; traceable)."""
     out, start = {}, 0
     for seg in layout:
-        part = buffer[start:start + seg.size]
+        part = buffer[start : start + seg.size]
         start += seg.size
         if seg.dtype == "float32":
             part = jax.lax.bitcast_convert_type(jnp.asarray(part), jnp.float32)

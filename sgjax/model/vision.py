@@ -30,10 +30,27 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 # Older LLaVA config.json files (e.g. llava-hf/llava-1.5-7b-hf) leave fields at the transformers defaults; these
 # are CLIPVisionConfig's and LlamaConfig's defaults so that such files read the same as transformers reads them.
-_CLIP_DEFAULTS = dict(image_size=224, patch_size=32, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                      num_attention_heads=12, layer_norm_eps=1e-5, hidden_act="quick_gelu", num_channels=3)
-_LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                       num_attention_heads=32, rms_norm_eps=1e-6, max_position_embeddings=2048, model_type="llama")
+_CLIP_DEFAULTS = dict(
+    image_size=224,
+    patch_size=32,
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    layer_norm_eps=1e-5,
+    hidden_act="quick_gelu",
+    num_channels=3,
+)
+_LLAMA_DEFAULTS = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=2048,
+    model_type="llama",
+)
 
 
 @dataclass(frozen=True)
@@ -100,14 +117,21 @@ def vision_config_from_hf(d: dict) -> VisionConfig:
         raise UnsupportedModelError(f"a list of vision feature layers ({layer}) is not supported")
     text = {**_LLAMA_DEFAULTS, **(d.get("text_config") or {})}
     return VisionConfig(
-        image_size=v["image_size"], patch_size=v["patch_size"], hidden_size=v["hidden_size"],
-        intermediate_size=v["intermediate_size"], num_layers=v["num_hidden_layers"],
-        num_heads=v["num_attention_heads"], text_hidden_size=text["hidden_size"],
-        layer_norm_eps=float(v["layer_norm_eps"]), hidden_act=v["hidden_act"],
+        image_size=v["image_size"],
+        patch_size=v["patch_size"],
+        hidden_size=v["hidden_size"],
+        intermediate_size=v["intermediate_size"],
+        num_layers=v["num_hidden_layers"],
+        num_heads=v["num_attention_heads"],
+        text_hidden_size=text["hidden_size"],
+        layer_norm_eps=float(v["layer_norm_eps"]),
+        hidden_act=v["hidden_act"],
         projector_act=d.get("projector_hidden_act", "gelu"),
         projector_bias=bool(d.get("multimodal_projector_bias", True)),
-        vision_feature_layer=layer, vision_feature_select_strategy=d.get("vision_feature_select_strategy", "default"),
-        image_token_index=int(d.get("image_token_index", d.get("image_token_id", 32000))))
+        vision_feature_layer=layer,
+        vision_feature_select_strategy=d.get("vision_feature_select_strategy", "default"),
+        image_token_index=int(d.get("image_token_index", d.get("image_token_id", 32000))),
+    )
 
 
 def text_config_from_llava(d: dict, dtype: str = "float32") -> ModelConfig:
@@ -116,6 +140,7 @@ def text_config_from_llava(d: dict, dtype: str = "float32") -> ModelConfig:
 
 
 # --- weights ------------------------------------------------------------------------------------------------------
+
 
 @jax.tree_util.register_dataclass
 @dataclass
@@ -156,18 +181,32 @@ class VisionWeights:
 
 
 _HF_VISION_LAYER = {
-    "layer_norm1.weight": "ln1_w", "layer_norm1.bias": "ln1_b", "layer_norm2.weight": "ln2_w",
-    "layer_norm2.bias": "ln2_b", "self_attn.q_proj.weight": "wq", "self_attn.q_proj.bias": "bq",
-    "self_attn.k_proj.weight": "wk", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.weight": "wv",
-    "self_attn.v_proj.bias": "bv", "self_attn.out_proj.weight": "wo", "self_attn.out_proj.bias": "bo",
-    "mlp.fc1.weight": "fc1", "mlp.fc1.bias": "fc1_b", "mlp.fc2.weight": "fc2", "mlp.fc2.bias": "fc2_b",
+    "layer_norm1.weight": "ln1_w",
+    "layer_norm1.bias": "ln1_b",
+    "layer_norm2.weight": "ln2_w",
+    "layer_norm2.bias": "ln2_b",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.k_proj.bias": "bk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.v_proj.bias": "bv",
+    "self_attn.out_proj.weight": "wo",
+    "self_attn.out_proj.bias": "bo",
+    "mlp.fc1.weight": "fc1",
+    "mlp.fc1.bias": "fc1_b",
+    "mlp.fc2.weight": "fc2",
+    "mlp.fc2.bias": "fc2_b",
 }
 _HF_VISION_TOP = {
     "vision_tower.embeddings.class_embedding": "class_embed",
     "vision_tower.embeddings.position_embedding.weight": "pos_embed",
-    "vision_tower.pre_layrnorm.weight": "pre_ln_w", "vision_tower.pre_layrnorm.bias": "pre_ln_b",
-    "multi_modal_projector.linear_1.weight": "proj1", "multi_modal_projector.linear_1.bias": "proj1_b",
-    "multi_modal_projector.linear_2.weight": "proj2", "multi_modal_projector.linear_2.bias": "proj2_b",
+    "vision_tower.pre_layrnorm.weight": "pre_ln_w",
+    "vision_tower.pre_layrnorm.bias": "pre_ln_b",
+    "multi_modal_projector.linear_1.weight": "proj1",
+    "multi_modal_projector.linear_1.bias": "proj1_b",
+    "multi_modal_projector.linear_2.weight": "proj2",
+    "multi_modal_projector.linear_2.bias": "proj2_b",
 }
 _PATCH = "vision_tower.embeddings.patch_embedding.weight"
 
@@ -183,11 +222,11 @@ def canonical_name(name: str) -> str:
     """
     for top in ("vision_tower.", "multi_modal_projector.", "language_model."):
         if name.startswith("model." + top):
-            name = name[len("model."):]
+            name = name[len("model.") :]
     if name.startswith("vision_tower.vision_model."):
-        return "vision_tower." + name[len("vision_tower.vision_model."):]
+        return "vision_tower." + name[len("vision_tower.vision_model.") :]
     if name.startswith("language_model."):
-        rest = name[len("language_model."):]
+        rest = name[len("language_model.") :]
         return rest if rest.startswith(("model.", "lm_head.")) else "model." + rest
     return name
 
@@ -220,8 +259,7 @@ def vision_weights_from_state_dict(cfg: VisionConfig, get, names, dtype: str = "
     if needed - set(flat):
         raise ValueError(f"checkpoint is missing vision tensors {sorted(needed - set(flat))}")
     p, dv, d = cfg.patch_size, cfg.hidden_size, cfg.text_hidden_size
-    expect = {"patch_embed": (3 * p * p, dv), "pos_embed": (cfg.num_patches + 1, dv), "proj1": (dv, d),
-              "proj2": (d, d)}
+    expect = {"patch_embed": (3 * p * p, dv), "pos_embed": (cfg.num_patches + 1, dv), "proj1": (dv, d), "proj2": (d, d)}
     for k, shape in expect.items():
         if tuple(flat[k].shape) != shape:
             raise ValueError(f"vision tensor {k!r} has shape {tuple(flat[k].shape)}, the config expects {shape}")
@@ -283,7 +321,7 @@ def _encoder_layer(x, w: VisionLayerWeights, cfg: VisionConfig):
     hd = dv // cfg.num_heads
     h = layer_norm(x, w.ln1_w, w.ln1_b, cfg.layer_norm_eps)
     q, k, v = ((h @ wt + bt).reshape(n, s, cfg.num_heads, hd) for wt, bt in ((w.wq, w.bq), (w.wk, w.bk), (w.wv, w.bv)))
-    scores = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32) * hd ** -0.5
+    scores = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32) * hd**-0.5
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     attn = jnp.einsum("nhqk,nkhd->nqhd", probs, v).reshape(n, s, dv)
     x = x + attn @ w.wo + w.bo
@@ -296,8 +334,9 @@ def encode_images(weights: VisionWeights, cfg: VisionConfig, pixels):
     n, c, hgt, wid = pixels.shape
     p = cfg.patch_size
     if (c, hgt, wid) != (3, cfg.image_size, cfg.image_size):
-        raise ValueError(f"pixels have shape {pixels.shape[1:]}, the tower expects (3, {cfg.image_size}, "
-                         f"{cfg.image_size})")
+        raise ValueError(
+            f"pixels have shape {pixels.shape[1:]}, the tower expects (3, {cfg.image_size}, {cfg.image_size})"
+        )
     dt = weights.patch_embed.dtype
     # A stride-p conv without padding is a matmul over non-overlapping patches: cut [N, 3, H, W] into
     # [N, H/p * W/p, 3*p*p] in the conv kernel's (channel, row, col) order; patches run row-major as the
@@ -337,6 +376,7 @@ def merge_image_features(input_embeds, input_ids, image_features, image_token_in
 
 # --- preprocessing (host) -----------------------------------------------------------------------------------------
 
+
 def preprocess(image, cfg: VisionConfig) -> np.ndarray:
     """CLIP's image processor: resize the shortest side to image_size (bicubic), center crop, /255, normalise.
 
@@ -364,7 +404,7 @@ def preprocess(image, cfg: VisionConfig) -> np.ndarray:
         new_w, new_h = int(size * w / h), size
     arr = np.asarray(image.resize((new_w, new_h), resample=Image.BICUBIC))
     top, left = (new_h - size) // 2, (new_w - size) // 2
-    arr = arr[top:top + size, left:left + size]
+    arr = arr[top : top + size, left : left + size]
     x = arr.astype(np.float64) * (1 / 255)
     x = (x - np.asarray(cfg.image_mean)) / np.asarray(cfg.image_std)
     return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)

@@ -2,7 +2,8 @@
 
 Per-layer weights are stacked on a leading layer axis as loaded; the step plan (engine/plan.py) keeps them stacked
 where the forward scans them (CPU: compile time flat in depth) and splits them into a tuple of per-layer weights
-where it unrolls (accelerators: scanning copied each layer's weights on the GPU, docs/journal/architecture-measured.md). Float
+where it unrolls (accelerators: scanning copied each layer's weights on the GPU,
+docs/journal/architecture-measured.md). Float
 matrices are stored (in, out) so the forward is `x @ w`; quantized ones (model/quant.py) and the CPU's packed panels
 (model/native.py) are (out, in). Every leaf has logical axis names so that a sharding rule table can place them on a
 mesh without touching the model.
@@ -90,50 +91,119 @@ _DENSE, _MOE = (lambda c: not c.is_moe), (lambda c: c.is_moe)
 
 def _expert(name, rows, cols, axes, hf):
     """An expert matrix stacked over the experts ([E, rows, cols]); `hf` names one expert's tensor ({e})."""
-    return Leaf(name, lambda c: (c.num_experts, rows(c), cols(c)), ("expert", *axes), hf, "", transposed=True,
-                present=_MOE)
+    return Leaf(
+        name, lambda c: (c.num_experts, rows(c), cols(c)), ("expert", *axes), hf, "", transposed=True, present=_MOE
+    )
 
 
 _FE = lambda c: c.moe_intermediate_size  # noqa: E731
 # In this order: dummy_weights draws one key per leaf in it.
 LEAVES: tuple[Leaf, ...] = (
-    Leaf("embed", lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed"), "model.embed_tokens.weight",
-         "token_embd.weight", layer=False),
-    Leaf("final_norm", lambda c: (c.hidden_size,), ("embed",), "model.norm.weight", "output_norm.weight",
-         layer=False, init="ones"),
-    Leaf("attn_norm", lambda c: (c.hidden_size,), ("embed",), "input_layernorm.weight", "attn_norm.weight",
-         init="ones"),
-    Leaf("mlp_norm", lambda c: (c.hidden_size,), ("embed",), "post_attention_layernorm.weight", "ffn_norm.weight",
-         init="ones"),
+    Leaf(
+        "embed",
+        lambda c: (c.vocab_size, c.hidden_size),
+        ("vocab", "embed"),
+        "model.embed_tokens.weight",
+        "token_embd.weight",
+        layer=False,
+    ),
+    Leaf(
+        "final_norm",
+        lambda c: (c.hidden_size,),
+        ("embed",),
+        "model.norm.weight",
+        "output_norm.weight",
+        layer=False,
+        init="ones",
+    ),
+    Leaf(
+        "attn_norm", lambda c: (c.hidden_size,), ("embed",), "input_layernorm.weight", "attn_norm.weight", init="ones"
+    ),
+    Leaf(
+        "mlp_norm",
+        lambda c: (c.hidden_size,),
+        ("embed",),
+        "post_attention_layernorm.weight",
+        "ffn_norm.weight",
+        init="ones",
+    ),
     _matrix("wq", _D, _Q, ("embed", "q_heads"), "self_attn.q_proj.weight", "attn_q.weight"),
     _matrix("wk", _D, _KV, ("embed", "kv_heads"), "self_attn.k_proj.weight", "attn_k.weight"),
     _matrix("wv", _D, _KV, ("embed", "kv_heads"), "self_attn.v_proj.weight", "attn_v.weight"),
     _matrix("wo", _Q, _D, ("q_heads", "embed"), "self_attn.o_proj.weight", "attn_output.weight"),
-    dataclasses.replace(_matrix("w_gate", _D, _F, ("embed", "mlp"), "mlp.gate_proj.weight", "ffn_gate.weight"),
-                        present=_DENSE),
-    dataclasses.replace(_matrix("w_up", _D, _F, ("embed", "mlp"), "mlp.up_proj.weight", "ffn_up.weight"),
-                        present=_DENSE),
-    dataclasses.replace(_matrix("w_down", _F, _D, ("mlp", "embed"), "mlp.down_proj.weight", "ffn_down.weight"),
-                        present=_DENSE),
-    Leaf("bq", lambda c: (c.q_size,), ("q_heads",), "self_attn.q_proj.bias", "attn_q.bias",
-         present=lambda c: c.qkv_bias),
-    Leaf("bk", lambda c: (c.kv_size,), ("kv_heads",), "self_attn.k_proj.bias", "attn_k.bias",
-         present=lambda c: c.qkv_bias),
-    Leaf("bv", lambda c: (c.kv_size,), ("kv_heads",), "self_attn.v_proj.bias", "attn_v.bias",
-         present=lambda c: c.qkv_bias),
-    dataclasses.replace(_matrix("lm_head", _D, _V, ("embed", "vocab"), "lm_head.weight", "output.weight"),
-                        layer=False, present=lambda c: not c.tie_word_embeddings),
+    dataclasses.replace(
+        _matrix("w_gate", _D, _F, ("embed", "mlp"), "mlp.gate_proj.weight", "ffn_gate.weight"), present=_DENSE
+    ),
+    dataclasses.replace(
+        _matrix("w_up", _D, _F, ("embed", "mlp"), "mlp.up_proj.weight", "ffn_up.weight"), present=_DENSE
+    ),
+    dataclasses.replace(
+        _matrix("w_down", _F, _D, ("mlp", "embed"), "mlp.down_proj.weight", "ffn_down.weight"), present=_DENSE
+    ),
+    Leaf(
+        "bq", lambda c: (c.q_size,), ("q_heads",), "self_attn.q_proj.bias", "attn_q.bias", present=lambda c: c.qkv_bias
+    ),
+    Leaf(
+        "bk",
+        lambda c: (c.kv_size,),
+        ("kv_heads",),
+        "self_attn.k_proj.bias",
+        "attn_k.bias",
+        present=lambda c: c.qkv_bias,
+    ),
+    Leaf(
+        "bv",
+        lambda c: (c.kv_size,),
+        ("kv_heads",),
+        "self_attn.v_proj.bias",
+        "attn_v.bias",
+        present=lambda c: c.qkv_bias,
+    ),
+    dataclasses.replace(
+        _matrix("lm_head", _D, _V, ("embed", "vocab"), "lm_head.weight", "output.weight"),
+        layer=False,
+        present=lambda c: not c.tie_word_embeddings,
+    ),
     # per head (Qwen3, Gemma 3) or over the whole projection (OLMoE); replicated either way
-    Leaf("q_norm", lambda c: (c.head_dim if c.qk_norm_per_head else c.q_size,), ("head_dim",),
-         "self_attn.q_norm.weight", "attn_q_norm.weight", init="ones", present=lambda c: c.qk_norm),
-    Leaf("k_norm", lambda c: (c.head_dim if c.qk_norm_per_head else c.kv_size,), ("head_dim",),
-         "self_attn.k_norm.weight", "attn_k_norm.weight", init="ones", present=lambda c: c.qk_norm),
-    Leaf("post_attn_norm", lambda c: (c.hidden_size,), ("embed",), "post_attention_norm.weight",
-         "post_attention_norm.weight", init="ones", present=lambda c: c.sandwich_norms),
-    Leaf("post_mlp_norm", lambda c: (c.hidden_size,), ("embed",), "post_mlp_norm.weight", "post_ffw_norm.weight",
-         init="ones", present=lambda c: c.sandwich_norms),
-    dataclasses.replace(_matrix("router", _D, lambda c: c.num_experts, ("embed", "router"), "mlp.gate.weight", ""),
-                        present=_MOE),
+    Leaf(
+        "q_norm",
+        lambda c: (c.head_dim if c.qk_norm_per_head else c.q_size,),
+        ("head_dim",),
+        "self_attn.q_norm.weight",
+        "attn_q_norm.weight",
+        init="ones",
+        present=lambda c: c.qk_norm,
+    ),
+    Leaf(
+        "k_norm",
+        lambda c: (c.head_dim if c.qk_norm_per_head else c.kv_size,),
+        ("head_dim",),
+        "self_attn.k_norm.weight",
+        "attn_k_norm.weight",
+        init="ones",
+        present=lambda c: c.qk_norm,
+    ),
+    Leaf(
+        "post_attn_norm",
+        lambda c: (c.hidden_size,),
+        ("embed",),
+        "post_attention_norm.weight",
+        "post_attention_norm.weight",
+        init="ones",
+        present=lambda c: c.sandwich_norms,
+    ),
+    Leaf(
+        "post_mlp_norm",
+        lambda c: (c.hidden_size,),
+        ("embed",),
+        "post_mlp_norm.weight",
+        "post_ffw_norm.weight",
+        init="ones",
+        present=lambda c: c.sandwich_norms,
+    ),
+    dataclasses.replace(
+        _matrix("router", _D, lambda c: c.num_experts, ("embed", "router"), "mlp.gate.weight", ""), present=_MOE
+    ),
     _expert("we_gate", _D, _FE, ("embed", "expert_mlp"), "mlp.experts.{e}.gate_proj.weight"),
     _expert("we_up", _D, _FE, ("embed", "expert_mlp"), "mlp.experts.{e}.up_proj.weight"),
     _expert("we_down", _FE, _D, ("expert_mlp", "embed"), "mlp.experts.{e}.down_proj.weight"),
@@ -147,8 +217,9 @@ MATMUL_LEAVES = frozenset({"embed"} | {leaf.name for leaf in LEAVES if leaf.tran
 # The dense matrices: every transposed leaf but the router and the experts (ragged_dot and the grouped-matmul kernel
 # take [E, in, out]). What --weight-dtype int8 / int4 quantizes (with the embedding, the tied head) and what the CPU's
 # native kernel multiplies (model/native.py).
-DENSE_LEAVES = frozenset(leaf.name for leaf in LEAVES
-                         if leaf.transposed and leaf.name != "router" and "expert" not in leaf.axes)
+DENSE_LEAVES = frozenset(
+    leaf.name for leaf in LEAVES if leaf.transposed and leaf.name != "router" and "expert" not in leaf.axes
+)
 QUANTIZED_LEAVES = DENSE_LEAVES | {"embed"}
 # int4 keeps these in int8: in 4 bits the tied head lost SmolLM2's greedy answers (docs/engine.md), and llama.cpp's
 # Q4 files keep them wider too.
@@ -177,7 +248,9 @@ def cast_matrices(weights: Weights, weight_dtype: str) -> Weights:
         raise ValueError(f"{current} matrices cannot be cast to {weight_dtype}: load the model's weights")
 
     def quantized(name, a):
-        rows = a if name == "embed" else (np.swapaxes(a, -1, -2) if isinstance(a, np.ndarray) else jnp.swapaxes(a, -1, -2))
+        rows = (
+            a if name == "embed" else (np.swapaxes(a, -1, -2) if isinstance(a, np.ndarray) else jnp.swapaxes(a, -1, -2))
+        )
         return (quantize_int4 if weight_dtype == "int4" and name not in TOP_MATRICES else quantize)(rows)
 
     def cast(obj):
@@ -207,15 +280,22 @@ def gguf_name(cfg: ModelConfig, leaf: Leaf) -> str:
     from sgjax.model.families import FAMILY
 
     return FAMILY[cfg.architecture].gguf_names.get(leaf.name, leaf.gguf)
+
+
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
-    leaf.name: (("layers",) if leaf.layer else ()) + leaf.axes for leaf in LEAVES}
+    leaf.name: (("layers",) if leaf.layer else ()) + leaf.axes for leaf in LEAVES
+}
 
 
 def logical_axes(weights: Weights) -> Weights:
     """A Weights-shaped pytree of logical axis-name tuples (None where the leaf is None)."""
+
     def axes_of(obj, drop_layer_axis=False):
-        return {f.name: LOGICAL_AXES[f.name][drop_layer_axis:] if getattr(obj, f.name) is not None else None
-                for f in dataclasses.fields(obj) if f.name != "layers"}
+        return {
+            f.name: LOGICAL_AXES[f.name][drop_layer_axis:] if getattr(obj, f.name) is not None else None
+            for f in dataclasses.fields(obj)
+            if f.name != "layers"
+        }
 
     if isinstance(weights.layers, (tuple, list)):
         layers = tuple(LayerWeights(**axes_of(w, True)) for w in weights.layers)
@@ -244,8 +324,9 @@ def shardings(weights: Weights, mesh: jax.sharding.Mesh, rules: Mapping[str, str
     """NamedShardings from logical axes and a rule table, e.g. {"q_heads": "tensor", "mlp": "tensor"}."""
     P = jax.sharding.PartitionSpec
     axes = logical_axes(weights)
-    return jax.tree.map(lambda names: jax.sharding.NamedSharding(mesh, P(*(rules.get(n) for n in names))),
-                        axes, is_leaf=_is_axes)
+    return jax.tree.map(
+        lambda names: jax.sharding.NamedSharding(mesh, P(*(rules.get(n) for n in names))), axes, is_leaf=_is_axes
+    )
 
 
 def _is_axes(x) -> bool:
@@ -255,8 +336,9 @@ def _is_axes(x) -> bool:
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every present leaf's full shape (layer leaves stacked on [L])."""
-    return {leaf.name: ((cfg.num_layers,) if leaf.layer else ()) + leaf.shape(cfg)
-            for leaf in LEAVES if leaf.present(cfg)}
+    return {
+        leaf.name: ((cfg.num_layers,) if leaf.layer else ()) + leaf.shape(cfg) for leaf in LEAVES if leaf.present(cfg)
+    }
 
 
 def assemble(cfg: ModelConfig, arrays: Mapping[str, Any], host: bool = False) -> Weights:
@@ -295,7 +377,7 @@ def _draw(key, names, shape_of, dtype) -> dict:
             out[name] = jnp.ones(shape, dtype)
         else:
             fan_in = shape[-2] if len(shape) >= 2 and name != "embed" else shape[-1]
-            out[name] = jax.random.normal(k, shape, dtype) * jnp.asarray(fan_in ** -0.5, dtype)
+            out[name] = jax.random.normal(k, shape, dtype) * jnp.asarray(fan_in**-0.5, dtype)
     return out
 
 
@@ -303,8 +385,9 @@ def dummy_layer_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
     """Random weights in the unrolled layout (a tuple of per-layer weights), made one layer at a time: a large
     model (Mixtral-8x7B's 93 GB in bf16) is never held twice, stacked and sliced (benchmarks on one device)."""
     full = shapes(cfg)
-    draw = functools.partial(_draw, shape_of=lambda n: full[n][1:] if LEAF[n].layer else full[n],
-                             dtype=jnp.dtype(cfg.dtype))
+    draw = functools.partial(
+        _draw, shape_of=lambda n: full[n][1:] if LEAF[n].layer else full[n], dtype=jnp.dtype(cfg.dtype)
+    )
     one_layer = jax.jit(functools.partial(draw, names=tuple(n for n in full if LEAF[n].layer)))
     top = jax.jit(functools.partial(draw, names=tuple(n for n in full if not LEAF[n].layer)))
     key = jax.random.PRNGKey(seed)
@@ -338,10 +421,15 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool =
     present = [leaf for leaf in LEAVES if leaf.present(cfg)]
     layer_leaf = {hf_name(cfg, leaf): leaf for leaf in present if leaf.layer and "{e}" not in hf_name(cfg, leaf)}
     # one tensor per expert (the checkpoints' layout), stacked on the expert axis here
-    expert_leaf = {hf_name(cfg, leaf).format(e=e): (leaf, e) for leaf in present if "{e}" in hf_name(cfg, leaf)
-                   for e in range(cfg.num_experts)}
-    per_expert = {leaf.name: [[None] * cfg.num_experts for _ in range(cfg.num_layers)]
-                  for leaf, _ in expert_leaf.values()}
+    expert_leaf = {
+        hf_name(cfg, leaf).format(e=e): (leaf, e)
+        for leaf in present
+        if "{e}" in hf_name(cfg, leaf)
+        for e in range(cfg.num_experts)
+    }
+    per_expert = {
+        leaf.name: [[None] * cfg.num_experts for _ in range(cfg.num_layers)] for leaf, _ in expert_leaf.values()
+    }
     top_leaf = {hf_name(cfg, leaf): leaf for leaf in present if not leaf.layer}
     per_layer: dict[str, list] = {leaf.name: [None] * cfg.num_layers for leaf in present if leaf.layer}
     flat: dict[str, Any] = {}
@@ -370,7 +458,7 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool =
             a, start = get(name), 0
             for leaf in (LEAF[n] for n in fused[rest]):
                 rows = leaf.shape(cfg)[1]
-                per_layer[leaf.name][i] = ours(leaf, a[start:start + rows])
+                per_layer[leaf.name][i] = ours(leaf, a[start : start + rows])
                 start += rows
             if start != a.shape[0]:
                 raise ValueError(f"tensor {name!r} has {a.shape[0]} rows, its parts {list(fused[rest])} {start}")

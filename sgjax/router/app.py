@@ -20,8 +20,15 @@ from sgjax.server.protocol import ApiError
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 # Token counters summed over workers in /get_server_info.
-_SUMMED = ("prompt_tokens", "cached_tokens", "running_requests", "waiting_requests", "max_total_tokens",
-           "generated_tokens", "retractions")
+_SUMMED = (
+    "prompt_tokens",
+    "cached_tokens",
+    "running_requests",
+    "waiting_requests",
+    "max_total_tokens",
+    "generated_tokens",
+    "retractions",
+)
 
 
 def build_router_app(router: Router) -> FastAPI:
@@ -44,8 +51,9 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        return JSONResponse(ApiError(f"{request.url.path}: {e.detail}", status=e.status_code).body(),
-                            status_code=e.status_code)
+        return JSONResponse(
+            ApiError(f"{request.url.path}: {e.detail}", status=e.status_code).body(), status_code=e.status_code
+        )
 
     async def generation(request: Request):
         body = await request.body()
@@ -92,8 +100,15 @@ def build_router_app(router: Router) -> FastAPI:
                 entry["error"] = r if isinstance(r, str) else _describe(r) if r is not None else w.last_error
             workers.append(entry)
         hit = totals["cached_tokens"] / totals["prompt_tokens"] if totals["prompt_tokens"] else 0.0
-        return {**totals, **_layout([e["info"] for e in workers if "info" in e], len(workers)), "cache_hit_rate": hit, "healthy_workers": sum(w.healthy for w in router.workers.values()),
-                "num_workers": len(router.workers), "router": router.router_info(), "workers": workers}
+        return {
+            **totals,
+            **_layout([e["info"] for e in workers if "info" in e], len(workers)),
+            "cache_hit_rate": hit,
+            "healthy_workers": sum(w.healthy for w in router.workers.values()),
+            "num_workers": len(router.workers),
+            "router": router.router_info(),
+            "workers": workers,
+        }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request):
@@ -109,8 +124,11 @@ def build_router_app(router: Router) -> FastAPI:
         if failed:
             status = next((r.status_code for r in failed.values() if isinstance(r, httpx.Response)), 503)
             detail = "; ".join(f"{u}: {r if isinstance(r, str) else _describe(r)}" for u, r in failed.items())
-            raise ApiError(f"flush_cache: refused by {len(failed)} of {len(answers)} workers: {detail}",
-                           status=status, kind="unavailable" if status == 503 else "invalid_request_error")
+            raise ApiError(
+                f"flush_cache: refused by {len(failed)} of {len(answers)} workers: {detail}",
+                status=status,
+                kind="unavailable" if status == 503 else "invalid_request_error",
+            )
         router.policy.clear()
         return {"success": True, "message": f"Cache flushed on {len(answers)} workers."}
 
@@ -143,5 +161,3 @@ def _describe(r: httpx.Response) -> str:
         return f"{r.status_code} {r.json()['error']['message']}"
     except (ValueError, KeyError, TypeError):
         return f"{r.status_code} {r.text[:200]}"
-
-

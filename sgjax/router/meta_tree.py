@@ -181,7 +181,7 @@ class MetaTree:
 
 
 def _common(edge, key, pos: int) -> int:
-    if key[pos:pos + len(edge)] == edge:  # the usual case, compared in C
+    if key[pos : pos + len(edge)] == edge:  # the usual case, compared in C
         return len(edge)
     n, limit = 0, min(len(edge), len(key) - pos)
     while n < limit and edge[n] == key[pos + n]:

@@ -70,9 +70,11 @@ class Policy:
 def least_loaded(workers: Sequence[WorkerView], tiebreak=None) -> WorkerView:
     """Fewest in-flight requests; then `tiebreak(view)` (smaller first) if given; then fewest dispatched; then the
     first."""
+
     def rank(iv):
         i, w = iv
         return (w.in_flight, tiebreak(w) if tiebreak else 0, w.dispatched, i)
+
     return min(enumerate(workers), key=rank)[1]
 
 
@@ -114,8 +116,13 @@ class CacheAware(Policy):
     name = "cache_aware"
 
     # SGLang router's defaults.
-    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: float = 32,
-                 balance_rel_threshold: float = 1.0001, tree: MetaTree | None = None):
+    def __init__(
+        self,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: float = 32,
+        balance_rel_threshold: float = 1.0001,
+        tree: MetaTree | None = None,
+    ):
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         self.cache_threshold = cache_threshold
@@ -162,11 +169,18 @@ class CacheAware(Policy):
 
     def stats(self):
         t = self.tree
-        return {"cache_threshold": self.cache_threshold, "balance_abs_threshold": self.balance_abs_threshold,
-                "balance_rel_threshold": self.balance_rel_threshold, "decisions": dict(self.decisions),
-                "meta_tree": {"nodes": t.num_nodes(), "chars_per_token": round(t.chars_per_token, 3),
-                              "tokens": {w: round(t.tokens(w), 1) for w in t.workers()},
-                              "capacity": dict(t.capacity)}}
+        return {
+            "cache_threshold": self.cache_threshold,
+            "balance_abs_threshold": self.balance_abs_threshold,
+            "balance_rel_threshold": self.balance_rel_threshold,
+            "decisions": dict(self.decisions),
+            "meta_tree": {
+                "nodes": t.num_nodes(),
+                "chars_per_token": round(t.chars_per_token, 3),
+                "tokens": {w: round(t.tokens(w), 1) for w in t.workers()},
+                "capacity": dict(t.capacity),
+            },
+        }
 
 
 def make_policy(name: str, **cache_aware_args) -> Policy:

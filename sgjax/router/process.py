@@ -13,5 +13,9 @@ class RouterProcess(ServerProcess):
     def __init__(self, command: str, *flags: str, env: dict | None = None, cwd: str | None = None):
         if command not in ("router", "serve"):
             raise ValueError(f"command must be 'router' or 'serve', got {command!r}")
-        super().__init__(env=env, cwd=cwd, log_prefix=f"sgjax-{command}-",
-                         argv=[sys.executable, "-m", "sgjax.cli", command, "--port", "{port}", *flags])
+        super().__init__(
+            env=env,
+            cwd=cwd,
+            log_prefix=f"sgjax-{command}-",
+            argv=[sys.executable, "-m", "sgjax.cli", command, "--port", "{port}", *flags],
+        )

@@ -55,10 +55,18 @@ class Worker:
 
 
 class Router:
-    def __init__(self, urls: list[str], policy: Policy, *, pids: list[int] | None = None,
-                 health_interval: float = 5.0, probe_timeout: float = 5.0,
-                 transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None,
-                 first_byte_timeout: float = 600.0):
+    def __init__(
+        self,
+        urls: list[str],
+        policy: Policy,
+        *,
+        pids: list[int] | None = None,
+        health_interval: float = 5.0,
+        probe_timeout: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
+        first_byte_timeout: float = 600.0,
+    ):
         if not urls:
             raise ValueError("the router needs at least one worker URL")
         urls = [u.rstrip("/") for u in urls]
@@ -77,9 +85,11 @@ class Router:
         # the same key: `serve --dp-size N --api-key K` gives it to them)
         self.api_key = api_key
         self.client = httpx.AsyncClient(
-            transport=transport, timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),
+            transport=transport,
+            timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128, keepalive_expiry=2.0),
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+        )
         self._health_task: asyncio.Task | None = None
 
     # -- life cycle ------------------------------------------------------------------------------------------
@@ -198,8 +208,9 @@ class Router:
             w.down = asyncio.Event()
         attempt = asyncio.ensure_future(self._attempt(w, path, body, headers, key))
         down = asyncio.ensure_future(w.down.wait())
-        done, _ = await asyncio.wait({attempt, down}, timeout=self.first_byte_timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {attempt, down}, timeout=self.first_byte_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
         down.cancel()
         if attempt in done:
             return attempt.result()
@@ -212,8 +223,9 @@ class Router:
     async def _attempt(self, w: Worker, path: str, body: bytes, headers: dict, key) -> Response | str:
         relay = None
         try:
-            resp = await self.client.send(self.client.build_request("POST", w.url + path, content=body,
-                                                                    headers=headers), stream=True)
+            resp = await self.client.send(
+                self.client.build_request("POST", w.url + path, content=body, headers=headers), stream=True
+            )
             try:
                 if resp.status_code == 503:  # shutting down: not this request's fault
                     msg = _error_message(await resp.aread()) or "503"
@@ -264,16 +276,16 @@ class Router:
                 continue
             return Response(r.content, status_code=r.status_code, headers=_headers(r, w))
 
-    async def broadcast(self, method: str, path: str, body: bytes = b"",
-                        content_type: str | None = None) -> dict[str, httpx.Response | str]:
+    async def broadcast(
+        self, method: str, path: str, body: bytes = b"", content_type: str | None = None
+    ) -> dict[str, httpx.Response | str]:
         """The same request to every healthy worker: url -> its response, or the transport error's message."""
         up = [w for w in self.workers.values() if w.healthy]
         headers = {"content-type": content_type} if content_type else {}
 
         async def one(w: Worker):
             try:
-                return await self.client.request(method, w.url + path, content=body, headers=headers,
-                                                 timeout=60.0)
+                return await self.client.request(method, w.url + path, content=body, headers=headers, timeout=60.0)
             except httpx.TransportError as e:
                 self.mark_down(w, e)
                 return w.last_error
@@ -281,12 +293,25 @@ class Router:
         return dict(zip([w.url for w in up], await asyncio.gather(*(one(w) for w in up))))
 
     def router_info(self) -> dict:
-        return {"policy": self.policy.name, "failovers": self.failovers,
-                "dispatch_counts": {w.url: w.dispatched for w in self.workers.values()},
-                "workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight,
-                             "dispatched": w.dispatched, "failures": w.failures, "last_error": w.last_error,
-                             "max_total_tokens": w.max_total_tokens, "pid": w.pid} for w in self.workers.values()],
-                **self.policy.stats()}
+        return {
+            "policy": self.policy.name,
+            "failovers": self.failovers,
+            "dispatch_counts": {w.url: w.dispatched for w in self.workers.values()},
+            "workers": [
+                {
+                    "url": w.url,
+                    "healthy": w.healthy,
+                    "in_flight": w.in_flight,
+                    "dispatched": w.dispatched,
+                    "failures": w.failures,
+                    "last_error": w.last_error,
+                    "max_total_tokens": w.max_total_tokens,
+                    "pid": w.pid,
+                }
+                for w in self.workers.values()
+            ],
+            **self.policy.stats(),
+        }
 
 
 class Relay:
@@ -317,9 +342,13 @@ class Relay:
                 yield event
         except httpx.TransportError as e:
             self.router.mark_down(self.w, e)
-            err = ApiError(f"worker {self.w.url} failed mid-stream ({self.w.last_error}); the request was not "
-                           f"retried because part of its answer was already sent", status=502, kind="server_error",
-                           code="worker_failed")
+            err = ApiError(
+                f"worker {self.w.url} failed mid-stream ({self.w.last_error}); the request was not "
+                f"retried because part of its answer was already sent",
+                status=502,
+                kind="server_error",
+                code="worker_failed",
+            )
             yield f"data: {json.dumps(err.body())}\n\n".encode() + b"data: [DONE]\n\n"
 
     async def close(self) -> None:
@@ -338,8 +367,8 @@ async def _sse_events(resp: httpx.Response):
         buf += chunk
         end = buf.rfind(b"\n\n")
         if end >= 0:
-            yield buf[:end + 2]
-            buf = buf[end + 2:]
+            yield buf[: end + 2]
+            buf = buf[end + 2 :]
     if buf.strip():
         yield buf
 

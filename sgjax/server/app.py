@@ -22,20 +22,46 @@ from starlette.exceptions import HTTPException
 
 from sgjax.engine.params import SamplingParams
 from sgjax.server import native_api, openai_api
-from sgjax.server.metrics import Metrics
-from sgjax.server.fields import screener
-from sgjax.server.protocol import (AbortRequest, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   EmbeddingRequest, GenerateRequest, ScoreRequest, TokenizeRequest, parse_body,
-                                   read_body)
 from sgjax.server.connection import ClientDisconnected
-from sgjax.server.serving import Serving, HttpWork
+from sgjax.server.fields import screener
+from sgjax.server.metrics import Metrics
+from sgjax.server.protocol import (
+    AbortRequest,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    GenerateRequest,
+    ScoreRequest,
+    TokenizeRequest,
+    parse_body,
+    read_body,
+)
+from sgjax.server.serving import HttpWork, Serving
 
 log = logging.getLogger("sgjax.server")
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
-ROUTES = GENERATION_ROUTES + ("/v1/models", "/health", "/health_generate", "/get_model_info", "/get_server_info",
-                              "/model_info", "/server_info", "/ready", "/flush_cache", "/abort_request", "/metrics",
-                              "/tokenize", "/detokenize", "/v1/embeddings", "/v1/score", "/start_profile", "/stop_profile")
+ROUTES = GENERATION_ROUTES + (
+    "/v1/models",
+    "/health",
+    "/health_generate",
+    "/get_model_info",
+    "/get_server_info",
+    "/model_info",
+    "/server_info",
+    "/ready",
+    "/flush_cache",
+    "/abort_request",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+    "/v1/embeddings",
+    "/v1/score",
+    "/start_profile",
+    "/stop_profile",
+)
 OPEN_ROUTES = ("/health", "/ready")  # probes answer without --api-key's header, as in SGLang and vLLM
 
 
@@ -62,9 +88,9 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        return JSONResponse(ApiError(f"{request.url.path}: {e.detail}", status=e.status_code).body(),
-                            status_code=e.status_code)
-
+        return JSONResponse(
+            ApiError(f"{request.url.path}: {e.detail}", status=e.status_code).body(), status_code=e.status_code
+        )
 
     # -- generation ------------------------------------------------------------------------------------------
     @app.api_route("/generate", methods=["POST", "PUT"])
@@ -99,8 +125,14 @@ def build_app(serving: Serving) -> FastAPI:
 
     # -- state -----------------------------------------------------------------------------------------------
     def model_card() -> dict:
-        return {"id": serving.model_name, "object": "model", "created": started, "owned_by": "sgjax",
-                "root": serving.model_path, "max_model_len": serving.engine.context_length}
+        return {
+            "id": serving.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "sgjax",
+            "root": serving.model_path,
+            "max_model_len": serving.engine.context_length,
+        }
 
     @app.get("/v1/models")
     async def models():
@@ -109,8 +141,12 @@ def build_app(serving: Serving) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != serving.model_name:
-            raise ApiError(f"model: the model {model_id!r} does not exist (this server serves "
-                           f"{serving.model_name!r})", status=404, param="model", code="model_not_found")
+            raise ApiError(
+                f"model: the model {model_id!r} does not exist (this server serves {serving.model_name!r})",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
         return model_card()
 
     @app.post("/v1/embeddings")
@@ -146,7 +182,9 @@ def build_app(serving: Serving) -> FastAPI:
     @app.get("/health_generate")
     async def health_generate(request: Request):
         """Health through the whole engine: one token generated."""
-        work = HttpWork(params=(SamplingParams(max_new_tokens=1, temperature=0.0),), ids=([0],), prompt_field="input_ids")
+        work = HttpWork(
+            params=(SamplingParams(max_new_tokens=1, temperature=0.0),), ids=([0],), prompt_field="input_ids"
+        )
         await serving.run(work, request.receive)
         return Response(status_code=200)
 
@@ -154,12 +192,20 @@ def build_app(serving: Serving) -> FastAPI:
     @app.get("/model_info")
     async def model_info():
         args = serving.engine.args
-        return {"model_path": serving.model_path, "tokenizer_path": args.tokenizer_path or serving.model_path,
-                "is_generation": True, "served_model_name": serving.model_name,
-                "context_length": serving.engine.context_length, "load_format": args.load_format,
-                "weight_version": "default", "has_image_understanding": serving.engine.images is not None,
-                "has_audio_understanding": False, "preferred_sampling_params": None, "reasoning_parser": None,
-                "tool_call_parser": None}
+        return {
+            "model_path": serving.model_path,
+            "tokenizer_path": args.tokenizer_path or serving.model_path,
+            "is_generation": True,
+            "served_model_name": serving.model_name,
+            "context_length": serving.engine.context_length,
+            "load_format": args.load_format,
+            "weight_version": "default",
+            "has_image_understanding": serving.engine.images is not None,
+            "has_audio_understanding": False,
+            "preferred_sampling_params": None,
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+        }
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -171,11 +217,23 @@ def build_app(serving: Serving) -> FastAPI:
         # internal_states (bench_serving reads it)
         mesh = serving.engine.mesh
         args = serving.engine.args
-        return {**engine_args, "tp_size": args.tp_size, "dp_size": 1, "nnodes": args.nnodes,
-                "node_rank": args.node_rank, "mesh_shape": dict(mesh.shape),
-                "mesh_processes": sorted({d.process_index for d in mesh.devices.flat}), **http, **info,
-                "served_model_name": serving.model_name, "version": _version(), "frontend": "sgjax",
-                "internal_states": [info], "server_args": engine_args, "http_args": http}
+        return {
+            **engine_args,
+            "tp_size": args.tp_size,
+            "dp_size": 1,
+            "nnodes": args.nnodes,
+            "node_rank": args.node_rank,
+            "mesh_shape": dict(mesh.shape),
+            "mesh_processes": sorted({d.process_index for d in mesh.devices.flat}),
+            **http,
+            **info,
+            "served_model_name": serving.model_name,
+            "version": _version(),
+            "frontend": "sgjax",
+            "internal_states": [info],
+            "server_args": engine_args,
+            "http_args": http,
+        }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -203,6 +261,7 @@ def build_app(serving: Serving) -> FastAPI:
         return await asyncio.to_thread(serving.profiler.stop)
 
     if serving.http.enable_metrics:
+
         @app.get("/metrics")
         async def metrics():
             text = serving.metrics.render(await serving.info())
@@ -214,6 +273,7 @@ def build_app(serving: Serving) -> FastAPI:
 def sse(events: AsyncIterator[dict]) -> StreamingResponse:
     """Server-sent events: `data: {json}` per event, then `data: [DONE]`. A client that disconnects cancels the
     iteration (Starlette listens for the disconnect), and the cancellation aborts the engine requests."""
+
     async def body():
         try:
             async for event in events:
@@ -269,8 +329,13 @@ class ApiKey:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
         if not secrets.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self.key.encode()):
-            err = ApiError("authorization: a valid `Authorization: Bearer <api key>` header is required", status=401,
-                           param="authorization", kind="authentication_error", code="invalid_api_key")
+            err = ApiError(
+                "authorization: a valid `Authorization: Bearer <api key>` header is required",
+                status=401,
+                param="authorization",
+                kind="authentication_error",
+                code="invalid_api_key",
+            )
             return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
         return await self.app(scope, receive, send)
 

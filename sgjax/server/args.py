@@ -24,7 +24,9 @@ class HttpArgs:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     disable_tool_call_constraint: bool = False  # the ablation: calls are parsed, but decoded without their grammar
-    header_timeout: float = 10.0  # seconds a request line and its headers may take to arrive; then the connection closes
+    header_timeout: float = (
+        10.0  # seconds a request line and its headers may take to arrive; then the connection closes
+    )
 
 
 def _choices():
@@ -44,22 +46,53 @@ HTTP_FLAGS = [
     ("log_requests", dict(action="store_true", help="log every request's inputs, outputs and HTTP access lines")),
     ("log_level", dict(choices=["debug", "info", "warning", "error"], help="logging level")),
     ("skip_server_warmup", dict(action="store_true", help="skip the warm-up request before listening")),
-    ("api_key", dict(help="require `Authorization: Bearer <key>` on every route but /health and /ready (401 "
-                          "otherwise)")),
+    (
+        "api_key",
+        dict(help="require `Authorization: Bearer <key>` on every route but /health and /ready (401 otherwise)"),
+    ),
     ("stream_interval", dict(type=int, help="tokens per streamed chunk, at least (the last chunk: what is left)")),
-    ("max_queued_requests", dict(type=int, help="generations that may wait beyond the running batch; more are "
-                                                "answered 503 with Retry-After")),
+    (
+        "max_queued_requests",
+        dict(
+            type=int, help="generations that may wait beyond the running batch; more are answered 503 with Retry-After"
+        ),
+    ),
     ("profile_dir", dict(help="directory of the JAX profiler traces that POST /start_profile starts")),
-    ("request_timeout", dict(type=float, help="seconds a generation may take; then it is aborted: a 504, or an "
-                                              "error event on a stream")),
-    ("header_timeout", dict(type=float, help="seconds a request's line and headers may take to arrive; then the "
-                                             "connection is closed (slow clients hold no worker)")),
-    ("tool_call_parser", dict(choices=_TOOL_PARSERS, help="format of the model's tool calls on /v1/chat/completions "
-                                                          "(default: the chat template's own, hermes when it shows "
-                                                          "none)")),
-    ("reasoning_parser", dict(choices=_REASONING_PARSERS, help="split the chat answers' <think>...</think> reasoning "
-                                                               "into reasoning_content (SGLang's model types)")),
-    ("disable_tool_call_constraint", dict(action="store_true", help="decode tool calls without their grammar (they "
-                                                                    "are still parsed): the ablation of the "
-                                                                    "constraint")),
+    (
+        "request_timeout",
+        dict(
+            type=float, help="seconds a generation may take; then it is aborted: a 504, or an error event on a stream"
+        ),
+    ),
+    (
+        "header_timeout",
+        dict(
+            type=float,
+            help="seconds a request's line and headers may take to arrive; then the "
+            "connection is closed (slow clients hold no worker)",
+        ),
+    ),
+    (
+        "tool_call_parser",
+        dict(
+            choices=_TOOL_PARSERS,
+            help="format of the model's tool calls on /v1/chat/completions "
+            "(default: the chat template's own, hermes when it shows "
+            "none)",
+        ),
+    ),
+    (
+        "reasoning_parser",
+        dict(
+            choices=_REASONING_PARSERS,
+            help="split the chat answers' <think>...</think> reasoning into reasoning_content (SGLang's model types)",
+        ),
+    ),
+    (
+        "disable_tool_call_constraint",
+        dict(
+            action="store_true",
+            help="decode tool calls without their grammar (they are still parsed): the ablation of the constraint",
+        ),
+    ),
 ]

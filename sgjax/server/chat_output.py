@@ -32,8 +32,10 @@ class ChatOutput:
         if not scan.calls:  # stripped as a stream's deltas are (they cannot know whether a call follows)
             return {**msg, "content": final_content(scan.content)}, False
         msg["content"] = final_content(scan.content) or None
-        msg["tool_calls"] = [{"id": call_id(), "type": "function",
-                              "function": {"name": c.name, "arguments": c.arguments}} for c in scan.calls]
+        msg["tool_calls"] = [
+            {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in scan.calls
+        ]
         return msg, True
 
     def stream(self) -> "ChatStream":
@@ -46,14 +48,15 @@ class ChatStream:
     arguments."""
 
     def __init__(self, out: ChatOutput):
-        self.reasoning = (ReasoningStream(out.reasoning, whole=not out.stream_reasoning)
-                          if out.reasoning is not None else None)
+        self.reasoning = (
+            ReasoningStream(out.reasoning, whole=not out.stream_reasoning) if out.reasoning is not None else None
+        )
         self.tools = Stream(out.tools) if out.tools is not None else None
         self.seen = 0
         self.called = False
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
-        delta, self.seen = text[self.seen:], len(text)
+        delta, self.seen = text[self.seen :], len(text)
         out = []
         if self.reasoning is not None:
             thought, delta = self.reasoning.feed(delta, final)
@@ -69,8 +72,12 @@ class ChatStream:
         for c in calls:
             self.called = True
             if c.name is not None:
-                piece = {"index": c.index, "id": call_id(), "type": "function",
-                         "function": {"name": c.name, "arguments": c.arguments}}
+                piece = {
+                    "index": c.index,
+                    "id": call_id(),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
             else:
                 piece = {"index": c.index, "function": {"arguments": c.arguments}}
             out.append({"tool_calls": [piece]})

@@ -42,57 +42,115 @@ _ROUTE = Meta("routing hint for multi-worker deployments; sgjax serve has one en
 
 # SGLang's /generate (GenerateReqInput), beyond what native_api implements.
 GENERATE = {
-    "lora_path": _LORA, "lora_id": _LORA,
-    "return_hidden_states": _FALSE, "return_routed_experts": _FALSE, "return_indexer_topk": _FALSE,
+    "lora_path": _LORA,
+    "lora_id": _LORA,
+    "return_hidden_states": _FALSE,
+    "return_routed_experts": _FALSE,
+    "return_indexer_topk": _FALSE,
     "routed_experts_start_len": Unsupported("not supported by sgjax", (0,)),
-    "custom_logit_processor": _NO, "session_params": _NO, "session_id": _NO, "input_embeds": _NO,
-    "video_data": _MM, "audio_data": _MM, "use_audio_in_video": _FALSE, "video_config": _MM, "mm_hashes": _NO,
-    "mm_content_hashes": _NO, "modalities": Unsupported("sgjax generates text only", (["text"],)),
-    "token_ids_logprob": _NO, "return_sampling_mask": _FALSE, "sampling_logprobs_mode": _NO,
-    "return_flat_raw_top_logprobs": _FALSE, "return_flat_raw_output_top_logprobs": _FALSE,
-    "watermark": _NO, "positional_embed_overrides": _NO, "background": _FALSE,
-    "require_reasoning": _FALSE, "max_thinking_tokens": _NO,
-    "bootstrap_host": _PD, "bootstrap_port": _PD, "bootstrap_room": _PD, "bootstrap_pair_key": _PD,
-    "decode_tp_size": _PD, "disagg_prefill_dp_rank": _PD,
-    "data_parallel_rank": _ROUTE, "routed_dp_rank": _ROUTE, "routing_key": _ROUTE, "conversation_id": _ROUTE,
-    "log_metrics": Meta("sgjax's metrics count every request"), "no_logs": Meta("request logging is --log-requests"),
-    "custom_labels": Meta("metric labels"), "http_worker_ipc": Meta("SGLang-internal"),
+    "custom_logit_processor": _NO,
+    "session_params": _NO,
+    "session_id": _NO,
+    "input_embeds": _NO,
+    "video_data": _MM,
+    "audio_data": _MM,
+    "use_audio_in_video": _FALSE,
+    "video_config": _MM,
+    "mm_hashes": _NO,
+    "mm_content_hashes": _NO,
+    "modalities": Unsupported("sgjax generates text only", (["text"],)),
+    "token_ids_logprob": _NO,
+    "return_sampling_mask": _FALSE,
+    "sampling_logprobs_mode": _NO,
+    "return_flat_raw_top_logprobs": _FALSE,
+    "return_flat_raw_output_top_logprobs": _FALSE,
+    "watermark": _NO,
+    "positional_embed_overrides": _NO,
+    "background": _FALSE,
+    "require_reasoning": _FALSE,
+    "max_thinking_tokens": _NO,
+    "bootstrap_host": _PD,
+    "bootstrap_port": _PD,
+    "bootstrap_room": _PD,
+    "bootstrap_pair_key": _PD,
+    "decode_tp_size": _PD,
+    "disagg_prefill_dp_rank": _PD,
+    "data_parallel_rank": _ROUTE,
+    "routed_dp_rank": _ROUTE,
+    "routing_key": _ROUTE,
+    "conversation_id": _ROUTE,
+    "log_metrics": Meta("sgjax's metrics count every request"),
+    "no_logs": Meta("request logging is --log-requests"),
+    "custom_labels": Meta("metric labels"),
+    "http_worker_ipc": Meta("SGLang-internal"),
 }
 
 # SGLang's sampling parameters (SamplingParams) beyond what engine/params.py implements.
 SAMPLING = {
-    "custom_params": _NO, "watermark": _NO,
+    "custom_params": _NO,
+    "watermark": _NO,
     "beam_width": Unsupported("beam search is not supported by sgjax", (1,)),
     "stream_interval": Meta("sgjax streams every token"),
 }
 
 # OpenAI's and SGLang's fields of /v1/completions and /v1/chat/completions beyond protocol.py's.
 _OPENAI_COMMON = {
-    "store": Meta("sgjax keeps no completions"), "metadata": Meta("stored completions' tags"),
-    "service_tier": Meta("one tier"), "prompt_cache_key": Meta("sgjax's radix cache needs no key"),
-    "safety_identifier": Meta("end-user id"), "custom_labels": Meta("metric labels"),
-    "lora_path": _LORA, "session_id": _NO, "session_params": _NO, "custom_logit_processor": _NO,
-    "custom_params": _NO, "watermark": _NO,
-    "return_hidden_states": _FALSE, "return_routed_experts": _FALSE,
-    "routed_experts_start_len": GENERATE["routed_experts_start_len"], "return_cached_tokens_details": _FALSE,
-    "return_spec_tokens_details": _FALSE, "return_token_ids": _FALSE, "images_config": _MM, "mm_processor_kwargs": _MM,
-    "data_parallel_rank": _ROUTE, "routing_key": _ROUTE, "conversation_id": _ROUTE,
-    "bootstrap_host": _PD, "bootstrap_port": _PD, "bootstrap_room": _PD, "bootstrap_pair_key": _PD,
-    "extra_key": Meta("cache namespaces are set by sgjax (images)"), "cache_salt": Meta("one tenant per server"),
+    "store": Meta("sgjax keeps no completions"),
+    "metadata": Meta("stored completions' tags"),
+    "service_tier": Meta("one tier"),
+    "prompt_cache_key": Meta("sgjax's radix cache needs no key"),
+    "safety_identifier": Meta("end-user id"),
+    "custom_labels": Meta("metric labels"),
+    "lora_path": _LORA,
+    "session_id": _NO,
+    "session_params": _NO,
+    "custom_logit_processor": _NO,
+    "custom_params": _NO,
+    "watermark": _NO,
+    "return_hidden_states": _FALSE,
+    "return_routed_experts": _FALSE,
+    "routed_experts_start_len": GENERATE["routed_experts_start_len"],
+    "return_cached_tokens_details": _FALSE,
+    "return_spec_tokens_details": _FALSE,
+    "return_token_ids": _FALSE,
+    "images_config": _MM,
+    "mm_processor_kwargs": _MM,
+    "data_parallel_rank": _ROUTE,
+    "routing_key": _ROUTE,
+    "conversation_id": _ROUTE,
+    "bootstrap_host": _PD,
+    "bootstrap_port": _PD,
+    "bootstrap_room": _PD,
+    "bootstrap_pair_key": _PD,
+    "extra_key": Meta("cache namespaces are set by sgjax (images)"),
+    "cache_salt": Meta("one tenant per server"),
 }
 COMPLETIONS = {**_OPENAI_COMMON}
 CHAT = {
     **_OPENAI_COMMON,
     "reasoning_effort": Unsupported("reasoning effort is not supported by sgjax"),
-    "thinking": _NO, "verbosity": _NO, "prediction": Unsupported("predicted outputs are not supported by sgjax"),
-    "audio": _MM, "modalities": GENERATE["modalities"], "web_search_options": _NO,
+    "thinking": _NO,
+    "verbosity": _NO,
+    "prediction": Unsupported("predicted outputs are not supported by sgjax"),
+    "audio": _MM,
+    "modalities": GENERATE["modalities"],
+    "web_search_options": _NO,
     "functions": Unsupported("the deprecated functions are not supported by sgjax; use tools"),
     "function_call": Unsupported("the deprecated function_call is not supported by sgjax; use tool_choice", ("none",)),
     "continue_final_message": _FALSE,
-    "return_prompt_token_ids": _FALSE, "return_meta_info": _FALSE, "return_input_ids_in_sglext": _FALSE,
-    "return_output_ids_in_sglext": _FALSE, "return_sampling_mask": _FALSE, "sampling_logprobs_mode": _NO,
-    "return_flat_raw_output_top_logprobs": _FALSE, "max_dynamic_patch": _MM, "min_dynamic_patch": _MM,
-    "use_audio_in_video": _FALSE, "video_config": _MM, "input_ids": _NO, "task": _NO,
+    "return_prompt_token_ids": _FALSE,
+    "return_meta_info": _FALSE,
+    "return_input_ids_in_sglext": _FALSE,
+    "return_output_ids_in_sglext": _FALSE,
+    "return_sampling_mask": _FALSE,
+    "sampling_logprobs_mode": _NO,
+    "return_flat_raw_output_top_logprobs": _FALSE,
+    "max_dynamic_patch": _MM,
+    "min_dynamic_patch": _MM,
+    "use_audio_in_video": _FALSE,
+    "video_config": _MM,
+    "input_ids": _NO,
+    "task": _NO,
 }
 
 _seen_unknown: set[tuple[str, str]] = set()
@@ -130,7 +188,9 @@ def screen(body: dict, known, table: dict, route: str, prefix: str = "", keep_un
 
 # SGLang's /v1/score beyond the pointwise causal-LM scoring sgjax implements.
 SCORE = {
-    "embed_override_token_id": _NO, "query_embed_overrides": _NO, "item_embed_overrides": _NO,
+    "embed_override_token_id": _NO,
+    "query_embed_overrides": _NO,
+    "item_embed_overrides": _NO,
     "return_pooled_hidden_states": Unsupported("pooled hidden states are for classification models", (False,)),
     "score_extraction_token": Unsupported("setwise scoring is not supported by sgjax"),
 }
@@ -162,15 +222,21 @@ def screener(route: str):
         if isinstance(sp, dict):
             out["sampling_params"] = screen(sp, known, SAMPLING, route, "sampling_params.", keep_unknown=True)
         elif isinstance(sp, list):
-            out["sampling_params"] = [screen(d, known, SAMPLING, route, f"sampling_params.{i}.", keep_unknown=True)
-                                      if isinstance(d, dict) else d for i, d in enumerate(sp)]
+            out["sampling_params"] = [
+                screen(d, known, SAMPLING, route, f"sampling_params.{i}.", keep_unknown=True)
+                if isinstance(d, dict)
+                else d
+                for i, d in enumerate(sp)
+            ]
         return out
 
     def chat(body: dict) -> dict:
         out = screen(body, P.ChatCompletionRequest.model_fields, CHAT, route)
         if isinstance(out.get("messages"), list):
-            out["messages"] = [screen(m, P.ChatMessage.model_fields, MESSAGE, route, f"messages.{i}.")
-                               if isinstance(m, dict) else m for i, m in enumerate(out["messages"])]
+            out["messages"] = [
+                screen(m, P.ChatMessage.model_fields, MESSAGE, route, f"messages.{i}.") if isinstance(m, dict) else m
+                for i, m in enumerate(out["messages"])
+            ]
         return out
 
     def completions(body: dict) -> dict:
@@ -179,8 +245,14 @@ def screener(route: str):
     def plain(model):
         return lambda body: screen(body, model.model_fields, {}, route)
 
-    table = {"/generate": generate, "/v1/chat/completions": chat, "/v1/completions": completions,
-             "/v1/embeddings": plain(P.EmbeddingRequest), "/tokenize": plain(P.TokenizeRequest),
-             "/detokenize": plain(P.DetokenizeRequest), "/abort_request": plain(P.AbortRequest),
-             "/v1/score": lambda body: screen(body, P.ScoreRequest.model_fields, SCORE, route)}
+    table = {
+        "/generate": generate,
+        "/v1/chat/completions": chat,
+        "/v1/completions": completions,
+        "/v1/embeddings": plain(P.EmbeddingRequest),
+        "/tokenize": plain(P.TokenizeRequest),
+        "/detokenize": plain(P.DetokenizeRequest),
+        "/abort_request": plain(P.AbortRequest),
+        "/v1/score": lambda body: screen(body, P.ScoreRequest.model_fields, SCORE, route),
+    }
     return table[route]

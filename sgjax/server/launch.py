@@ -58,11 +58,22 @@ def serve(server_args: ServerArgs, http: HttpArgs) -> None:
     serving = Serving(engine, http)
     if not http.skip_server_warmup:
         _warm_up(engine)
-    log.info("engine ready in %.1f s: %s, pool %d tokens, context %d", time.perf_counter() - t0, serving.model_name,
-             engine.max_total_tokens, engine.context_length)
-    config = uvicorn.Config(build_app(serving), host=http.host, port=http.port, log_level=http.log_level,
-                            access_log=http.log_requests, timeout_graceful_shutdown=10,
-                            http=header_timeout_protocol(http.header_timeout))
+    log.info(
+        "engine ready in %.1f s: %s, pool %d tokens, context %d",
+        time.perf_counter() - t0,
+        serving.model_name,
+        engine.max_total_tokens,
+        engine.context_length,
+    )
+    config = uvicorn.Config(
+        build_app(serving),
+        host=http.host,
+        port=http.port,
+        log_level=http.log_level,
+        access_log=http.log_requests,
+        timeout_graceful_shutdown=10,
+        http=header_timeout_protocol(http.header_timeout),
+    )
     # After its graceful shutdown uvicorn restores the previous handlers and raises the signal again; a no-op
     # handler there lets the process end normally, with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -54,31 +54,52 @@ class Metrics:
         out: list[str] = []
         with self._lock:
             requests = sorted(self.requests.items())
-        _family(out, "num_requests_total", "counter", "HTTP requests answered, by endpoint and status code",
-                [({"endpoint": e, "status": str(s)}, n) for (e, s), n in requests])
-        for name, key, help_ in (("prompt_tokens_total", "prompt_tokens", "Prompt tokens of admitted requests"),
-                                 ("generation_tokens_total", "generated_tokens", "Output tokens generated"),
-                                 ("cached_tokens_total", "cached_tokens", "Prompt tokens served from the prefix cache"),
-                                 ("num_retractions_total", "retractions", "Requests retracted under memory pressure")):
+        _family(
+            out,
+            "num_requests_total",
+            "counter",
+            "HTTP requests answered, by endpoint and status code",
+            [({"endpoint": e, "status": str(s)}, n) for (e, s), n in requests],
+        )
+        for name, key, help_ in (
+            ("prompt_tokens_total", "prompt_tokens", "Prompt tokens of admitted requests"),
+            ("generation_tokens_total", "generated_tokens", "Output tokens generated"),
+            ("cached_tokens_total", "cached_tokens", "Prompt tokens served from the prefix cache"),
+            ("num_retractions_total", "retractions", "Requests retracted under memory pressure"),
+        ):
             _family(out, name, "counter", help_, [({}, info[key])])
-        for name, key, help_ in (("num_running_reqs", "running_requests", "Requests in the running batch"),
-                                 ("num_queue_reqs", "waiting_requests", "Requests waiting to be admitted"),
-                                 ("token_usage", "pool_usage", "Fraction of KV pool pages in use (cache included)"),
-                                 ("cache_hit_rate", "cache_hit_rate", "Cached / prompt tokens since start")):
+        for name, key, help_ in (
+            ("num_running_reqs", "running_requests", "Requests in the running batch"),
+            ("num_queue_reqs", "waiting_requests", "Requests waiting to be admitted"),
+            ("token_usage", "pool_usage", "Fraction of KV pool pages in use (cache included)"),
+            ("cache_hit_rate", "cache_hit_rate", "Cached / prompt tokens since start"),
+        ):
             _family(out, name, "gauge", help_, [({}, info[key])])
         if "expert_tokens" in info:  # a mixture of experts: per expert over the layers, and each layer's imbalance
             counts = info["expert_tokens"]
             per_expert = [sum(col) for col in zip(*counts)]
-            _family(out, "moe_expert_tokens_total", "counter", "Tokens routed to each expert, summed over the layers "
-                    "(a token counts once per layer and per expert it picks)",
-                    [({"expert": str(e)}, n) for e, n in enumerate(per_expert)])
-            _family(out, "moe_layer_imbalance", "gauge", "Per layer: the busiest expert's tokens / the mean (1 is "
-                    "balanced)", [({"layer": str(i)}, max(row) * len(row) / sum(row) if sum(row) else 1.0)
-                                  for i, row in enumerate(counts)])
-        _histogram(out, "step_time_seconds", "Time of one engine step (batch build, forward, sampling)",
-                   self.step_time)
-        _histogram(out, "e2e_request_latency_seconds", "Generation requests from body read to last byte",
-                   self.e2e_latency)
+            _family(
+                out,
+                "moe_expert_tokens_total",
+                "counter",
+                "Tokens routed to each expert, summed over the layers "
+                "(a token counts once per layer and per expert it picks)",
+                [({"expert": str(e)}, n) for e, n in enumerate(per_expert)],
+            )
+            _family(
+                out,
+                "moe_layer_imbalance",
+                "gauge",
+                "Per layer: the busiest expert's tokens / the mean (1 is balanced)",
+                [
+                    ({"layer": str(i)}, max(row) * len(row) / sum(row) if sum(row) else 1.0)
+                    for i, row in enumerate(counts)
+                ],
+            )
+        _histogram(out, "step_time_seconds", "Time of one engine step (batch build, forward, sampling)", self.step_time)
+        _histogram(
+            out, "e2e_request_latency_seconds", "Generation requests from body read to last byte", self.e2e_latency
+        )
         _histogram(out, "time_to_first_token_seconds", "Streams: request to first chunk", self.ttft)
         return "\n".join(out) + "\n"
 

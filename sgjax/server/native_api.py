@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.server.protocol import ApiError, GenerateRequest
-from sgjax.server.serving import Serving, HttpWork, params_error
+from sgjax.server.serving import HttpWork, Serving, params_error
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
 _TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
@@ -35,8 +35,9 @@ def generate_work(req: GenerateRequest) -> tuple[HttpWork, bool]:
         raise ApiError(f"{field}: the batch is empty", param=field)
     raw = req.sampling_params
     if isinstance(raw, list) and len(raw) != len(prompts):
-        raise ApiError(f"sampling_params: {len(prompts)} prompts but {len(raw)} sampling_params",
-                       param="sampling_params")
+        raise ApiError(
+            f"sampling_params: {len(prompts)} prompts but {len(raw)} sampling_params", param="sampling_params"
+        )
     params = []
     for i in range(len(prompts)):
         where = f"sampling_params.{i}" if isinstance(raw, list) else "sampling_params"
@@ -48,14 +49,21 @@ def generate_work(req: GenerateRequest) -> tuple[HttpWork, bool]:
     if rids is not None:
         rids = [rids] if isinstance(rids, str) else list(rids)
         if isinstance(req.rid, str) != single or len(rids) != len(prompts):
-            raise ApiError(f"rid: give one rid per prompt ({len(prompts)}), a string for a single prompt",
-                           param="rid")
+            raise ApiError(f"rid: give one rid per prompt ({len(prompts)}), a string for a single prompt", param="rid")
     images, image_fields = (None, None) if req.image_data is None else _images(req.image_data, single, len(prompts))
-    work = HttpWork(params=tuple(params), texts=tuple(prompts) if field == "text" else None,
-                ids=tuple(prompts) if field == "input_ids" else None, rids=tuple(rids) if rids else None,
-                return_logprob=bool(req.return_logprob), logprob_start_len=req.logprob_start_len,
-                top_logprobs_num=req.top_logprobs_num, prompt_field=field, params_field="sampling_params",
-                images=images, image_fields=image_fields)
+    work = HttpWork(
+        params=tuple(params),
+        texts=tuple(prompts) if field == "text" else None,
+        ids=tuple(prompts) if field == "input_ids" else None,
+        rids=tuple(rids) if rids else None,
+        return_logprob=bool(req.return_logprob),
+        logprob_start_len=req.logprob_start_len,
+        top_logprobs_num=req.top_logprobs_num,
+        prompt_field=field,
+        params_field="sampling_params",
+        images=images,
+        image_fields=image_fields,
+    )
     return work, single and params[0].n == 1
 
 
@@ -65,13 +73,19 @@ def _images(data, single: bool, count: int):
         if isinstance(data, str):
             return ((data,),), (("image_data", ("image_data",)),)
         if not all(isinstance(d, str) for d in data):
-            raise ApiError("image_data: one prompt takes a string or a list of strings (a list per prompt is for a "
-                           "batch of prompts)", param="image_data")
+            raise ApiError(
+                "image_data: one prompt takes a string or a list of strings (a list per prompt is for a "
+                "batch of prompts)",
+                param="image_data",
+            )
         return (tuple(data),), (("image_data", tuple(f"image_data.{k}" for k in range(len(data)))),)
     if isinstance(data, str) or len(data) != count:
         got = "a string" if isinstance(data, str) else f"{len(data)} entries"
-        raise ApiError(f"image_data: a batch of {count} prompts takes a list of {count} entries (a string, a list of "
-                       f"strings or null for each prompt), got {got}", param="image_data")
+        raise ApiError(
+            f"image_data: a batch of {count} prompts takes a list of {count} entries (a string, a list of "
+            f"strings or null for each prompt), got {got}",
+            param="image_data",
+        )
     images, fields = [], []
     for i, d in enumerate(data):
         where = f"image_data.{i}"

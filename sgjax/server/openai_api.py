@@ -28,7 +28,7 @@ from sgjax.errors import RequestError
 from sgjax.server import tools
 from sgjax.server.chat_output import ChatOutput
 from sgjax.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from sgjax.server.serving import Serving, HttpWork, params_error
+from sgjax.server.serving import HttpWork, Serving, params_error
 
 OPENAI_RENAMES = {ours: theirs for ours, (theirs, _) in OPENAI_NAMES.items() if ours != theirs}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses SamplingParams' (128, as SGLang)
@@ -57,13 +57,26 @@ async def prepare_completion(serving: Serving, req: CompletionRequest) -> Prepar
     ids, texts = await asyncio.to_thread(_completion_prompts, serving, req)
     top = _top_logprobs(serving, req.logprobs, "logprobs")
     echo = bool(req.echo)
-    params = _sampling(serving, req, ids, "prompt", req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, req.json_schema,
-                       OPENAI_RENAMES)
-    work = HttpWork(params=(params,) * len(ids), ids=tuple(ids), return_logprob=req.logprobs is not None,
-                logprob_start_len=0 if echo and req.logprobs is not None else None, top_logprobs_num=top,
-                prompt_field="prompt", renames=OPENAI_RENAMES)
-    return Prepared(work=work, n=params.n, chat=False, echo_texts=tuple(texts) if echo else None,
-                    logprobs=req.logprobs, include_usage=_include_usage(req))
+    params = _sampling(
+        serving, req, ids, "prompt", req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, req.json_schema, OPENAI_RENAMES
+    )
+    work = HttpWork(
+        params=(params,) * len(ids),
+        ids=tuple(ids),
+        return_logprob=req.logprobs is not None,
+        logprob_start_len=0 if echo and req.logprobs is not None else None,
+        top_logprobs_num=top,
+        prompt_field="prompt",
+        renames=OPENAI_RENAMES,
+    )
+    return Prepared(
+        work=work,
+        n=params.n,
+        chat=False,
+        echo_texts=tuple(texts) if echo else None,
+        logprobs=req.logprobs,
+        include_usage=_include_usage(req),
+    )
 
 
 async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared:
@@ -76,35 +89,71 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
     if req.separate_reasoning is False or (req.chat_template_kwargs or {}).get("enable_thinking") is False:
         reasoning = None  # the reasoning stays in the content / the template told the model not to think
     # The calls' grammar admits a <think> block exactly when the answer's reasoning is split off from the content.
-    plan = tools.plan(req, serving.tool_format, constrain=not serving.http.disable_tool_call_constraint,
-                      reasoning=reasoning)
-    if plan.regex is not None and (schema is not None or tag is not None or req.regex is not None
-                                   or req.ebnf is not None):
+    plan = tools.plan(
+        req, serving.tool_format, constrain=not serving.http.disable_tool_call_constraint, reasoning=reasoning
+    )
+    if plan.regex is not None and (
+        schema is not None or tag is not None or req.regex is not None or req.ebnf is not None
+    ):
         given = "regex" if req.regex is not None else "ebnf" if req.ebnf is not None else "response_format"
-        raise ApiError(f"{given}: cannot be combined with tools under tool_choice {plan.choice!r}, whose calls have a "
-                       f"grammar of their own (tool_choice 'none' drops the tools)", param=given)
+        raise ApiError(
+            f"{given}: cannot be combined with tools under tool_choice {plan.choice!r}, whose calls have a "
+            f"grammar of their own (tool_choice 'none' drops the tools)",
+            param=given,
+        )
     messages, images, fields = _chat_messages(serving, req)
-    messages, template_vars = tools.template_input(messages, plan, serving.tool_format,
-                                                   serving.tokenizer.chat_template)
+    messages, template_vars = tools.template_input(messages, plan, serving.tool_format, serving.tokenizer.chat_template)
     template_vars = {**_template_kwargs(req), **template_vars}
     ids = await asyncio.to_thread(_chat_prompt, serving, messages, template_vars)
     top = _top_logprobs(serving, req.top_logprobs, "top_logprobs")
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    renames = {**OPENAI_RENAMES, "max_new_tokens": max_field, "json_schema": "response_format.json_schema.schema",
-               "structural_tag": "response_format"}
+    renames = {
+        **OPENAI_RENAMES,
+        "max_new_tokens": max_field,
+        "json_schema": "response_format.json_schema.schema",
+        "structural_tag": "response_format",
+    }
     if plan.regex is not None:
         renames["regex"] = "tools"  # the calls' grammar failed to compile (its size, the compile budget)
     expanded = len(images) * (serving.engine.images.cfg.num_image_tokens - 1) if images else 0
-    params = _sampling(serving, req, [ids], "messages", asked, None, schema, renames, max_field, expanded,
-                       regex=plan.regex, structural_tag=tag)
-    work = HttpWork(params=(params,), ids=(ids,), return_logprob=bool(req.logprobs), top_logprobs_num=top,
-                prompt_field="messages", renames=renames, images=(tuple(images),) if images else None,
-                image_fields=(("messages", tuple(fields)),) if images else None)
-    output = ChatOutput(tools=serving.tool_format if plan.parse else None, reasoning=reasoning,
-                        stream_reasoning=req.stream_reasoning is not False)
-    return Prepared(work=work, n=params.n, chat=True, logprobs=top if req.logprobs else None,
-                    include_usage=_include_usage(req), output=output)
+    params = _sampling(
+        serving,
+        req,
+        [ids],
+        "messages",
+        asked,
+        None,
+        schema,
+        renames,
+        max_field,
+        expanded,
+        regex=plan.regex,
+        structural_tag=tag,
+    )
+    work = HttpWork(
+        params=(params,),
+        ids=(ids,),
+        return_logprob=bool(req.logprobs),
+        top_logprobs_num=top,
+        prompt_field="messages",
+        renames=renames,
+        images=(tuple(images),) if images else None,
+        image_fields=(("messages", tuple(fields)),) if images else None,
+    )
+    output = ChatOutput(
+        tools=serving.tool_format if plan.parse else None,
+        reasoning=reasoning,
+        stream_reasoning=req.stream_reasoning is not False,
+    )
+    return Prepared(
+        work=work,
+        n=params.n,
+        chat=True,
+        logprobs=top if req.logprobs else None,
+        include_usage=_include_usage(req),
+        output=output,
+    )
 
 
 _RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
@@ -114,15 +163,18 @@ def _template_kwargs(req: ChatCompletionRequest) -> dict:
     kwargs = req.chat_template_kwargs or {}
     taken = sorted(set(kwargs) & _RESERVED_TEMPLATE_VARS)
     if taken:
-        raise ApiError(f"chat_template_kwargs: {taken} are set by the server (messages, tools, ...)",
-                       param="chat_template_kwargs")
+        raise ApiError(
+            f"chat_template_kwargs: {taken} are set by the server (messages, tools, ...)", param="chat_template_kwargs"
+        )
     return kwargs
 
 
 def _need_tokenizer(serving: Serving) -> None:
     if serving.tokenizer is None:
-        raise ApiError("model: this server runs without a tokenizer (--skip-tokenizer-init); use /generate with "
-                       "input_ids", param="model")
+        raise ApiError(
+            "model: this server runs without a tokenizer (--skip-tokenizer-init); use /generate with input_ids",
+            param="model",
+        )
 
 
 def _include_usage(req) -> bool:
@@ -167,8 +219,11 @@ def _chat_messages(serving: Serving, req: ChatCompletionRequest) -> tuple[list[d
                     continue
                 where = f"messages.{i}.content.{j}.image_url.url"
                 if serving.image_token is None:
-                    raise ApiError(f"{where}: this server's model is text-only; images need a vision-language model "
-                                   f"(sgjax serve --model-path <a LLaVA checkpoint directory>)", param=where)
+                    raise ApiError(
+                        f"{where}: this server's model is text-only; images need a vision-language model "
+                        f"(sgjax serve --model-path <a LLaVA checkpoint directory>)",
+                        param=where,
+                    )
                 images.append(_data_url_payload(part.image_url.url, where))
                 fields.append(where)
                 pieces.append(serving.image_token)
@@ -178,8 +233,9 @@ def _chat_messages(serving: Serving, req: ChatCompletionRequest) -> tuple[list[d
         message = {"role": m.role, "content": content, **({"name": m.name} if m.name else {})}
         if m.tool_calls:
             if m.role != "assistant":
-                raise ApiError(f"messages.{i}.tool_calls: only assistant messages call tools",
-                               param=f"messages.{i}.tool_calls")
+                raise ApiError(
+                    f"messages.{i}.tool_calls: only assistant messages call tools", param=f"messages.{i}.tool_calls"
+                )
             message["tool_calls"] = [(c.function.name, c.function.arguments) for c in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
@@ -189,12 +245,16 @@ def _chat_messages(serving: Serving, req: ChatCompletionRequest) -> tuple[list[d
 
 def _data_url_payload(url: str, where: str) -> str:
     if url.startswith(("http://", "https://")):
-        raise ApiError(f"{where}: http(s) image URLs are not fetched (the server has no network access); send the "
-                       f"image inline as a data URL (data:image/png;base64,...)", param=where)
+        raise ApiError(
+            f"{where}: http(s) image URLs are not fetched (the server has no network access); send the "
+            f"image inline as a data URL (data:image/png;base64,...)",
+            param=where,
+        )
     head, comma, payload = url.partition(",")
     if not (url.startswith("data:") and comma and head.endswith(";base64")):
-        raise ApiError(f"{where}: expected a base64 data URL (data:image/png;base64,...), got {url[:40]!r}",
-                       param=where)
+        raise ApiError(
+            f"{where}: expected a base64 data URL (data:image/png;base64,...), got {url[:40]!r}", param=where
+        )
     return payload
 
 
@@ -213,8 +273,13 @@ def _structural_tag(req: ChatCompletionRequest) -> dict | None:
         return None
     if not rf.structures or not rf.triggers:
         raise ApiError("response_format: a structural_tag needs structures and triggers", param="response_format")
-    return {"structures": [{"begin": s.begin, "schema": s.schema_ if s.schema_ is not None else {}, "end": s.end}
-                           for s in rf.structures], "triggers": list(rf.triggers)}
+    return {
+        "structures": [
+            {"begin": s.begin, "schema": s.schema_ if s.schema_ is not None else {}, "end": s.end}
+            for s in rf.structures
+        ],
+        "triggers": list(rf.triggers),
+    }
 
 
 def _response_schema(req: ChatCompletionRequest):
@@ -226,14 +291,27 @@ def _response_schema(req: ChatCompletionRequest):
     if rf.type == "json_object":  # as SGLang maps it: any object (containers nest at most FREE_DEPTH deep here)
         return {"type": "object"}
     if rf.json_schema is None or rf.json_schema.schema_ is None:
-        raise ApiError("response_format.json_schema.schema: required for type json_schema",
-                       param="response_format.json_schema.schema")
+        raise ApiError(
+            "response_format.json_schema.schema: required for type json_schema",
+            param="response_format.json_schema.schema",
+        )
     return rf.json_schema.schema_
 
 
-def _sampling(serving: Serving, req, ids: list[list[int]], prompt_field: str, asked: int | None,
-              default: int | None, json_schema, renames: dict, max_field: str = "max_tokens",
-              expanded: int = 0, regex: str | None = None, structural_tag: dict | None = None) -> SamplingParams:
+def _sampling(
+    serving: Serving,
+    req,
+    ids: list[list[int]],
+    prompt_field: str,
+    asked: int | None,
+    default: int | None,
+    json_schema,
+    renames: dict,
+    max_field: str = "max_tokens",
+    expanded: int = 0,
+    regex: str | None = None,
+    structural_tag: dict | None = None,
+) -> SamplingParams:
     """SamplingParams of an OpenAI request. Unlike /generate (which clips, as SGLang's native API does), a
     max_tokens that does not fit beside the prompt is an error, as in OpenAI's API. `expanded`: the rows the
     engine adds when it expands image tokens, which count against the limit too."""
@@ -243,11 +321,17 @@ def _sampling(serving: Serving, req, ids: list[list[int]], prompt_field: str, as
         if not x:
             raise ApiError(f"{prompt_field}: the prompt is empty (0 tokens)", param=prompt_field)
         if len(x) + expanded >= limit:
-            raise ApiError(f"{prompt_field}: the prompt has {len(x) + expanded} tokens; at most {limit - 1} fit "
-                           f"({_limits(serving)})", param=prompt_field)
+            raise ApiError(
+                f"{prompt_field}: the prompt has {len(x) + expanded} tokens; at most {limit - 1} fit "
+                f"({_limits(serving)})",
+                param=prompt_field,
+            )
     if asked is not None and longest + asked > limit:
-        raise ApiError(f"{max_field}: {asked} new tokens plus the prompt's {longest} exceed the limit of {limit} "
-                       f"tokens ({_limits(serving)})", param=max_field)
+        raise ApiError(
+            f"{max_field}: {asked} new tokens plus the prompt's {longest} exceed the limit of {limit} "
+            f"tokens ({_limits(serving)})",
+            param=max_field,
+        )
     d = {ours: getattr(req, theirs, None) for ours, (theirs, _) in OPENAI_NAMES.items()}
     d.update(max_new_tokens=asked if asked is not None else default, json_schema=json_schema)
     if regex is not None:
@@ -275,8 +359,11 @@ def response(serving: Serving, prep: Prepared, results: list[dict]) -> dict:
             choice = {"index": k, "message": message, "logprobs": _chat_logprobs(serving, prep, meta, 0)}
         else:
             echo = prep.echo_texts[k // prep.n] if prep.echo_texts else ""
-            choice = {"index": k, "text": echo + r["text"],
-                      "logprobs": _completion_logprobs(serving, prep, meta, 0, True, 0)}
+            choice = {
+                "index": k,
+                "text": echo + r["text"],
+                "logprobs": _completion_logprobs(serving, prep, meta, 0, True, 0),
+            }
         choices.append({**choice, **_finish(meta, called)})
     return {**_head(serving, prep, uuid.uuid4().hex), "choices": choices, "usage": _usage(results, prep.n)}
 
@@ -294,15 +381,27 @@ async def events(serving: Serving, prep: Prepared, merged: AsyncIterator) -> Asy
         delta = text[sent_text:]
         if prep.chat:
             if first:
-                yield {**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]}
+                yield {
+                    **head,
+                    "choices": [
+                        {
+                            "index": k,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
             lp = _chat_logprobs(serving, prep, meta, sent_lp)
         else:
             if first and prep.echo_texts:
                 delta = prep.echo_texts[k // prep.n] + delta
             lp = _completion_logprobs(serving, prep, meta, sent_lp, first, offset)
-        seen[k] = (len(text), len(meta.get("output_token_logprobs", ())),
-                   offset + sum(len(t) for t in lp["tokens"]) if lp and not prep.chat else offset)
+        seen[k] = (
+            len(text),
+            len(meta.get("output_token_logprobs", ())),
+            offset + sum(len(t) for t in lp["tokens"]) if lp and not prep.chat else offset,
+        )
         finished = meta["finish_reason"] is not None
         if not (delta or finished or _has_tokens(lp)):
             continue
@@ -316,8 +415,7 @@ async def events(serving: Serving, prep: Prepared, merged: AsyncIterator) -> Asy
                 yield {**head, "choices": [{"index": k, "delta": piece, "logprobs": lp, "finish_reason": None}]}
                 lp = None
             if finished:
-                yield {**head, "choices": [{"index": k, "delta": {}, "logprobs": lp,
-                                            **_finish(meta, stream.called)}]}
+                yield {**head, "choices": [{"index": k, "delta": {}, "logprobs": lp, **_finish(meta, stream.called)}]}
                 finals[k] = item
             continue
         if prep.chat:
@@ -334,8 +432,12 @@ async def events(serving: Serving, prep: Prepared, merged: AsyncIterator) -> Asy
 
 def _head(serving: Serving, prep: Prepared, rid: str, chunk: bool = False) -> dict:
     kind = ("chat.completion.chunk" if chunk else "chat.completion") if prep.chat else "text_completion"
-    return {"id": ("chatcmpl-" if prep.chat else "cmpl-") + rid, "object": kind, "created": int(time.time()),
-            "model": serving.model_name}
+    return {
+        "id": ("chatcmpl-" if prep.chat else "cmpl-") + rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": serving.model_name,
+    }
 
 
 def _finish(meta: dict, called: bool = False) -> dict:
@@ -349,12 +451,16 @@ def _finish(meta: dict, called: bool = False) -> dict:
 def _usage(results: list[dict], n: int) -> dict:
     """Each prompt's tokens count once, however many copies (n) were generated from it."""
     metas = [r["meta_info"] for r in results]
-    groups = [metas[i:i + n] for i in range(0, len(metas), n)]
+    groups = [metas[i : i + n] for i in range(0, len(metas), n)]
     prompt = sum(g[0]["prompt_tokens"] for g in groups)
     completion = sum(m["completion_tokens"] for m in metas)
     cached = sum(max(m["cached_tokens"] for m in g) for g in groups)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _has_tokens(lp) -> bool:
@@ -372,10 +478,14 @@ def _completion_logprobs(serving: Serving, prep: Prepared, meta: dict, start: in
         entries = list(meta["input_token_logprobs"]) + entries
         tops = list(meta.get("input_top_logprobs", [None] * len(meta["input_token_logprobs"]))) + tops
     tokens = [serving.token_piece(t)[0] for _, t, _ in entries]
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries],
-            "top_logprobs": [None if row is None else {serving.token_piece(t)[0]: lp for lp, t, _ in row}
-                             for row in tops] if prep.logprobs else None,
-            "text_offset": [offset + x for x in accumulate([0] + [len(t) for t in tokens[:-1]])] if tokens else []}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _, _ in entries],
+        "top_logprobs": [None if row is None else {serving.token_piece(t)[0]: lp for lp, t, _ in row} for row in tops]
+        if prep.logprobs
+        else None,
+        "text_offset": [offset + x for x in accumulate([0] + [len(t) for t in tokens[:-1]])] if tokens else [],
+    }
 
 
 def _chat_logprobs(serving: Serving, prep: Prepared, meta: dict, start: int):
@@ -388,8 +498,13 @@ def _chat_logprobs(serving: Serving, prep: Prepared, meta: dict, start: int):
         text, raw = serving.token_piece(t)
         return {"token": text, "logprob": lp, "bytes": list(raw)}
 
-    return {"content": [{**one(lp, t), "top_logprobs": [one(l2, t2) for l2, t2, _ in row or ()]}
-                        for (lp, t, _), row in zip(entries, tops)], "refusal": None}
+    return {
+        "content": [
+            {**one(lp, t), "top_logprobs": [one(l2, t2) for l2, t2, _ in row or ()]}
+            for (lp, t, _), row in zip(entries, tops)
+        ],
+        "refusal": None,
+    }
 
 
 # -- embeddings and the tokenizer routes -------------------------------------------------------------------------
@@ -417,8 +532,9 @@ async def embeddings(serving: Serving, req) -> dict:
     ids = await asyncio.to_thread(_input_ids, serving, req.input, "input")
     hidden = serving.engine.model_config.hidden_size
     if req.dimensions is not None and req.dimensions != hidden:
-        raise ApiError(f"dimensions: this model's embeddings have {hidden} dimensions, got {req.dimensions}",
-                       param="dimensions")
+        raise ApiError(
+            f"dimensions: this model's embeddings have {hidden} dimensions, got {req.dimensions}", param="dimensions"
+        )
     try:
         vectors = await asyncio.to_thread(serving.engine.encode, input_ids=ids)
     except RequestError as e:
@@ -430,23 +546,36 @@ async def embeddings(serving: Serving, req) -> dict:
 
         vectors = [base64.b64encode(np.asarray(v, np.float32).tobytes()).decode() for v in vectors]
     tokens = sum(map(len, ids))
-    return {"object": "list", "model": serving.model_name,
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return {
+        "object": "list",
+        "model": serving.model_name,
+        "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
 
 
 async def score(serving: Serving, req) -> dict:
     """SGLang's /v1/score (engine/scoring.py has the rules)."""
     try:
         result = await asyncio.to_thread(
-            serving.engine.score, req.query, req.items, req.label_token_ids, apply_softmax=req.apply_softmax,
-            item_first=req.item_first, temperature=req.temperature, detail=True)
+            serving.engine.score,
+            req.query,
+            req.items,
+            req.label_token_ids,
+            apply_softmax=req.apply_softmax,
+            item_first=req.item_first,
+            temperature=req.temperature,
+            detail=True,
+        )
     except RequestError as e:
         raise params_error(e, renames={"prompt": "items", "input_ids": "items"}) from None
-    return {"object": "scoring", "model": serving.model_name, "scores": result.scores,
-            "token_logprobs": result.logprobs if req.return_token_logprobs else None,
-            "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": 0,
-                      "total_tokens": result.prompt_tokens}}
+    return {
+        "object": "scoring",
+        "model": serving.model_name,
+        "scores": result.scores,
+        "token_logprobs": result.logprobs if req.return_token_logprobs else None,
+        "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": 0, "total_tokens": result.prompt_tokens},
+    }
 
 
 def tokenize(serving: Serving, req) -> dict:
@@ -469,8 +598,11 @@ def tokenize(serving: Serving, req) -> dict:
         texts = [value] if single else list(value)
         special = req.add_special_tokens is not False
         batch = [tok.encode(t, add_special_tokens=special) for t in texts]
-    out = {"tokens": batch[0] if single else batch, "count": len(batch[0]) if single else [len(b) for b in batch],
-           "max_model_len": serving.engine.context_length}
+    out = {
+        "tokens": batch[0] if single else batch,
+        "count": len(batch[0]) if single else [len(b) for b in batch],
+        "max_model_len": serving.engine.context_length,
+    }
     if req.return_token_strs:
         strs = [[serving.token_piece(t)[0] for t in ids] for ids in batch]
         out["token_strs"] = strs[0] if single else strs

@@ -25,17 +25,28 @@ class ServerProcess:
     `argv` starts another server instead (a peer's, for benchmarks): "{port}" in it becomes the free port, and
     `ready_path` is the GET that answers 200 once it serves."""
 
-    def __init__(self, *flags: str, env: dict | None = None, cwd: str | None = None, argv: list[str] | None = None,
-                 ready_path: str = "/health", log_prefix: str = "sgjax-server-"):
+    def __init__(
+        self,
+        *flags: str,
+        env: dict | None = None,
+        cwd: str | None = None,
+        argv: list[str] | None = None,
+        ready_path: str = "/health",
+        log_prefix: str = "sgjax-server-",
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready_path = ready_path
         self.log = tempfile.NamedTemporaryFile("w+", prefix=log_prefix, suffix=".log", delete=False)
         if argv is None:
             argv = [sys.executable, "-m", "sgjax.cli", "serve", "--port", "{port}", *flags]
-        self.proc = subprocess.Popen([a.replace("{port}", str(self.port)) for a in argv],
-                                     cwd=cwd, env={**os.environ, **(env or {})}, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [a.replace("{port}", str(self.port)) for a in argv],
+            cwd=cwd,
+            env={**os.environ, **(env or {})},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_ready(self, timeout: float = 300.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout

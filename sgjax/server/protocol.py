@@ -23,8 +23,15 @@ _FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
 class ApiError(Exception):
     """A request the server refuses; `message` starts with the offending field's name."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.kind, self.code = message, status, param, kind, code
         self.headers = headers
@@ -110,8 +117,10 @@ def _validation_error(e: ValidationError) -> ApiError:
     # is wrong inside it (an image part's missing url, not "Input should be a valid string" for the whole list).
     err = max(e.errors(include_url=False), key=lambda x: len(x["loc"]))
     # Union members and validators add their type names to the location; keep only field names and indices.
-    path = ".".join(str(p) for p in err["loc"]
-                    if isinstance(p, int) or (_FIELD.match(p) and p not in _TYPE_TAGS)) or "body"
+    path = (
+        ".".join(str(p) for p in err["loc"] if isinstance(p, int) or (_FIELD.match(p) and p not in _TYPE_TAGS))
+        or "body"
+    )
     if err["type"] == "extra_forbidden":
         return ApiError(f"{path}: unknown parameter", param=path)
     if err["type"] == "missing":
@@ -212,9 +221,14 @@ def _part_kind(part):
     return kinds.get(part.get("type")) if isinstance(part, dict) else None
 
 
-ContentPart = Annotated[Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")],
-                        Discriminator(_part_kind, custom_error_type="content_part",
-                                      custom_error_message="a content part needs type 'text' or 'image_url'")]
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")],
+    Discriminator(
+        _part_kind,
+        custom_error_type="content_part",
+        custom_error_message="a content part needs type 'text' or 'image_url'",
+    ),
+]
 
 
 class FunctionCall(Strict):

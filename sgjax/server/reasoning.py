@@ -41,7 +41,7 @@ class ReasoningParser:
         if not final and THINK_START.startswith(body):
             return "", ""  # nothing yet, or an unfinished opening tag
         if body.startswith(THINK_START):
-            body = body[len(THINK_START):]
+            body = body[len(THINK_START) :]
         elif not self.forced:
             return "", text
         if THINK_END in body:
@@ -49,7 +49,7 @@ class ReasoningParser:
             return reasoning, content.lstrip()
         if final:
             return body, ""  # cut off while reasoning
-        return body[:len(body) - _held_prefix(body, THINK_END)], ""
+        return body[: len(body) - _held_prefix(body, THINK_END)], ""
 
 
 class ReasoningStream:
@@ -67,4 +67,4 @@ class ReasoningStream:
         if self.whole and not final and THINK_END not in self.text:
             reasoning = old_r  # still reasoning: nothing of it yet
         self.sent = (reasoning, content)
-        return reasoning[len(old_r):], content[len(old_c):]
+        return reasoning[len(old_r) :], content[len(old_c) :]

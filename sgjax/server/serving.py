@@ -23,9 +23,9 @@ from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.engine.requests import GenerateCall, copy_rid, copy_seed
 from sgjax.errors import CLIENT, SHUTDOWN, EngineError, RequestError, SgjaxError
 from sgjax.fsm import from_tokenizer
+from sgjax.server.args import HttpArgs
 from sgjax.server.connection import until_disconnected
 from sgjax.server.metrics import Metrics
-from sgjax.server.args import HttpArgs
 from sgjax.server.protocol import ApiError
 from sgjax.server.reasoning import ReasoningParser
 from sgjax.server.tool_parsers import default_parser_name, get_parser
@@ -65,20 +65,31 @@ class HttpWork:
 
     def call(self) -> GenerateCall:
         """The whole work as one engine call: every prompt, with n copies of each (the engine makes them)."""
-        return self._call(list(self.prompts), list(self.params), list(self.rids) if self.rids else None,
-                          list(self.images) if self.has_images else None, stream=False)
+        return self._call(
+            list(self.prompts),
+            list(self.params),
+            list(self.rids) if self.rids else None,
+            list(self.images) if self.has_images else None,
+            stream=False,
+        )
 
     def copy_call(self, prompt: int, params: SamplingParams, rid: str | None) -> GenerateCall:
         """One streamed copy of prompt `prompt` (the engine streams one request at a time)."""
-        return self._call(self.prompts[prompt], params, rid, self.images[prompt] if self.images else None,
-                          stream=True)
+        return self._call(self.prompts[prompt], params, rid, self.images[prompt] if self.images else None, stream=True)
 
     def _call(self, prompts, params, rid, images, stream: bool) -> GenerateCall:
         text = self.texts is not None
-        return GenerateCall(prompt=prompts if text else None, input_ids=None if text else prompts,
-                            sampling_params=params, return_logprob=self.return_logprob,
-                            logprob_start_len=self.logprob_start_len, top_logprobs_num=self.top_logprobs_num,
-                            stream=stream, rid=rid, image_data=images)
+        return GenerateCall(
+            prompt=prompts if text else None,
+            input_ids=None if text else prompts,
+            sampling_params=params,
+            return_logprob=self.return_logprob,
+            logprob_start_len=self.logprob_start_len,
+            top_logprobs_num=self.top_logprobs_num,
+            stream=stream,
+            rid=rid,
+            image_data=images,
+        )
 
     def image_field(self, prompt: int | None, image: int | None = None) -> str:
         if self.image_fields is None or prompt is None:
@@ -106,8 +117,11 @@ class Serving:
         # What a chat message's image part becomes in the templated text: the model's own image token (LLaVA's
         # "<image>"), which the engine expands to the tower's rows. None: a text-only model.
         vision = engine.images
-        self.image_token = (self.tokenizer.hf.id_to_token(vision.cfg.image_token_index)
-                            if vision is not None and self.tokenizer is not None else None)
+        self.image_token = (
+            self.tokenizer.hf.id_to_token(vision.cfg.image_token_index)
+            if vision is not None and self.tokenizer is not None
+            else None
+        )
         # The chat routes' output parsers: the tool-call format (by flag, else the one the template writes) and
         # the reasoning split (by flag only: a model that does not think has no <think> block to split).
         template = self.tokenizer.chat_template if self.tokenizer is not None else None
@@ -149,8 +163,9 @@ class Serving:
                 release()  # the engine's own count (calls being tokenized) takes over in this same loop turn
                 return await call
 
-            results = await asyncio.wait_for(until_disconnected(receive, self._engine_errors(started(), work)),
-                                             self.http.request_timeout)
+            results = await asyncio.wait_for(
+                until_disconnected(receive, self._engine_errors(started(), work)), self.http.request_timeout
+            )
         except TimeoutError:  # wait_for cancelled the call, and a cancelled engine call aborts its requests
             raise self._timeout() from None
         finally:
@@ -209,7 +224,8 @@ class Serving:
             while open_:
                 try:
                     index, item = await asyncio.wait_for(
-                        queue.get(), None if deadline is None else max(deadline - time.perf_counter(), 0))
+                        queue.get(), None if deadline is None else max(deadline - time.perf_counter(), 0)
+                    )
                 except TimeoutError:  # the finally below cancels the streams, which aborts their requests
                     raise self._timeout() from None
                 if item is None:
@@ -226,8 +242,12 @@ class Serving:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _timeout(self) -> ApiError:
-        return ApiError(f"request: longer than {self.http.request_timeout:g} s (request_timeout); aborted",
-                        status=504, kind="timeout", code="request_timeout")
+        return ApiError(
+            f"request: longer than {self.http.request_timeout:g} s (request_timeout); aborted",
+            status=504,
+            kind="timeout",
+            code="request_timeout",
+        )
 
     def _admit(self, work: HttpWork):
         """--max-queued-requests: a 503 with Retry-After when that many generations already wait for the running
@@ -237,8 +257,13 @@ class Serving:
         cap = self.http.max_queued_requests
         waiting = self.engine.queued_requests() + self._admitted
         if cap is not None and waiting >= cap:  # SGLang's rule: refused once that many wait
-            raise ApiError(f"server: {waiting} generations are waiting (max_queued_requests {cap}); retry later",
-                           status=503, kind="unavailable", code="server_busy", headers={"Retry-After": "1"})
+            raise ApiError(
+                f"server: {waiting} generations are waiting (max_queued_requests {cap}); retry later",
+                status=503,
+                kind="unavailable",
+                code="server_busy",
+                headers={"Retry-After": "1"},
+            )
         self._admitted += 1
         held = True
 
@@ -253,12 +278,17 @@ class Serving:
     def _check(self, work: HttpWork) -> None:
         total = sum(p.n for p in work.params)
         if total > MAX_SUBREQUESTS:
-            raise ApiError(f"{work.prompt_field}: {total} generations (prompts x n) in one request; at most "
-                           f"{MAX_SUBREQUESTS}", param=work.prompt_field)
+            raise ApiError(
+                f"{work.prompt_field}: {total} generations (prompts x n) in one request; at most {MAX_SUBREQUESTS}",
+                param=work.prompt_field,
+            )
         if work.has_images and self.engine.images is None:
             where = work.image_field(next(i for i, x in enumerate(work.images) if x is not None))
-            raise ApiError(f"{where}: this server's model is text-only; images need a vision-language model (sgjax "
-                           f"serve --model-path <a LLaVA checkpoint directory>)", param=where)
+            raise ApiError(
+                f"{where}: this server's model is text-only; images need a vision-language model (sgjax "
+                f"serve --model-path <a LLaVA checkpoint directory>)",
+                param=where,
+            )
 
     async def _engine_errors(self, call, work: HttpWork, prompt: int | None = None):
         try:
@@ -300,17 +330,25 @@ class Serving:
     def _log_start(self, work: HttpWork) -> None:
         if self.http.log_requests:
             prompts = [_clip(p) if isinstance(p, str) else f"<{len(p)} ids>" for p in work.prompts]
-            params = [{f.name: getattr(p, f.name) for f in dataclasses.fields(p)
-                       if getattr(p, f.name) != f.default} for p in work.params]  # what the request changed
+            params = [
+                {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if getattr(p, f.name) != f.default}
+                for p in work.params
+            ]  # what the request changed
             log.info("request rids=%s prompts=%s params=%s", list(work.rids) if work.rids else None, prompts, params)
 
     def _log_end(self, results: list[dict]) -> None:
         if self.http.log_requests:
             for r in results:
                 m = r["meta_info"]
-                log.info("finish rid=%s reason=%s prompt=%d completion=%d cached=%d text=%s", m["id"],
-                         m["finish_reason"], m["prompt_tokens"], m["completion_tokens"], m["cached_tokens"],
-                         _clip(r["text"]))
+                log.info(
+                    "finish rid=%s reason=%s prompt=%d completion=%d cached=%d text=%s",
+                    m["id"],
+                    m["finish_reason"],
+                    m["prompt_tokens"],
+                    m["completion_tokens"],
+                    m["cached_tokens"],
+                    _clip(r["text"]),
+                )
 
 
 def params_error(e: RequestError, prefix: str = "", renames: dict | None = None) -> ApiError:

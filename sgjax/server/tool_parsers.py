@@ -169,20 +169,20 @@ class Hermes(JsonFormat):
             k = text.find(self.OPEN, pos)
             if k < 0:
                 rest = text[pos:]
-                content.append(rest if final else rest[:len(rest) - _held_prefix(rest, self.OPEN)])
+                content.append(rest if final else rest[: len(rest) - _held_prefix(rest, self.OPEN)])
                 break
             content.append(text[pos:k])
             body = k + len(self.OPEN)
             e = text.find(self.CLOSE, body)
             closed = e >= 0 or final
-            block = text[body:e if e >= 0 else len(text)]
+            block = text[body : e if e >= 0 else len(text)]
             call, _ = _object_call(block, 0, closed)
             if call is None and closed:
                 call = _json_call(block)
             if call is None:
                 if not closed:
                     break  # may still become a call: held back
-                content.append(text[k:e + len(self.CLOSE) if e >= 0 else len(text)])
+                content.append(text[k : e + len(self.CLOSE) if e >= 0 else len(text)])
             else:
                 calls.append(call)
             if e < 0:
@@ -225,7 +225,7 @@ class Llama3(JsonFormat):
 
     def scan(self, text: str, final: bool = True) -> Scan:
         stripped = text.lstrip()
-        body = stripped[len(self.TAG):] if stripped.startswith(self.TAG) else stripped
+        body = stripped[len(self.TAG) :] if stripped.startswith(self.TAG) else stripped
         if not final and (self.TAG.startswith(stripped) and stripped):
             return Scan("", ())
         if not body.lstrip().startswith("{"):
@@ -250,8 +250,8 @@ class Mistral(JsonFormat):
     def scan(self, text: str, final: bool = True) -> Scan:
         k = text.find(self.MARK)
         if k < 0:
-            return Scan(text if final else text[:len(text) - _held_prefix(text, self.MARK)], ())
-        rest, pos = text[k + len(self.MARK):], 0
+            return Scan(text if final else text[: len(text) - _held_prefix(text, self.MARK)], ())
+        rest, pos = text[k + len(self.MARK) :], 0
         while pos < len(rest) and rest[pos] in " \t\r\n":
             pos += 1
         bracket = pos < len(rest) and rest[pos] == "["
@@ -279,7 +279,7 @@ class Pythonic:
         return self.prefix
 
     def example(self) -> str:
-        return '[<function-name>(<argument>=<python-literal>, ...), ...]'
+        return "[<function-name>(<argument>=<python-literal>, ...), ...]"
 
     def render(self, calls) -> str:
         def call(name, args):
@@ -367,7 +367,7 @@ class Stream:
         scan = self.fmt.scan(self.text, final)
         # Trailing whitespace may be the layout before a call: sent once text follows it, or dropped at the end.
         content = final_content(scan.content) if final else scan.content.lstrip().rstrip()
-        new = content[len(self._content):] if content.startswith(self._content) else ""
+        new = content[len(self._content) :] if content.startswith(self._content) else ""
         self._content = content if content.startswith(self._content) else self._content
         out = []
         for i, call in enumerate(scan.calls):
@@ -375,6 +375,6 @@ class Stream:
                 self._calls.append(call.arguments)
                 out.append(CallDelta(i, call.name, call.arguments))
             elif len(call.arguments) > len(self._calls[i]) and call.arguments.startswith(self._calls[i]):
-                out.append(CallDelta(i, None, call.arguments[len(self._calls[i]):]))
+                out.append(CallDelta(i, None, call.arguments[len(self._calls[i]) :]))
                 self._calls[i] = call.arguments
         return new, out

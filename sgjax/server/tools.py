@@ -100,8 +100,10 @@ def _functions(tools) -> tuple[Function, ...]:
     for i, tool in enumerate(tools):
         f = tool.function
         if not _NAME.match(f.name):
-            raise ApiError(f"tools.{i}.function.name: must be 1-64 letters, digits, '_', '-' or '.', got {f.name!r}",
-                           param=f"tools.{i}.function.name")
+            raise ApiError(
+                f"tools.{i}.function.name: must be 1-64 letters, digits, '_', '-' or '.', got {f.name!r}",
+                param=f"tools.{i}.function.name",
+            )
         if f.name in seen:
             raise ApiError(f"tools.{i}.function.name: {f.name!r} is defined twice", param=f"tools.{i}.function.name")
         seen.add(f.name)
@@ -118,7 +120,9 @@ def _choice(value, functions) -> tuple[str, str | None]:
         return value, None
     name = value.function.name
     if name not in {f.name for f in functions}:
-        raise ApiError(f"tool_choice.function.name: {name!r} is not one of the tools", param="tool_choice.function.name")
+        raise ApiError(
+            f"tool_choice.function.name: {name!r} is not one of the tools", param="tool_choice.function.name"
+        )
     return "named", name
 
 
@@ -134,8 +138,9 @@ def _call_regex(fmt, f: Function, i: int) -> str:
     except GrammarError as e:
         raise ApiError(f"tools.{i}.function.parameters: {e}", param=f"tools.{i}.function.parameters") from None
     except (RecursionError, TypeError, ValueError) as e:
-        raise ApiError(f"tools.{i}.function.parameters: invalid schema ({e})",
-                       param=f"tools.{i}.function.parameters") from None
+        raise ApiError(
+            f"tools.{i}.function.parameters: invalid schema ({e})", param=f"tools.{i}.function.parameters"
+        ) from None
     return _lit(fmt.head(f.name)) + f"(?:{args})" + _lit(fmt.tail)
 
 
@@ -151,9 +156,17 @@ def _class_char(c: str) -> str:
 def template_input(messages: list[dict], tool_plan: ToolPlan, fmt, template: str | None) -> tuple[list[dict], dict]:
     """(messages, extra template variables) for the chat template. `messages` carry the requests' `tool_calls`
     ((name, arguments JSON text) pairs) and `tool_call_id` as dict keys."""
-    specs = [{"type": "function", "function": {"name": f.name, **({"description": f.description}
-                                                                    if f.description else {}),
-                                               "parameters": f.parameters}} for f in tool_plan.functions]
+    specs = [
+        {
+            "type": "function",
+            "function": {
+                "name": f.name,
+                **({"description": f.description} if f.description else {}),
+                "parameters": f.parameters,
+            },
+        }
+        for f in tool_plan.functions
+    ]
     if template is not None and "tools" in template:
         return [_native(m) for m in messages], ({"tools": specs} if specs else {})
     out = [_plain(m, fmt) for m in messages]
@@ -195,9 +208,11 @@ def _instructions(specs: list[dict], fmt) -> str:
     example = fmt.example()
     listing = "\n".join(json.dumps(s, ensure_ascii=False) for s in specs)
     # The fixed text first: requests with different tools share its KV pages in the radix cache.
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query. To call functions, reply "
-            f"with the calls only, in this form:\n{example}\n\nYou are provided with function signatures within "
-            f"<tools></tools> XML tags:\n<tools>\n{listing}\n</tools>")
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query. To call functions, reply "
+        f"with the calls only, in this form:\n{example}\n\nYou are provided with function signatures within "
+        f"<tools></tools> XML tags:\n<tools>\n{listing}\n</tools>"
+    )
 
 
 # -- the answer -------------------------------------------------------------------------------------------------
@@ -206,5 +221,6 @@ def call_id() -> str:
 
 
 def openai_calls(calls: tuple[ToolCall, ...]) -> list[dict]:
-    return [{"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]
+    return [
+        {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+    ]

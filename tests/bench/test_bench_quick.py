@@ -22,16 +22,35 @@ import pytest
 from tests.conftest import SMALL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKLOADS = {"mmlu", "hellaswag", "tree_of_thought", "skeleton_of_thought", "llm_judge", "json_decode",
-             "multi_turn_short", "multi_turn_long", "react", "rag"}
+WORKLOADS = {
+    "mmlu",
+    "hellaswag",
+    "tree_of_thought",
+    "skeleton_of_thought",
+    "llm_judge",
+    "json_decode",
+    "multi_turn_short",
+    "multi_turn_long",
+    "react",
+    "rag",
+}
 SMOKE = {"mmlu", "hellaswag", "json_decode"}
 # The smoke run's pool and request slots are the in-process engines' (tests/conftest.py SMALL): its step executables
 # are TINY_SMOLLM2_VOCAB's at the same shapes as the tiny engines of tests/engine, which then load them from the
 # persistent compilation cache.
-RUNS = {"smoke": ["--dummy", "tiny", "--workloads", ",".join(sorted(SMOKE)),
-                  "--max-total-tokens", str(SMALL["max_total_tokens"]),
-                  "--max-running-requests", str(SMALL["max_running_requests"])],
-        "full": []}
+RUNS = {
+    "smoke": [
+        "--dummy",
+        "tiny",
+        "--workloads",
+        ",".join(sorted(SMOKE)),
+        "--max-total-tokens",
+        str(SMALL["max_total_tokens"]),
+        "--max-running-requests",
+        str(SMALL["max_running_requests"]),
+    ],
+    "full": [],
+}
 
 
 @pytest.fixture(scope="module", params=["smoke", pytest.param("full", marks=pytest.mark.slow)])
@@ -41,9 +60,21 @@ def quick_run(request, tmp_path_factory):
     # another checkout's sgjax through the editable install.
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".jax_cache"))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench", "run.py"), "--quick",
-                           *RUNS[request.param], "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1800)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench", "run.py"),
+            "--quick",
+            *RUNS[request.param],
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     workloads = SMOKE if request.param == "smoke" else WORKLOADS

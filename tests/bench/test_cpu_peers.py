@@ -10,13 +10,15 @@ import types
 import httpx
 import pytest
 
-sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "perf"),
-                os.path.join(os.path.dirname(__file__), "..", "..", "scripts")]
+sys.path[:0] = [
+    os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "perf"),
+    os.path.join(os.path.dirname(__file__), "..", "..", "scripts"),
+]
 from bench_cpu_peers import MMLU_SUBJECTS, ServedPeer, measure_mmlu, mmlu_questions, server_argv  # noqa: E402
 
 # Answers " B" to every prompt; usage counts characters as tokens and reports a tenth of them cached, so the
 # expected row follows from the prompts alone.
-STAND_IN = r'''
+STAND_IN = r"""
 import json, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -51,7 +53,7 @@ class H(BaseHTTPRequestHandler):
         pass
 
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-'''
+"""
 
 
 def test_questions_share_a_prefix_per_subject_and_carry_their_answers():
@@ -63,8 +65,9 @@ def test_questions_share_a_prefix_per_subject_and_carry_their_answers():
 
 
 def test_sgjax_server_flags_follow_the_engine_arguments():
-    args = types.SimpleNamespace(sgjax_args='{"weight_dtype": "int4", "disable_radix_cache": true}',
-                                 model_path="m.gguf", batch=16)
+    args = types.SimpleNamespace(
+        sgjax_args='{"weight_dtype": "int4", "disable_radix_cache": true}', model_path="m.gguf", batch=16
+    )
     argv, _, ready = server_argv("sgjax", args)
     assert argv[argv.index("--weight-dtype") + 1] == "int4" and "--disable-radix-cache" in argv
     assert argv[argv.index("--max-running-requests") + 1] == "16" and "{port}" in argv and ready == "/health"

@@ -16,8 +16,9 @@ from hf_backend import hf_model_from_weights  # noqa: E402
 
 
 # every family's own HF class: its names, fused projections (Phi-3) and norm offsets (Gemma) in both directions
-@pytest.mark.parametrize("variant", ["llama-gqa4", "qwen2-bias", "qwen3-qk-norm", "gemma3-local-global",
-                                     "gemma2-softcap", "phi3-fused"])
+@pytest.mark.parametrize(
+    "variant", ["llama-gqa4", "qwen2-bias", "qwen3-qk-norm", "gemma3-local-global", "gemma2-softcap", "phi3-fused"]
+)
 def test_hf_model_from_weights_is_the_original_model(variant, tmp_path):
     original = write_tiny(variant, str(tmp_path))
     cfg, weights = load_hf_dir(str(tmp_path))

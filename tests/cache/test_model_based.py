@@ -107,8 +107,9 @@ def run_radix(num_ops, page_size, num_pages, seed):
     locked = []  # (node, ns, prefix)
     pool: list[list[int]] = []
     seen = []  # (MatchResult, ns, tokens) of earlier matches: rematch resumes them after whatever ran since
-    counts = dict.fromkeys(["match", "insert", "insert_fresh", "lock", "unlock", "evict", "flush", "reset", "grow",
-                            "rematch"], 0)
+    counts = dict.fromkeys(
+        ["match", "insert", "insert_fresh", "lock", "unlock", "evict", "flush", "reset", "grow", "rematch"], 0
+    )
     ops = list(counts)
     weights = np.array([25, 20, 10, 10, 10, 15, 2, 1, 8, 12], float)
     for _ in range(num_ops):
@@ -240,7 +241,7 @@ class TableModel:
 
     def longest(self, ns, tokens):
         best = None
-        for (ns_, seq) in self.pages:
+        for ns_, seq in self.pages:
             if ns_ == ns and len(seq) <= len(tokens) and tuple(tokens[: len(seq)]) == seq:
                 if best is None or len(seq) > len(best[1]):
                     best = (ns_, seq)
@@ -311,7 +312,7 @@ def test_table_cache_agrees_with_brute_force_model(page_size, num_pages, seed):
             node, key = locked[i]
             ns, seq = key
             longer = [s_ for (n_, s_) in model.pages if n_ == ns and len(s_) > len(seq) and s_[: len(seq)] == seq]
-            tail = list(longer[rng.integers(len(longer))][len(seq):]) if longer and rng.random() < 0.7 else []
+            tail = list(longer[rng.integers(len(longer))][len(seq) :]) if longer and rng.random() < 0.7 else []
             full = list(seq) + tail + [int(t) for t in rng.integers(1, 5, size=page_size * int(rng.integers(0, 2)))]
             full = full[: len(full) // page_size * page_size]
         best = model.longest(ns, full)

@@ -8,8 +8,9 @@ def test_with_outputs_equals_the_prompt_only_optimum_when_nothing_is_decoded_int
 
     rng = random.Random(0)
     base = [rng.randrange(50) for _ in range(64)]
-    prompts = [base[:rng.randrange(1, 64)] + [rng.randrange(50) for _ in range(rng.randrange(0, 40))]
-               for _ in range(40)]
+    prompts = [
+        base[: rng.randrange(1, 64)] + [rng.randrange(50) for _ in range(rng.randrange(0, 40))] for _ in range(40)
+    ]
     outputs = [[999] * rng.randrange(0, 8) for _ in prompts]  # a token no prompt contains
     for S in (1, 4, 16):
         assert optimal_prompt_tokens_with_outputs(prompts, outputs, S) == optimal_computed_tokens(prompts, S)

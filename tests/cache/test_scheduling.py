@@ -97,8 +97,10 @@ def test_fcfs_and_random_thrash_where_lpm_does_not(capsys):
         rows[policy] = res
     rows["table"] = simulate(reqs, SimConfig(capacity_tokens=cap, policy="lpm", cache="table"))
     with capsys.disabled():
-        print(f"\noptimal hit rate {optimal_hit_rate(reqs):.3f}; achieved: "
-              + ", ".join(f"{k} {r.hit_rate:.3f}" for k, r in rows.items()))
+        print(
+            f"\noptimal hit rate {optimal_hit_rate(reqs):.3f}; achieved: "
+            + ", ".join(f"{k} {r.hit_rate:.3f}" for k, r in rows.items())
+        )
     assert rows["lpm"].computed_tokens == rows["dfs-weight"].computed_tokens == opt
     assert rows["fcfs"].computed_tokens > 3 * opt  # every request recomputes its group's prefix
     assert rows["random"].computed_tokens > opt

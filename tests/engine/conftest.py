@@ -5,21 +5,38 @@ import pytest
 
 from tests.conftest import SMALL
 
-FEW_SHOT = ("Answer each question with one word.\n"
-            "Q: What color is the sky on a clear day?\nA: Blue\n"
-            "Q: What animal says moo?\nA: Cow\n"
-            "Q: What is frozen water called?\nA: Ice\n")
+FEW_SHOT = (
+    "Answer each question with one word.\n"
+    "Q: What color is the sky on a clear day?\nA: Blue\n"
+    "Q: What animal says moo?\nA: Cow\n"
+    "Q: What is frozen water called?\nA: Ice\n"
+)
 CHAT = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
 
 PROMPTS = (
-    [FEW_SHOT + f"Q: {q}\nA:" for q in ("What do bees make?", "What is the opposite of hot?",
-                                          "Which planet do we live on?", "What do cows drink?",
-                                          "What falls from clouds when it rains?")]
-    + [CHAT + f"{m}<|im_end|>\n<|im_start|>assistant\n" for m in ("Say hello.", "Name a fruit.",
-                                                                   "What is the capital of Italy?",
-                                                                   "Write a short poem about the sea.")]
-    + ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-       "Water boils at", "The quick brown fox", "Hello", "In machine learning, a transformer is a model that"]
+    [
+        FEW_SHOT + f"Q: {q}\nA:"
+        for q in (
+            "What do bees make?",
+            "What is the opposite of hot?",
+            "Which planet do we live on?",
+            "What do cows drink?",
+            "What falls from clouds when it rains?",
+        )
+    ]
+    + [
+        CHAT + f"{m}<|im_end|>\n<|im_start|>assistant\n"
+        for m in ("Say hello.", "Name a fruit.", "What is the capital of Italy?", "Write a short poem about the sea.")
+    ]
+    + [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "Water boils at",
+        "The quick brown fox",
+        "Hello",
+        "In machine learning, a transformer is a model that",
+    ]
 )
 NEW_TOKENS = 12
 
@@ -45,7 +62,11 @@ def hf_greedy(hf_smollm2, prompt_ids):
     out = []
     with torch.no_grad():
         for ids in prompt_ids:
-            seq = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            out.append(seq[0, len(ids):].tolist())
+            seq = hf_smollm2.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+            out.append(seq[0, len(ids) :].tolist())
     return out

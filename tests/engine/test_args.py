@@ -1,5 +1,5 @@
-"""SGLang's launch-line spellings reach the engine: --dtype's names, --kv-cache-dtype, --chat-template, --tokenizer-path;
-what sgjax cannot do fails at start with one line naming it."""
+"""SGLang's launch-line spellings reach the engine: --dtype's names, --kv-cache-dtype, --chat-template,
+--tokenizer-path; what sgjax cannot do fails at start with one line naming it."""
 
 import dataclasses
 
@@ -9,12 +9,14 @@ from sgjax.engine.args import ServerArgs
 from sgjax.engine.engine import Engine
 from sgjax.engine.plan import activation_dtype
 from sgjax.errors import RequestError
-from tests.engine.conftest import tiny_engine
 from sgjax.model import chat_templates
+from tests.engine.conftest import tiny_engine
 
 
-@pytest.mark.parametrize("given, want", [("auto", "float32"), (None, "float32"), ("float", "float32"),
-                                         ("float32", "float32"), ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize(
+    "given, want",
+    [("auto", "float32"), (None, "float32"), ("float", "float32"), ("float32", "float32"), ("bfloat16", "bfloat16")],
+)
 def test_dtype_spellings(given, want):
     assert activation_dtype(ServerArgs(dtype=given), "cpu") == want  # CPU: auto is float32
 

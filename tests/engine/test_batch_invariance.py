@@ -10,8 +10,12 @@ import pytest
 from sgjax.engine.engine import Engine
 from tests.conftest import SMALL
 
-PROBES = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-          "In machine learning, a transformer is a model that"]
+PROBES = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "In machine learning, a transformer is a model that",
+]
 OTHERS = ["Write a long story about a dragon who " + "likes to eat apples " * i for i in range(1, 9)]
 GREEDY = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
 LONGER = {"max_new_tokens": 40, "temperature": 0}
@@ -37,8 +41,9 @@ def test_default_plan_is_batch_invariant_and_says_so(engine):
 def test_probes_alone_and_inside_a_batch_of_others_give_the_same_tokens(engine):
     alone = [_tokens_and_logprobs(engine.generate(p, GREEDY, return_logprob=True)) for p in PROBES]
     engine.flush_cache()
-    batch = engine.generate(OTHERS[:4] + PROBES + OTHERS[4:], [LONGER] * 4 + [GREEDY] * 4 + [LONGER] * 4,
-                            return_logprob=True)
+    batch = engine.generate(
+        OTHERS[:4] + PROBES + OTHERS[4:], [LONGER] * 4 + [GREEDY] * 4 + [LONGER] * 4, return_logprob=True
+    )
     inside = [_tokens_and_logprobs(out) for out in batch[4:8]]
     for probe, a, b in zip(PROBES, alone, inside):
         assert len(a[0]) == 32
@@ -51,6 +56,7 @@ def test_probes_alone_and_inside_a_batch_of_others_give_the_same_tokens(engine):
 def test_through_sgjax_serve_concurrent_requests_change_no_answer(client):
     """The session's `sgjax serve` (tests/conftest.py: the defaults): each probe alone, then all of them sent at once
     beside the other requests from 12 client threads."""
+
     def ask(prompt, params):
         r = client.post("/generate", json={"text": prompt, "sampling_params": params, "return_logprob": True})
         assert r.status_code == 200, r.text
@@ -70,9 +76,14 @@ def test_explicit_float32_gives_hfs_greedy_tokens(smollm2, hf_smollm2):
     HF transformers' float32 greedy tokens on six varied prompts for 24 tokens."""
     import torch
 
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-               "<|im_start|>user\nName three fruits.<|im_end|>\n<|im_start|>assistant\n", "Water boils at",
-               "The quick brown fox"]
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "<|im_start|>user\nName three fruits.<|im_end|>\n<|im_start|>assistant\n",
+        "Water boils at",
+        "The quick brown fox",
+    ]
     tok = smollm2[2]
     with Engine(**SMALL, dtype="float32") as eng:
         assert (eng.plan.weight_dtype, eng.plan.kv_dtype, eng.plan.dtype) == ("float32",) * 3
@@ -80,6 +91,10 @@ def test_explicit_float32_gives_hfs_greedy_tokens(smollm2, hf_smollm2):
     for prompt, out in zip(prompts, outs):
         ids = tok.encode(prompt)
         with torch.no_grad():
-            seq = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
-                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        assert out["output_ids"] == seq[0, len(ids):].tolist(), prompt
+            seq = hf_smollm2.generate(
+                torch.tensor([ids]),
+                max_new_tokens=24,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+        assert out["output_ids"] == seq[0, len(ids) :].tolist(), prompt

@@ -19,14 +19,21 @@ PERSON = {
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
         "skills": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"street": {"type": "string", "maxLength": 20},
-                                                      "zip": {"type": "string", "pattern": "[0-9]{5}"}},
-                    "required": ["street", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "[0-9]{5}"},
+            },
+            "required": ["street", "zip"],
+        },
     },
     "required": ["name", "age", "city", "skills", "address"],
 }
-PROMPT = ("<|im_start|>user\nDescribe a fictional person as JSON with name, age, city, skills and address."
-          "<|im_end|>\n<|im_start|>assistant\n")
+PROMPT = (
+    "<|im_start|>user\nDescribe a fictional person as JSON with name, age, city, skills and address."
+    "<|im_end|>\n<|im_start|>assistant\n"
+)
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 
 
@@ -56,11 +63,12 @@ def test_regex_outputs_fullmatch_greedy_and_sampled(engines):
     on, off = engines
     prompts = ["My phone number is ", "Call me at ", "The office number: "]
     greedy = on.generate(prompts, {"regex": PHONE, "max_new_tokens": 30, "temperature": 0})
-    assert [g["text"] for g in greedy] == [o["text"] for o in off.generate(prompts, {"regex": PHONE,
-                                                                                       "max_new_tokens": 30,
-                                                                                       "temperature": 0})]
-    sampled = on.generate(prompts * 3, [{"regex": PHONE, "max_new_tokens": 30, "temperature": 1.0, "seed": i}
-                                        for i in range(9)])
+    assert [g["text"] for g in greedy] == [
+        o["text"] for o in off.generate(prompts, {"regex": PHONE, "max_new_tokens": 30, "temperature": 0})
+    ]
+    sampled = on.generate(
+        prompts * 3, [{"regex": PHONE, "max_new_tokens": 30, "temperature": 1.0, "seed": i} for i in range(9)]
+    )
     for out in greedy + sampled:
         assert re.fullmatch(PHONE, out["text"]), out["text"]
     yes_no = on.generate("Is the sky blue? Answer yes or no:", {"regex": "(yes|no)", "temperature": 0})
@@ -71,20 +79,35 @@ def test_constrained_and_free_requests_share_a_batch(engines):
     on, _ = engines
     free = {"max_new_tokens": 10, "temperature": 0}
     alone = on.generate("The quick brown fox", free)
-    mixed = on.generate(["My phone number is ", "The quick brown fox", PROMPT],
-                        [{"regex": PHONE, "max_new_tokens": 30, "temperature": 0}, free,
-                         {"json_schema": PERSON, "max_new_tokens": 200, "temperature": 0}])
+    mixed = on.generate(
+        ["My phone number is ", "The quick brown fox", PROMPT],
+        [
+            {"regex": PHONE, "max_new_tokens": 30, "temperature": 0},
+            free,
+            {"json_schema": PERSON, "max_new_tokens": 200, "temperature": 0},
+        ],
+    )
     assert mixed[1]["output_ids"] == alone["output_ids"]
     assert re.fullmatch(PHONE, mixed[0]["text"])
     jsonschema.validate(json.loads(mixed[2]["text"]), PERSON)
 
 
-@pytest.mark.parametrize("params, field", [
-    ({"regex": "(unclosed"}, "regex"),
-    ({"json_schema": {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}},
-                      "$ref": "#/$defs/n"}}, "json_schema"),
-    ({"regex": "a", "json_schema": {"type": "string"}}, "regex"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"regex": "(unclosed"}, "regex"),
+        (
+            {
+                "json_schema": {
+                    "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}},
+                    "$ref": "#/$defs/n",
+                }
+            },
+            "json_schema",
+        ),
+        ({"regex": "a", "json_schema": {"type": "string"}}, "regex"),
+    ],
+)
 def test_bad_grammars_are_clear_errors_and_the_engine_keeps_serving(engines, params, field):
     on, _ = engines
     with pytest.raises(SamplingParamsError, match=field):

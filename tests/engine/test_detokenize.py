@@ -10,7 +10,8 @@ stop string before it is known not to complete. Uses the real SmolLM2 tokenizer 
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sgjax.engine.detokenize import IncrementalDecoder, StopMatcher
 from sgjax.model.tokenizer import load_tokenizer
@@ -56,7 +57,7 @@ def stream(tok, ids, sizes, skip_special_tokens=True):
     chunks, i, k = [], 0, 0
     while i < len(ids):
         n = sizes[k % len(sizes)]
-        chunks.append(dec.push(ids[i:i + n]))
+        chunks.append(dec.push(ids[i : i + n]))
         i, k = i + n, k + 1
     tail = dec.flush()
     assert dec.text == "".join(chunks) + tail
@@ -177,14 +178,14 @@ def reference(stops, text, no_stop_trim=False):
     if not hits:
         return text, None
     end, start, s = min(hits)
-    return text[:end if no_stop_trim else start], s
+    return text[: end if no_stop_trim else start], s
 
 
 def random_chunks(rng, text):
     out, i = [], 0
     while i < len(text):
         n = rng.randint(1, 6)
-        out.append(text[i:i + n])
+        out.append(text[i : i + n])
         i += n
     return out
 
@@ -256,13 +257,16 @@ def test_no_stops_pass_through():
 
 
 @settings(max_examples=300, deadline=None)
-@given(stops=st.lists(st.text("ab", min_size=1, max_size=4), min_size=1, max_size=3),
-       text=st.text("abc", max_size=20), cuts=st.lists(st.integers(1, 5), min_size=1, max_size=8),
-       no_stop_trim=st.booleans())
+@given(
+    stops=st.lists(st.text("ab", min_size=1, max_size=4), min_size=1, max_size=3),
+    text=st.text("abc", max_size=20),
+    cuts=st.lists(st.integers(1, 5), min_size=1, max_size=8),
+    no_stop_trim=st.booleans(),
+)
 def test_stop_random(stops, text, cuts, no_stop_trim):
     pieces, i, k = [], 0, 0
     while i < len(text):
-        pieces.append(text[i:i + cuts[k % len(cuts)]])
+        pieces.append(text[i : i + cuts[k % len(cuts)]])
         i, k = i + cuts[k % len(cuts)], k + 1
     m = StopMatcher(stops, no_stop_trim=no_stop_trim)
     emitted, fed, matched = "", "", None
@@ -273,7 +277,7 @@ def test_stop_random(stops, text, cuts, no_stop_trim):
             break
         # held back: exactly the longest tail that is still a proper prefix of a stop string
         assert fed.startswith(emitted)
-        held = fed[len(emitted):]
+        held = fed[len(emitted) :]
         assert held == "" or any(s.startswith(held) for s in stops)
         assert not any(s.startswith(fed[j:]) for s in stops for j in range(len(emitted)))
     if matched is None:

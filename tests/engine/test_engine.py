@@ -104,8 +104,9 @@ def test_small_pool_retracts_and_every_request_is_right(tiny, tiny_eng, prompt_i
     roomy = tiny_eng.generate(input_ids=prompt_ids, sampling_params=GREEDY)
     assert tiny_eng.get_server_info()["retractions"] == 0
     # 20 pages of 16 tokens: about three of these requests fit at once; no reserve for their outputs.
-    with tiny_engine(tiny, max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16,
-                     schedule_conservativeness=0.0) as eng:
+    with tiny_engine(
+        tiny, max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16, schedule_conservativeness=0.0
+    ) as eng:
         outs = eng.generate(input_ids=prompt_ids, sampling_params=GREEDY)
         for i, (out, ref) in enumerate(zip(outs, roomy)):
             assert out["output_ids"] == ref["output_ids"], f"prompt {i}"
@@ -117,8 +118,9 @@ def test_small_pool_retracts_and_every_request_is_right(tiny, tiny_eng, prompt_i
 def test_seed_reproduces_sampling_whatever_the_batch(tiny_eng):
     params = {"max_new_tokens": 10, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
     alone = tiny_eng.generate("Tell me about the ocean.", params)["output_ids"]
-    mixed = tiny_eng.generate(["Hi", "Tell me about the ocean.", "Once upon a time"],
-                              [GREEDY, params, {**params, "seed": 7}])
+    mixed = tiny_eng.generate(
+        ["Hi", "Tell me about the ocean.", "Once upon a time"], [GREEDY, params, {**params, "seed": 7}]
+    )
     assert mixed[1]["output_ids"] == alone
     others = [tiny_eng.generate("Tell me about the ocean.", {**params, "seed": s})["output_ids"] for s in (1, 2, 3)]
     assert len({tuple(o) for o in others + [alone]}) > 1
@@ -129,8 +131,16 @@ def test_seed_reproduces_sampling_whatever_the_batch(tiny_eng):
 
 def test_penalties_change_the_output_and_keep_it_valid(engine):
     base = engine.generate("one one one one one", {"max_new_tokens": 8, "temperature": 0})
-    pen = engine.generate("one one one one one", {"max_new_tokens": 8, "temperature": 0, "repetition_penalty": 1.5,
-                                                  "frequency_penalty": 1.0, "presence_penalty": 1.0})
+    pen = engine.generate(
+        "one one one one one",
+        {
+            "max_new_tokens": 8,
+            "temperature": 0,
+            "repetition_penalty": 1.5,
+            "frequency_penalty": 1.0,
+            "presence_penalty": 1.0,
+        },
+    )
     assert base["output_ids"] != pen["output_ids"]
     assert pen["meta_info"]["completion_tokens"] == 8
 
@@ -143,8 +153,10 @@ def test_logit_bias_forces_and_bans_tokens(engine):
     banned = engine.generate("The capital of France is", {**greedy, "logit_bias": {str(base[0]): -100}})
     assert banned["output_ids"][0] != base[0]
     # beside penalties in one window, and in a batch with rows that have neither
-    both = engine.generate(["The capital of France is", "Hi"], [
-        {**greedy, "frequency_penalty": 1.0, "logit_bias": {base[0]: -100, 7: 100}}, greedy])
+    both = engine.generate(
+        ["The capital of France is", "Hi"],
+        [{**greedy, "frequency_penalty": 1.0, "logit_bias": {base[0]: -100, 7: 100}}, greedy],
+    )
     assert both[0]["output_ids"] == [7] * 4
     assert both[1]["output_ids"] == engine.generate("Hi", greedy)["output_ids"]
 
@@ -166,9 +178,10 @@ def test_stop_strings_tokens_eos_and_ignore_eos(engine):
     assert " 4, 5" in text
     out = engine.generate("Count: 1, 2, 3,", {"max_new_tokens": 12, "temperature": 0, "stop": [" 5,"]})
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " 5,"}
-    assert out["text"] == text[:text.index(" 5,")]
-    kept = engine.generate("Count: 1, 2, 3,", {"max_new_tokens": 12, "temperature": 0, "stop": [" 5,"],
-                                               "no_stop_trim": True})
+    assert out["text"] == text[: text.index(" 5,")]
+    kept = engine.generate(
+        "Count: 1, 2, 3,", {"max_new_tokens": 12, "temperature": 0, "stop": [" 5,"], "no_stop_trim": True}
+    )
     assert kept["text"].endswith(" 5,")
     first = engine.generate("Count: 1, 2, 3,", {"max_new_tokens": 12, "temperature": 0})["output_ids"]
     out = engine.generate("Count: 1, 2, 3,", {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [first[2]]})
@@ -177,8 +190,9 @@ def test_stop_strings_tokens_eos_and_ignore_eos(engine):
     ended = engine.generate(chat, {"max_new_tokens": 64, "temperature": 0})
     assert ended["meta_info"]["finish_reason"]["type"] == "stop"
     assert ended["output_ids"][-1] in engine.eos_ids and "<|im_end|>" not in ended["text"]
-    longer = engine.generate(chat, {"max_new_tokens": len(ended["output_ids"]) + 3, "temperature": 0,
-                                    "ignore_eos": True})
+    longer = engine.generate(
+        chat, {"max_new_tokens": len(ended["output_ids"]) + 3, "temperature": 0, "ignore_eos": True}
+    )
     assert longer["meta_info"]["completion_tokens"] == len(ended["output_ids"]) + 3
 
 
@@ -197,16 +211,22 @@ def test_streaming_and_async(engine):
 
     one, streamed, many = asyncio.run(main())
     assert one["output_ids"] == full["output_ids"] and streamed[-1]["text"] == full["text"]
-    assert [m["output_ids"] for m in many] == [o["output_ids"] for o in engine.generate(["Hello", "Water boils at"],
-                                                                                        GREEDY)]
+    assert [m["output_ids"] for m in many] == [
+        o["output_ids"] for o in engine.generate(["Hello", "Water boils at"], GREEDY)
+    ]
 
 
 def test_logprobs_match_hf(engine, hf_smollm2, smollm2):
     import torch
 
     ids = smollm2[2].encode(FEW_SHOT + "Q: What do bees make?\nA:")
-    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0},
-                          return_logprob=True, logprob_start_len=3, top_logprobs_num=3)
+    out = engine.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 4, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=3,
+        top_logprobs_num=3,
+    )
     meta = out["meta_info"]
     full = ids + out["output_ids"]
     with torch.no_grad():
@@ -215,16 +235,21 @@ def test_logprobs_match_hf(engine, hf_smollm2, smollm2):
     assert [t for _, t, _ in inp] == ids[3:]
     np.testing.assert_allclose([lp for lp, _, _ in inp], [ref[i - 1, ids[i]] for i in range(3, len(ids))], atol=2e-3)
     outp = meta["output_token_logprobs"]
-    np.testing.assert_allclose([lp for lp, _, _ in outp],
-                               [ref[len(ids) - 1 + j, t] for j, t in enumerate(out["output_ids"])], atol=2e-3)
+    np.testing.assert_allclose(
+        [lp for lp, _, _ in outp], [ref[len(ids) - 1 + j, t] for j, t in enumerate(out["output_ids"])], atol=2e-3
+    )
     for row, tops in zip(range(len(ids) - 1, len(full) - 1), meta["output_top_logprobs"]):
         assert [t for _, t, _ in tops] == np.argsort(-ref[row])[:3].tolist()
     # Prompt logprobs from position 0 over a prefix that is already cached: the cache is not used past the start.
-    again = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                            logprob_start_len=0)
+    again = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+    )
     assert again["meta_info"]["input_token_logprobs"][0][0] is None
-    np.testing.assert_allclose([lp for lp, _, _ in again["meta_info"]["input_token_logprobs"][1:]],
-                               [ref[i - 1, ids[i]] for i in range(1, len(ids))], atol=2e-3)
+    np.testing.assert_allclose(
+        [lp for lp, _, _ in again["meta_info"]["input_token_logprobs"][1:]],
+        [ref[i - 1, ids[i]] for i in range(1, len(ids))],
+        atol=2e-3,
+    )
 
 
 def test_embeddings_are_hfs_normalized_last_hidden_state(engine, hf_smollm2, smollm2):
@@ -251,29 +276,46 @@ def test_score_is_hfs_next_token_probability_of_each_label(engine, hf_smollm2, s
     np.testing.assert_allclose(engine.score(query, items, labels), expected, rtol=2e-3, atol=1e-6)
     with torch.no_grad():
         logits = hf_smollm2(torch.tensor([tok.encode("Paris is big.")])).logits[0, -1]
-    np.testing.assert_allclose(engine.score(" is big.", ["Paris"], [labels], item_first=True)[0],
-                               torch.softmax(logits.double(), -1)[labels].numpy(), rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(
+        engine.score(" is big.", ["Paris"], [labels], item_first=True)[0],
+        torch.softmax(logits.double(), -1)[labels].numpy(),
+        rtol=2e-3,
+        atol=1e-6,
+    )
 
 
-@pytest.mark.parametrize("params, field", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"),
-    ({"max_new_tokens": -1}, "max_new_tokens"), ({"min_p": 2}, "min_p"), ({"nucleus": 0.5}, "nucleus"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"stop_token_ids": [10 ** 6]}, "stop_token_ids"),
-    ({"logit_bias": {"1": 101}}, "logit_bias"), ({"logit_bias": {str(10 ** 6): 1}}, "logit_bias"),
-    ({"logit_bias": {"one": 1}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"min_p": 2}, "min_p"),
+        ({"nucleus": 0.5}, "nucleus"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"logit_bias": {str(10**6): 1}}, "logit_bias"),
+        ({"logit_bias": {"one": 1}}, "logit_bias"),
+    ],
+)
 def test_bad_sampling_params_are_clear_errors_and_the_engine_keeps_serving(engine, params, field):
     with pytest.raises(SamplingParamsError, match=field):
         engine.generate("Hello", params)
     assert engine.generate("Hello", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(input_ids=[]), "empty"), (dict(input_ids=[1, 10 ** 7]), "outside"),
-    (dict(prompt="x", input_ids=[1]), "exactly one"), (dict(prompt="hi", return_logprob=True, logprob_start_len=99),
-                                                       "logprob_start_len"),
-    (dict(prompt="hi", top_logprobs_num=1000), "top_logprobs_num"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(input_ids=[]), "empty"),
+        (dict(input_ids=[1, 10**7]), "outside"),
+        (dict(prompt="x", input_ids=[1]), "exactly one"),
+        (dict(prompt="hi", return_logprob=True, logprob_start_len=99), "logprob_start_len"),
+        (dict(prompt="hi", top_logprobs_num=1000), "top_logprobs_num"),
+    ],
+)
 def test_bad_requests_are_clear_errors(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine.generate(**kwargs)
@@ -311,10 +353,20 @@ def test_dummy_load_format_serves_text_with_the_directorys_config_and_tokenizer(
     from sgjax.model.tokenizer import save_hf_dir
 
     _, _, tok = smollm2
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": tok.vocab_size,
-              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
-              "rope_theta": 10000.0, "eos_token_id": list(tok.eos_token_ids)}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": tok.vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "eos_token_id": list(tok.eos_token_ids),
+    }
     save_hf_dir(tok, str(tmp_path), config)
     with Engine(str(tmp_path), load_format="dummy", max_total_tokens=1024) as eng:
         assert eng.model_config.num_layers == 2 and eng.model_config.hidden_size == 64

@@ -15,8 +15,15 @@ from sgjax.model.weights import dummy_weights
 def tiny_engine(smollm2_tokenizer):
     # Its own pool on purpose: pages of 4 tokens and room for few requests, so pages, retraction and the cache's
     # eviction are all under pressure.
-    eng = Engine.from_weights(TINY_LLAMA, dummy_weights(TINY_LLAMA, seed=1), smollm2_tokenizer, page_size=4,
-                              max_total_tokens=1024, chunked_prefill_size=64, max_running_requests=16)
+    eng = Engine.from_weights(
+        TINY_LLAMA,
+        dummy_weights(TINY_LLAMA, seed=1),
+        smollm2_tokenizer,
+        page_size=4,
+        max_total_tokens=1024,
+        chunked_prefill_size=64,
+        max_running_requests=16,
+    )
     yield eng
     eng.shutdown()
 
@@ -24,8 +31,12 @@ def tiny_engine(smollm2_tokenizer):
 def random_params(rng):
     p = {"max_new_tokens": int(rng.integers(0, 24))}
     if rng.random() < 0.5:
-        p.update(temperature=float(rng.uniform(0.5, 1.5)), top_p=float(rng.uniform(0.5, 1.0)),
-                 top_k=int(rng.choice([-1, 5, 50])), seed=int(rng.integers(1000)))
+        p.update(
+            temperature=float(rng.uniform(0.5, 1.5)),
+            top_p=float(rng.uniform(0.5, 1.0)),
+            top_k=int(rng.choice([-1, 5, 50])),
+            seed=int(rng.integers(1000)),
+        )
     else:
         p["temperature"] = 0.0
     if rng.random() < 0.3:
@@ -46,7 +57,9 @@ def test_500_random_requests_with_aborts_leak_nothing(tiny_engine):
     def client(worker: int):
         r = np.random.default_rng(worker)
         for i in range(50):
-            ids = prefixes[r.integers(6)][: int(r.integers(1, 120))] + r.integers(0, 512, int(r.integers(0, 30))).tolist()
+            ids = (
+                prefixes[r.integers(6)][: int(r.integers(1, 120))] + r.integers(0, 512, int(r.integers(0, 30))).tolist()
+            )
             rid = f"{worker}-{i}"
             try:
                 if r.random() < 0.25:  # a streaming client that leaves early
@@ -58,8 +71,9 @@ def test_500_random_requests_with_aborts_leak_nothing(tiny_engine):
                 else:
                     if r.random() < 0.2:
                         threading.Timer(float(r.uniform(0, 0.05)), eng.abort, (rid,)).start()
-                    results[rid] = eng.generate(input_ids=ids, sampling_params=random_params(r), rid=rid,
-                                                return_logprob=bool(r.random() < 0.2))
+                    results[rid] = eng.generate(
+                        input_ids=ids, sampling_params=random_params(r), rid=rid, return_logprob=bool(r.random() < 0.2)
+                    )
             except Exception as e:  # noqa: BLE001 - collected and reported below
                 errors.append(repr(e))
 
@@ -83,5 +97,9 @@ def test_500_random_requests_with_aborts_leak_nothing(tiny_engine):
     assert info["free_pages"] + info["evictable_pages"] == info["num_pages"]
     assert info["retractions"] > 0 or info["cached_tokens"] > 0
     # Still serving.
-    assert eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3, "ignore_eos": True}
-                        )["meta_info"]["completion_tokens"] == 3
+    assert (
+        eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3, "ignore_eos": True})["meta_info"][
+            "completion_tokens"
+        ]
+        == 3
+    )

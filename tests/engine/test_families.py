@@ -27,8 +27,15 @@ def test_greedy_equals_hf_with_prefix_hits_across_the_window(variant, tmp_path):
     first = [int(t) for t in rng.integers(3, 300, size=13)]
     second = first[:10] + [int(t) for t in rng.integers(3, 300, size=4)]  # a 10-token prefix: past every window
     params = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
-    with Engine(str(tmp_path), dtype="float32", skip_tokenizer_init=True, page_size=4, max_total_tokens=512, chunked_prefill_size=8,
-                max_running_requests=4) as eng:
+    with Engine(
+        str(tmp_path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        page_size=4,
+        max_total_tokens=512,
+        chunked_prefill_size=8,
+        max_running_requests=4,
+    ) as eng:
         cfg = eng.model_config
         assert cfg.architecture == variant.split("-")[0]
         assert cfg.sliding_window is None or cfg.sliding_window < 8  # inside one chunk and the cached prefix

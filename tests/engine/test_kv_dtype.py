@@ -24,6 +24,9 @@ def test_engine_on_a_bf16_pool_matches_float32(tiny):
         runs[kv] = outs
     for a, b in zip(runs["float32"], runs["bfloat16"]):
         # the first token's logprob differs only by the prompt's keys and values rounded to bf16
-        (la, ta, _), (lb, tb, _) = a["meta_info"]["output_token_logprobs"][0], b["meta_info"]["output_token_logprobs"][0]
+        (la, ta, _), (lb, tb, _) = (
+            a["meta_info"]["output_token_logprobs"][0],
+            b["meta_info"]["output_token_logprobs"][0],
+        )
         assert ta == tb and abs(la - lb) < 0.05
         assert sum(x == y for x, y in zip(a["output_ids"], b["output_ids"])) >= 4

@@ -29,14 +29,19 @@ def test_min_new_tokens_masks_eos_and_matches_hf(engine, hf_smollm2):
     k = len(free) + 4
     ids, meta = _greedy(engine, max_new_tokens=k + 4, min_new_tokens=k)
     assert len(ids) > k and not set(ids[:k]) & engine.eos_ids
-    assert ids[:len(free) - 1] == free[:-1]  # only the stop was forbidden
+    assert ids[: len(free) - 1] == free[:-1]  # only the stop was forbidden
     prompt = engine.tokenizer.encode(PROMPT)
     with torch.no_grad():
-        hf = hf_smollm2.generate(torch.tensor([prompt]), max_new_tokens=k + 4, min_new_tokens=k, do_sample=False,
-                                 eos_token_id=sorted(engine.eos_ids),
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    hf_ids = hf[0, len(prompt):].tolist()
-    assert ids == hf_ids[:len(ids)] and len(ids) == len(hf_ids)
+        hf = hf_smollm2.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=k + 4,
+            min_new_tokens=k,
+            do_sample=False,
+            eos_token_id=sorted(engine.eos_ids),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    hf_ids = hf[0, len(prompt) :].tolist()
+    assert ids == hf_ids[: len(ids)] and len(ids) == len(hf_ids)
 
 
 def test_min_new_tokens_masks_stop_token_ids(engine):
@@ -51,6 +56,8 @@ def test_min_new_tokens_masks_stop_token_ids(engine):
 def test_ignore_eos_with_min_new_tokens_only_bans_listed_stops(engine):
     # With ignore_eos, EOS is an ordinary token: min_new_tokens must not mask it.
     assert engine.requests.min_tokens_stops(SamplingParams(min_new_tokens=2, ignore_eos=True)) == ()
-    assert engine.requests.min_tokens_stops(SamplingParams(min_new_tokens=2, stop_token_ids=(7,), ignore_eos=True)) == (7,)
+    assert engine.requests.min_tokens_stops(SamplingParams(min_new_tokens=2, stop_token_ids=(7,), ignore_eos=True)) == (
+        7,
+    )
     assert set(engine.requests.min_tokens_stops(SamplingParams(min_new_tokens=2))) == set(engine.eos_ids)
     assert engine.requests.min_tokens_stops(SamplingParams()) == ()

@@ -37,7 +37,7 @@ def _hf_greedy(model, prompt):
     ids = list(prompt)
     for _ in range(NEW):
         ids.append(int(np.argmax(hf_logits(model, ids)[-1])))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _run(engine):
@@ -91,8 +91,11 @@ def test_expert_parallel_matches_one_device(checkpoints, one_device, tp_size, ep
     assert sum(per_device.values()) == np.asarray(weights.layers.we_gate).nbytes
     for a, b in zip(want, got):
         assert a["output_ids"] == b["output_ids"]
-        np.testing.assert_allclose([lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]],
-                                   [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]], atol=1e-4)
+        np.testing.assert_allclose(
+            [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]],
+            [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]],
+            atol=1e-4,
+        )
 
 
 @pytest.mark.parametrize("weight_dtype", ["auto", "bfloat16"])
@@ -108,10 +111,11 @@ def test_expert_tokens_reach_server_info_and_metrics(checkpoints, weight_dtype):
     # every computed token (the prompt, then the outputs but the last) picks k experts in every layer; padding none
     np.testing.assert_array_equal(counts.sum(axis=1), cfg.num_experts_per_tok * (len(prompt) + NEW - 1))
     text = Metrics().render(info)
-    total = sum(float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith("sgjax:moe_expert_tokens_total{"))
+    total = sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("sgjax:moe_expert_tokens_total{")
+    )
     assert total == counts.sum()
-    assert "sgjax:moe_layer_imbalance{layer=\"0\"}" in text
+    assert 'sgjax:moe_layer_imbalance{layer="0"}' in text
 
 
 def test_ep_size_errors_name_the_setting(checkpoints):
@@ -137,25 +141,53 @@ def test_served_with_ep_size_to_the_openai_client(tmp_path):
     from sgjax.model.tokenizer import load_tokenizer, save_hf_dir
     from tests.server.conftest import serving
 
-    cfg = ModelConfig("qwen3_moe", 49152, 64, 128, 2, 4, 2, 16, qk_norm=True, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        "qwen3_moe",
+        49152,
+        64,
+        128,
+        2,
+        4,
+        2,
+        16,
+        qk_norm=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+    )
     tok = load_tokenizer(default_model_path())
     save_hf_dir(tok, str(tmp_path), {**hf_config_dict(cfg), "eos_token_id": list(tok.eos_token_ids)})
     prompt, new = "The capital of France is", 6
     with Engine(str(tmp_path), load_format="dummy", **ENGINE) as engine:
         want = engine.generate(prompt, {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True})["text"]
-    flags = ["--model-path", str(tmp_path), "--load-format", "dummy", "--tp-size", "2", "--ep-size", "2",
-             "--enable-metrics", *(x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v)))]
+    flags = [
+        "--model-path",
+        str(tmp_path),
+        "--load-format",
+        "dummy",
+        "--tp-size",
+        "2",
+        "--ep-size",
+        "2",
+        "--enable-metrics",
+        *(x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v))),
+    ]
     srv = serving(*flags, env={"JAX_NUM_CPU_DEVICES": "4"})
     server = next(srv)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-        got = client.completions.create(model="default", prompt=prompt, max_tokens=new, temperature=0,
-                                        extra_body={"ignore_eos": True})
+        got = client.completions.create(
+            model="default", prompt=prompt, max_tokens=new, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert got.choices[0].text == want
         metrics = httpx.get(server.url + "/metrics").text
-        routed = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                     if line.startswith("sgjax:moe_expert_tokens_total{"))
+        routed = sum(
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("sgjax:moe_expert_tokens_total{")
+        )
         assert routed > 0 and routed % (cfg.num_layers * cfg.num_experts_per_tok) == 0
     finally:
         next(srv, None)

@@ -19,8 +19,13 @@ from sgjax.server.process import free_port
 from tests.conftest import TINY_SERVE
 from tests.server.conftest import REPO
 
-FLAGS = [*(x for name, value in TINY_SERVE.items() for x in ("--" + name.replace("_", "-"), str(value))),
-         "--load-format", "dummy", "--skip-server-warmup", "--precompile"]
+FLAGS = [
+    *(x for name, value in TINY_SERVE.items() for x in ("--" + name.replace("_", "-"), str(value))),
+    "--load-format",
+    "dummy",
+    "--skip-server-warmup",
+    "--precompile",
+]
 PROMPT, PARAMS = "The capital of France is", {"max_new_tokens": 8, "temperature": 0.0}
 
 
@@ -33,9 +38,16 @@ def _env(devices: int) -> dict:
     import jax
 
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    return {**env, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "JAX_NUM_CPU_DEVICES": str(devices), "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return {
+        **env,
+        "JAX_PLATFORMS": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "JAX_NUM_CPU_DEVICES": str(devices),
+        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 class Rank:
@@ -44,9 +56,14 @@ class Rank:
     def __init__(self, flags, port):
         self.port = port
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sgjax-mh-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "sgjax.cli", "serve", "--port", str(port), *flags],
-                                     cwd=REPO, env=_env(2), stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sgjax.cli", "serve", "--port", str(port), *flags],
+            cwd=REPO,
+            env=_env(2),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def text(self) -> str:
         with open(self.log.name) as f:
@@ -62,8 +79,20 @@ class Rank:
 
 def start_pair(model_dir, smollm2_path, *extra):
     addr = f"127.0.0.1:{free_port()}"
-    common = [*FLAGS, "--model-path", model_dir, "--tokenizer-path", smollm2_path, "--tp-size", "4",
-              "--nnodes", "2", "--dist-init-addr", addr, *extra]
+    common = [
+        *FLAGS,
+        "--model-path",
+        model_dir,
+        "--tokenizer-path",
+        smollm2_path,
+        "--tp-size",
+        "4",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        addr,
+        *extra,
+    ]
     http = free_port()
     ranks = [Rank([*common, "--node-rank", "0"], http), Rank([*common, "--node-rank", "1"], free_port())]
     url = f"http://127.0.0.1:{http}"
@@ -145,13 +174,25 @@ def test_killed_follower_fails_requests_naming_the_rank(pair):
 
     def ask():
         with httpx.Client(base_url=url, timeout=60) as c:
-            box["r"] = c.post("/generate", json={"text": PROMPT, "sampling_params": {
-                "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}})
+            box["r"] = c.post(
+                "/generate",
+                json={
+                    "text": PROMPT,
+                    "sampling_params": {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True},
+                },
+            )
 
     def ask_stream():
         with httpx.Client(base_url=url, timeout=60) as c:
-            with c.stream("POST", "/generate", json={"text": PROMPT, "stream": True, "sampling_params": {
-                    "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}}) as r:
+            with c.stream(
+                "POST",
+                "/generate",
+                json={
+                    "text": PROMPT,
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True},
+                },
+            ) as r:
                 box["stream"] = "".join(r.iter_text())
 
     t = threading.Thread(target=ask)
@@ -171,8 +212,7 @@ def test_killed_follower_fails_requests_naming_the_rank(pair):
     elapsed = time.monotonic() - t0
     assert not t.is_alive(), "the request hung after its follower died"
     r = box["r"]
-    assert r.status_code == 500 and "lost follower rank 1 of 2" in r.json()["error"]["message"], (r.status_code,
-                                                                                                r.text)
+    assert r.status_code == 500 and "lost follower rank 1 of 2" in r.json()["error"]["message"], (r.status_code, r.text)
     assert elapsed < 15, elapsed
     assert not ts.is_alive() and "lost follower rank 1 of 2" in box["stream"], box.get("stream", "")[-500:]
     assert ranks[0].proc.wait(30) != 0, ranks[0].text()
@@ -193,14 +233,24 @@ def test_stopped_follower_fails_requests_naming_the_rank(model_dir, smollm2_path
 
         def ask():
             with httpx.Client(base_url=url, timeout=120) as c:
-                box["r"] = c.post("/generate", json={"text": PROMPT, "sampling_params": {
-                    "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}})
+                box["r"] = c.post(
+                    "/generate",
+                    json={
+                        "text": PROMPT,
+                        "sampling_params": {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True},
+                    },
+                )
 
         # The same request's first steps once before, so that no step before the SIGSTOP compiles: a follower
         # compiling a new shape on a loaded machine can take longer than the 4 s to join the next broadcast
         with httpx.Client(base_url=url, timeout=120) as c:
-            warm = c.post("/generate", json={"text": PROMPT, "sampling_params": {
-                "max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}})
+            warm = c.post(
+                "/generate",
+                json={
+                    "text": PROMPT,
+                    "sampling_params": {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True},
+                },
+            )
         assert warm.status_code == 200, (warm.text, ranks[0].text())
         before = httpx.get(url + "/get_server_info", timeout=10).json()["generated_tokens"]
         t = threading.Thread(target=ask)
@@ -242,10 +292,9 @@ def test_header_round_trip_and_flag_errors():
 
     from sgjax.engine import distributed
     from sgjax.engine.args import ServerArgs
+    from sgjax.engine.sampler import Branches
     from sgjax.engine.step import StepShape
     from sgjax.model.batch import BatchShape
-
-    from sgjax.engine.sampler import Branches
 
     for branches in (Branches(), Branches(draws=True, filters=False), Branches(draws=False, filters=True)):
         shape = StepShape(BatchShape(32, 4, 16, 8), 64, 2, 3, 16, branches)
@@ -260,9 +309,12 @@ def test_header_round_trip_and_flag_errors():
     distributed.check_args(ServerArgs())
     with pytest.raises(ValueError, match="dist_step_timeout must be >= 0"):
         distributed.check_args(ServerArgs(nnodes=2, dist_init_addr="h:1", dist_step_timeout=-1))
-    for kwargs, message in ((dict(nnodes=2), "dist-init-addr"), (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"),
-                                                                "node_rank must be in"),
-                            (dict(nnodes=2, dist_init_addr="nohost"), "host:port"), (dict(nnodes=0), "nnodes")):
+    for kwargs, message in (
+        (dict(nnodes=2), "dist-init-addr"),
+        (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"), "node_rank must be in"),
+        (dict(nnodes=2, dist_init_addr="nohost"), "host:port"),
+        (dict(nnodes=0), "nnodes"),
+    ):
         with pytest.raises(ValueError, match=message):
             distributed.check_args(ServerArgs(**kwargs))
 

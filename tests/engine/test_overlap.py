@@ -50,8 +50,16 @@ def run(tiny, prompt_ids, host_state=False, longer=0, **server_args):
         outs = eng.generate(input_ids=prompt_ids, sampling_params=params, return_logprob=True, top_logprobs_num=2)
         info = eng.get_server_info()
         assert_no_leak(eng)
-    return [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"],
-             o["meta_info"]["output_token_logprobs"], o["meta_info"]["output_top_logprobs"]) for o in outs], info
+    return [
+        (
+            o["output_ids"],
+            o["text"],
+            o["meta_info"]["finish_reason"],
+            o["meta_info"]["output_token_logprobs"],
+            o["meta_info"]["output_top_logprobs"],
+        )
+        for o in outs
+    ], info
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +96,15 @@ def test_penalty_rows_overlap_and_count_the_token_in_flight(tiny, prompt_ids):
     # Every row penalised, so every decode step overlaps only if penalty rows may; the step after each overlapped
     # one must count the token the host has not read yet (its window holds it as a placeholder), or greedy
     # choices move away from the one-step-at-a-time loop's.
-    kinds = [dict(frequency_penalty=1.5), dict(presence_penalty=1.2), dict(repetition_penalty=1.8),
-             dict(frequency_penalty=0.8, presence_penalty=0.5, temperature=0.8, sampling_seed=7)]
-    params = [{"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, **kinds[i % 4]}
-              for i in range(len(prompt_ids))]
+    kinds = [
+        dict(frequency_penalty=1.5),
+        dict(presence_penalty=1.2),
+        dict(repetition_penalty=1.8),
+        dict(frequency_penalty=0.8, presence_penalty=0.5, temperature=0.8, sampling_seed=7),
+    ]
+    params = [
+        {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, **kinds[i % 4]} for i in range(len(prompt_ids))
+    ]
     results = []
     for disable in (True, False):
         with tiny_engine(tiny, disable_overlap_schedule=disable) as eng:
@@ -105,8 +118,9 @@ def test_penalty_rows_overlap_and_count_the_token_in_flight(tiny, prompt_ids):
 
 def test_overlap_under_memory_pressure_retracts_and_stays_right(tiny, prompt_ids):
     # 20 pages for 16 requests of up to ~100 tokens: retractions, which wait for the step in flight.
-    pressure = dict(longer=24, max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16,
-                    schedule_conservativeness=0.0)
+    pressure = dict(
+        longer=24, max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16, schedule_conservativeness=0.0
+    )
     ref, ref_info = run(tiny, prompt_ids, disable_overlap_schedule=True, **pressure)
     outs, info = run(tiny, prompt_ids, **pressure)
     assert ref_info["retractions"] > 0 and info["retractions"] > 0 and info["overlapped_steps"] > 0
@@ -118,10 +132,14 @@ def test_requests_aborted_while_their_step_is_in_flight_free_everything(tiny, pr
         results, started = {}, threading.Event()
 
         def consume(i, ids):
-            for chunk in eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 200, "temperature": 0,
-                                                                        "ignore_eos": True}, stream=True):
+            for chunk in eng.generate(
+                input_ids=ids,
+                sampling_params={"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+                stream=True,
+            ):
                 started.set()
                 results[i] = chunk
+
         threads = [threading.Thread(target=consume, args=(i, ids)) for i, ids in enumerate(prompt_ids[:6])]
         for t in threads:
             t.start()

@@ -30,10 +30,25 @@ def test_from_dict_returns_given_params():
 
 
 def test_from_dict_values():
-    p = SamplingParams.from_dict({"max_new_tokens": 0, "temperature": 0, "top_p": 0.9, "top_k": 40, "min_p": 0.1,
-                                  "frequency_penalty": -2, "presence_penalty": 2, "repetition_penalty": 2,
-                                  "stop": ["a", "bc"], "stop_token_ids": [1, 2], "ignore_eos": True, "n": 3,
-                                  "regex": "[a-z]+", "no_stop_trim": True, "skip_special_tokens": False})
+    p = SamplingParams.from_dict(
+        {
+            "max_new_tokens": 0,
+            "temperature": 0,
+            "top_p": 0.9,
+            "top_k": 40,
+            "min_p": 0.1,
+            "frequency_penalty": -2,
+            "presence_penalty": 2,
+            "repetition_penalty": 2,
+            "stop": ["a", "bc"],
+            "stop_token_ids": [1, 2],
+            "ignore_eos": True,
+            "n": 3,
+            "regex": "[a-z]+",
+            "no_stop_trim": True,
+            "skip_special_tokens": False,
+        }
+    )
     assert p.max_new_tokens == 0 and p.top_k == 40 and p.n == 3 and p.regex == "[a-z]+"
     assert p.stop == ("a", "bc") and p.stop_token_ids == (1, 2)
     assert isinstance(p.temperature, float) and p.temperature == 0.0
@@ -85,10 +100,18 @@ def test_seed32_spreads():
     assert len({SamplingParams(seed=-k).seed32 for k in range(1, 200)}) == 199
 
 
-@pytest.mark.parametrize("kw,greedy", [
-    ({}, False), ({"temperature": 0.0}, True), ({"temperature": 1e-7}, True), ({"temperature": 1e-5}, False),
-    ({"top_k": 1}, True), ({"top_k": 2}, False), ({"temperature": 0.7, "top_k": 1}, True),
-])
+@pytest.mark.parametrize(
+    "kw,greedy",
+    [
+        ({}, False),
+        ({"temperature": 0.0}, True),
+        ({"temperature": 1e-7}, True),
+        ({"temperature": 1e-5}, False),
+        ({"top_k": 1}, True),
+        ({"top_k": 2}, False),
+        ({"temperature": 0.7, "top_k": 1}, True),
+    ],
+)
 def test_is_greedy(kw, greedy):
     assert SamplingParams.from_dict(kw).is_greedy is greedy
 
@@ -162,10 +185,23 @@ def test_message_format():
         SamplingParams.from_dict({"temperature": -1})
 
 
-@pytest.mark.parametrize("d", [{"top_p": 1}, {"top_p": 1e-9}, {"min_p": 0}, {"min_p": 1}, {"top_k": -1},
-                               {"frequency_penalty": 2}, {"presence_penalty": -2}, {"repetition_penalty": 2},
-                               {"min_new_tokens": 5, "max_new_tokens": 5}, {"max_new_tokens": 0},
-                               {"json_schema": "true"}, {"seed": -5}])
+@pytest.mark.parametrize(
+    "d",
+    [
+        {"top_p": 1},
+        {"top_p": 1e-9},
+        {"min_p": 0},
+        {"min_p": 1},
+        {"top_k": -1},
+        {"frequency_penalty": 2},
+        {"presence_penalty": -2},
+        {"repetition_penalty": 2},
+        {"min_new_tokens": 5, "max_new_tokens": 5},
+        {"max_new_tokens": 0},
+        {"json_schema": "true"},
+        {"seed": -5},
+    ],
+)
 def test_boundaries_accepted(d):
     SamplingParams.from_dict(d)
 

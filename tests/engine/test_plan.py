@@ -43,10 +43,14 @@ TABLE = [
     ((ZEN4, F32, "int4", None, {"dtype": "float32"}), ("float32", "float32", "native", "scan", "cpu", True)),
     ((ZEN4, F32, "int4", None, {"dtype": "float"}), ("float32", "float32", "native", "scan", "cpu", True)),
     ((ZEN4, F32, "int4", None, {"dtype": "auto"}), ("int4", "bfloat16", "native", "scan", "cpu", True)),
-    ((ZEN4, F32, "int4", None, {"dtype": "float32", "weight_dtype": "int4"}),
-     ("int4", "float32", "native", "scan", "cpu", True)),
-    ((ZEN4, F32, "int4", None, {"dtype": "float32", "kv_cache_dtype": "bfloat16"}),
-     ("float32", "bfloat16", "native", "scan", "cpu", True)),
+    (
+        (ZEN4, F32, "int4", None, {"dtype": "float32", "weight_dtype": "int4"}),
+        ("int4", "float32", "native", "scan", "cpu", True),
+    ),
+    (
+        (ZEN4, F32, "int4", None, {"dtype": "float32", "kv_cache_dtype": "bfloat16"}),
+        ("float32", "bfloat16", "native", "scan", "cpu", True),
+    ),
     ((ZEN4, F32, "int4", None, {"weight_dtype": "float32"}), ("float32", "float32", "native", "scan", "cpu", True)),
     ((ZEN4, F32, "int4", None, {"attention_backend": "ref"}), ("int4", "float32", "native", "scan", "ref", False)),
     ((ZEN4, F32, None, "float32", {}), ("float32", "float32", "native", "scan", "cpu", True)),  # from_weights
@@ -66,8 +70,10 @@ def test_plan_table(given, want):
 
 
 def test_auto_names_what_it_chose_and_explicit_settings_choose_nothing():
-    assert plan(block="int4").auto == ("weight_dtype=int4 (the GGUF's own blocks)",
-                                       "kv_cache_dtype=bfloat16 (beside narrowed matrices)")
+    assert plan(block="int4").auto == (
+        "weight_dtype=int4 (the GGUF's own blocks)",
+        "kv_cache_dtype=bfloat16 (beside narrowed matrices)",
+    )
     assert plan(block="int4", dtype="float32").auto == ()
     p = plan(block="int4")
     assert p.describe()["matrix_layout"] == "panels" and "auto chose" in p.line()
@@ -100,17 +106,26 @@ def test_refusals_name_the_setting():
 
 def test_deterministic_inference_refuses_a_plan_that_is_not_batch_invariant():
     assert plan(enable_deterministic_inference=True, block="int4").batch_invariant
-    for machine, cfg, flags, reason in [(GPU, BF16, {}, "on gpu the XLA GEMMs"),
-                                        (ZEN4, MOE, {}, "a mixture of experts"),
-                                        (OLD_CPU, F32, {}, "XLA's CPU dots"),
-                                        (ZEN4, F32, {"attention_backend": "ref"}, "'ref' attention")]:
+    for machine, cfg, flags, reason in [
+        (GPU, BF16, {}, "on gpu the XLA GEMMs"),
+        (ZEN4, MOE, {}, "a mixture of experts"),
+        (OLD_CPU, F32, {}, "XLA's CPU dots"),
+        (ZEN4, F32, {"attention_backend": "ref"}, "'ref' attention"),
+    ]:
         with pytest.raises(ValueError, match=f"enable_deterministic_inference: .*{reason}"):
             plan(machine, cfg, enable_deterministic_inference=True, **flags)
 
 
 # Run settings only the plan may read from the arguments (engine/plan.py); args.py defines them.
-PLAN_SETTINGS = {"dtype", "weight_dtype", "kv_cache_dtype", "attention_backend", "moe_kernel", "step_buckets",
-                 "enable_deterministic_inference"}
+PLAN_SETTINGS = {
+    "dtype",
+    "weight_dtype",
+    "kv_cache_dtype",
+    "attention_backend",
+    "moe_kernel",
+    "step_buckets",
+    "enable_deterministic_inference",
+}
 
 
 def test_only_the_plan_reads_the_run_settings_from_the_arguments():
@@ -122,8 +137,12 @@ def test_only_the_plan_reads_the_run_settings_from_the_arguments():
         if rel in ("sgjax/engine/plan.py", "sgjax/engine/args.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Attribute) and node.attr in PLAN_SETTINGS and isinstance(node.value, ast.Name)
-                    and node.value.id in ("args", "server_args", "engine_args")):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in PLAN_SETTINGS
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("args", "server_args", "engine_args")
+            ):
                 offenders.append(f"{rel}:{node.lineno}: {node.value.id}.{node.attr}")
     assert offenders == []
 

@@ -18,14 +18,31 @@ from sgjax.model.config import ModelConfig
 from sgjax.model.weights import dummy_weights
 
 # SmolLM2's vocabulary, so its tokenizer's text and grammars work on random weights
-CFG = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+)
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    with Engine.from_weights(CFG, dummy_weights(CFG, seed=3), smollm2[2], max_total_tokens=2048,
-                             max_running_requests=8, chunked_prefill_size=64, grammar_compile_timeout=2.0) as eng:
+    with Engine.from_weights(
+        CFG,
+        dummy_weights(CFG, seed=3),
+        smollm2[2],
+        max_total_tokens=2048,
+        max_running_requests=8,
+        chunked_prefill_size=64,
+        grammar_compile_timeout=2.0,
+    ) as eng:
         yield eng
 
 
@@ -54,7 +71,7 @@ def test_a_row_that_cannot_be_built_is_aborted_alone(engine, monkeypatch):
 
 def test_huge_top_k_and_temperature_are_bounded_not_fatal(engine):
     # top_k = 2**40 once overflowed the int32 sampling row while the step was built: every request of the step failed
-    sampled = {"max_new_tokens": 6, "temperature": 1e300, "top_k": 2 ** 40, "seed": 5, "ignore_eos": True}
+    sampled = {"max_new_tokens": 6, "temperature": 1e300, "top_k": 2**40, "seed": 5, "ignore_eos": True}
     outs = engine.generate(input_ids=PROMPTS, sampling_params=[GREEDY, sampled, GREEDY, sampled])
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
     same_seed = engine.generate(input_ids=PROMPTS[1], sampling_params={**sampled, "top_k": -1, "temperature": 1e6})
@@ -62,8 +79,9 @@ def test_huge_top_k_and_temperature_are_bounded_not_fatal(engine):
 
 
 def test_two_live_requests_never_share_an_id(engine):
-    stream = engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 200}, rid="twin",
-                             stream=True)
+    stream = engine.generate(
+        input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 200}, rid="twin", stream=True
+    )
     next(stream)
     with pytest.raises(RequestError) as e:
         engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY, rid="twin")
@@ -74,8 +92,9 @@ def test_two_live_requests_never_share_an_id(engine):
     deadline = time.monotonic() + 30
     while True:
         try:
-            assert engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY, rid="twin")["meta_info"]["id"] == \
-                "twin"
+            assert (
+                engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY, rid="twin")["meta_info"]["id"] == "twin"
+            )
             break
         except RequestError:
             assert time.monotonic() < deadline
@@ -86,16 +105,18 @@ def test_aborted_results_carry_no_placeholder_ids(engine):
     results = {}
 
     def consume(i):
-        for chunk in engine.generate(input_ids=PROMPTS[i], sampling_params={**GREEDY, "max_new_tokens": 500},
-                                     stream=True, rid=f"long-{i}"):
+        for chunk in engine.generate(
+            input_ids=PROMPTS[i], sampling_params={**GREEDY, "max_new_tokens": 500}, stream=True, rid=f"long-{i}"
+        ):
             results[i] = chunk
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while (len(results) < 3 or min(r["meta_info"]["completion_tokens"] for r in results.values()) < 3) and \
-            time.monotonic() < deadline:
+    while (
+        len(results) < 3 or min(r["meta_info"]["completion_tokens"] for r in results.values()) < 3
+    ) and time.monotonic() < deadline:
         time.sleep(0.02)
     for i in range(3):
         engine.abort(f"long-{i}")
@@ -108,11 +129,14 @@ def test_aborted_results_carry_no_placeholder_ids(engine):
     engine.check_invariants()
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("regex", "[\u0000-\U0010FFFF]{1000}", "longer than 2 s"),  # 60 bytes that once took 104 s to compile
-    ("regex", "(" * 3000 + "a" + ")" * 3000, "nested too deeply"),
-    ("json_schema", '{"type": "array", "items": ' * 400 + '{"type": "integer"}' + "}" * 400, "nested too deeply"),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("regex", "[\u0000-\U0010ffff]{1000}", "longer than 2 s"),  # 60 bytes that once took 104 s to compile
+        ("regex", "(" * 3000 + "a" + ")" * 3000, "nested too deeply"),
+        ("json_schema", '{"type": "array", "items": ' * 400 + '{"type": "integer"}' + "}" * 400, "nested too deeply"),
+    ],
+)
 def test_costly_grammars_are_refused_by_name_and_fast(engine, field, value, words):
     t0 = time.monotonic()
     for _ in range(2):  # the second time from the failure cache, at once

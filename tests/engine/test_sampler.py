@@ -7,8 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgjax.engine.sampler import (ROW_FIELDS, Branches, SamplingBatch, default_rows, pack_sampling, process_logits,
-                                  sample, sampling_size, unpack_sampling)
+from sgjax.engine.sampler import (
+    ROW_FIELDS,
+    Branches,
+    SamplingBatch,
+    default_rows,
+    pack_sampling,
+    process_logits,
+    sample,
+    sampling_size,
+    unpack_sampling,
+)
 
 L, V, W, K = 8, 128, 6, 4  # the main jit shape
 
@@ -75,7 +84,7 @@ def random_rows(rng, num_rows=L, width=W, vocab=V):
     rows["frequency_penalty"][:] = rng.uniform(-0.5, 1.5, num_rows)
     rows["presence_penalty"][:] = rng.uniform(-0.5, 1.5, num_rows)
     rows["repetition_penalty"][:] = rng.uniform(0.8, 2.0, num_rows)
-    rows["seed"][:] = rng.integers(-2**31, 2**31, num_rows)
+    rows["seed"][:] = rng.integers(-(2**31), 2**31, num_rows)
     rows["step"][:] = rng.integers(0, 1000, num_rows)
     # few distinct ids so that counts > 1; prompt entries are id + V; -1 padding anywhere
     ids = rng.integers(0, 12, (num_rows, width)) * 7 % vocab
@@ -91,8 +100,9 @@ def random_rows(rng, num_rows=L, width=W, vocab=V):
 def device_batch(rows, needs_filter=None) -> SamplingBatch:
     fields = {name: jnp.asarray(rows[name], dtype) for name, dtype, _ in ROW_FIELDS}
     nf = int(rows["needs_filter"]) if needs_filter is None else needs_filter
-    return SamplingBatch(**fields, history=jnp.asarray(rows["history"]), needs_filter=jnp.int32(nf),
-                         bias=jnp.asarray(rows["bias"]))
+    return SamplingBatch(
+        **fields, history=jnp.asarray(rows["history"]), needs_filter=jnp.int32(nf), bias=jnp.asarray(rows["bias"])
+    )
 
 
 def random_logits(rng, num_rows=L, vocab=V, scale=3.0):
@@ -252,9 +262,7 @@ def test_sampling_frequencies_match_the_distribution():
     rows["temperature"][:] = 1.0
     rows["seed"][:] = np.arange(n) * 7919 - 10**6  # many requests, negative seeds too
     rows["step"][:] = rng.integers(0, 50, n)
-    cases = [({}, softmax(base)),
-             ({"top_k": 8, "top_p": 0.8}, None),
-             ({"temperature": 0.7, "min_p": 0.05}, None)]
+    cases = [({}, softmax(base)), ({"top_k": 8, "top_p": 0.8}, None), ({"temperature": 0.7, "min_p": 0.05}, None)]
     for params, want in cases:
         case = {k: v.copy() for k, v in rows.items()}
         for name, value in params.items():
@@ -290,8 +298,9 @@ def test_same_seed_same_token_whatever_the_batch():
     assert int(unpack_sampling(pack_sampling(big_rows), 16, W).needs_filter) == 1
     np.testing.assert_array_equal(crowd.tokens[pos], alone)
     # reversed order within the 8-row batch
-    np.testing.assert_array_equal(run({k: v[::-1] if v.ndim else v for k, v in rows.items()},
-                                      logits[::-1]).tokens, alone[::-1])
+    np.testing.assert_array_equal(
+        run({k: v[::-1] if v.ndim else v for k, v in rows.items()}, logits[::-1]).tokens, alone[::-1]
+    )
     # other seeds, or other steps, give other tokens
     flat = np.zeros((L, V), np.float32)
     rows["history"][:] = -1

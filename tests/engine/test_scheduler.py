@@ -26,7 +26,7 @@ def reference(prompt, n):
     ctx = list(prompt)
     for _ in range(n):
         ctx.append(next_token(ctx))
-    return ctx[len(prompt):]
+    return ctx[len(prompt) :]
 
 
 class FakeRunner:
@@ -100,8 +100,11 @@ def assert_no_leak(sched):
 def test_outputs_exact_under_every_policy_and_cache(policy, cache):
     rng = np.random.default_rng(0)
     reqs = shared_prefix_workload(rng, 40)
-    sched = Scheduler(SchedulerConfig(num_pages=200, page_size=4, policy=policy, cache=cache,
-                                      chunked_prefill_size=64, max_running_requests=8))
+    sched = Scheduler(
+        SchedulerConfig(
+            num_pages=200, page_size=4, policy=policy, cache=cache, chunked_prefill_size=64, max_running_requests=8
+        )
+    )
     done = drive(sched, FakeRunner(200, 4), reqs)
     assert set(done) == {r.rid for r in reqs}
     for r in reqs:
@@ -116,11 +119,18 @@ def test_outputs_exact_under_every_policy_and_cache(policy, cache):
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_small_pool_retracts_and_still_finishes_everything_correctly(page_size):
     rng = np.random.default_rng(1)
-    reqs = [make_req(i, rng.integers(0, V, rng.integers(5, 40)).tolist(), int(rng.integers(20, 60)))
-            for i in range(30)]
+    reqs = [make_req(i, rng.integers(0, V, rng.integers(5, 40)).tolist(), int(rng.integers(20, 60))) for i in range(30)]
     num_pages = 1 + -(-160 // page_size)  # room for ~2 requests at their full length
-    sched = Scheduler(SchedulerConfig(num_pages=num_pages, page_size=page_size, chunked_prefill_size=32,
-                                      max_running_requests=16, init_new_token_ratio=0.05, min_new_token_ratio=0.0))
+    sched = Scheduler(
+        SchedulerConfig(
+            num_pages=num_pages,
+            page_size=page_size,
+            chunked_prefill_size=32,
+            max_running_requests=16,
+            init_new_token_ratio=0.05,
+            min_new_token_ratio=0.0,
+        )
+    )
     done = drive(sched, FakeRunner(num_pages, page_size), reqs)
     assert sched.stats.retractions > 0
     assert any(r.retractions for r in reqs)

@@ -1,7 +1,8 @@
 """Step-shape discipline: with the coarse ladder (the accelerators' default) a batch of asynchronous programs (gen,
 select with prompt logprobs, regex masks, forks, top logprobs) takes only shapes from a small set that follows the
 token count, the start-up precompilation holds the common ones, and a second batch with other arguments compiles
-only shapes of that set it had not met (each once). Shapes and compile counts do not depend on the weights: the tiny random model with SmolLM2's
+only shapes of that set it had not met (each once). Shapes and compile counts do not depend on the weights: the tiny
+random model with SmolLM2's
 tokenizer (the `tiny` fixture) has the real vocabulary, hence the real mask widths."""
 
 import itertools
@@ -10,16 +11,28 @@ import numpy as np
 import pytest
 
 import sgjax as sgl
-from sgjax.engine.engine import Engine
 from sgjax.engine.buckets import Buckets
+from sgjax.engine.engine import Engine
 from sgjax.engine.step import StepShape
 from sgjax.lang.backend.engine import EngineBackend
 
 # This file's own settings, not tests/conftest.py's SMALL: the coarse ladder fixes the page-table width at the
 # context's pages, and a short context keeps the CPU's `ref` attention (which reads every entry) cheap.
 LADDER = dict(max_total_tokens=4096, chunked_prefill_size=48, max_running_requests=8, context_length=512)
-TOPICS = ["the sea", "a mountain", "winter", "a city at night", "an old library", "the desert", "a garden",
-          "a train station", "the moon", "a forest", "a bridge", "rain"]
+TOPICS = [
+    "the sea",
+    "a mountain",
+    "winter",
+    "a city at night",
+    "an old library",
+    "the desert",
+    "a garden",
+    "a train station",
+    "the moon",
+    "a forest",
+    "a bridge",
+    "rain",
+]
 
 
 @sgl.function
@@ -48,8 +61,7 @@ def allowed_shapes(runner) -> tuple[set[StepShape], set[StepShape]]:
     out, start = set(), set()
     for t in b.tokens_ladder(LADDER["chunked_prefill_size"] + LADDER["max_running_requests"]):
         r = b.reqs(t, 1)
-        for logits, top, mask, filters in itertools.product({r, t}, (0, b.max_top_logprobs), (0, words),
-                                                            (False, True)):
+        for logits, top, mask, filters in itertools.product({r, t}, (0, b.max_top_logprobs), (0, words), (False, True)):
             shape = runner_shape(t, r, runner.max_pages, logits, top, mask, b.branches(filters))
             out.add(shape)
             if top == 0 and (not filters or (logits == r and mask == 0)):
@@ -60,8 +72,9 @@ def allowed_shapes(runner) -> tuple[set[StepShape], set[StepShape]]:
 def runner_shape(t, r, width, logits, top, mask, branches) -> StepShape:
     from sgjax.model.batch import BatchShape
 
-    return StepShape(BatchShape(num_tokens=t, num_reqs=r, pages_per_req=width, num_logits=logits), 0, top, mask,
-                     branches=branches)
+    return StepShape(
+        BatchShape(num_tokens=t, num_reqs=r, pages_per_req=width, num_logits=logits), 0, top, mask, branches=branches
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +93,7 @@ def test_coarse_ladder_is_precompiled_and_async_batches_compile_nothing(coarse_e
     assert pool[:, 0].any() and not pool[:, 1:].any()  # ... and ran them (Runner.warm), writing the null page only
     backend = EngineBackend(coarse_engine)
 
-    states = program.run_batch(arguments(TOPICS[:6], "Which mood fits?"), backend=backend, num_threads=6,
-                               temperature=0)
+    states = program.run_batch(arguments(TOPICS[:6], "Which mood fits?"), backend=backend, num_threads=6, temperature=0)
     assert runner.shapes_seen <= allowed  # the first batch's top logprobs compiled their K > 0 shapes
     traces = coarse_engine.get_server_info()["traces"]
     assert all(s["mood"] in ("calm", "busy", "sad and very quiet") for s in states)

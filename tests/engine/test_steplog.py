@@ -9,8 +9,16 @@ from sgjax.model.weights import dummy_weights
 
 
 def rec(kind, dispatched, ready, rows=4, kv=100):
-    return StepRecord(kind=kind, requests=rows, tokens=rows, kv_tokens=kv, decode_rows=rows if kind == "decode" else 0,
-                      started=dispatched, dispatched=dispatched, ready=ready)
+    return StepRecord(
+        kind=kind,
+        requests=rows,
+        tokens=rows,
+        kv_tokens=kv,
+        decode_rows=rows if kind == "decode" else 0,
+        started=dispatched,
+        dispatched=dispatched,
+        ready=ready,
+    )
 
 
 def test_summarize_busy_idle_and_decode_roofline():
@@ -27,8 +35,9 @@ def test_summarize_busy_idle_and_decode_roofline():
 
 
 def test_engine_records_every_step():
-    with Engine.from_weights(MICRO_LLAMA, dummy_weights(MICRO_LLAMA), max_running_requests=4,
-                             max_total_tokens=512) as eng:
+    with Engine.from_weights(
+        MICRO_LLAMA, dummy_weights(MICRO_LLAMA), max_running_requests=4, max_total_tokens=512
+    ) as eng:
         eng.step_log = []
         prompts = [list(np.arange(1, 9 + i)) for i in range(3)]
         eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})

@@ -19,8 +19,16 @@ def test_matcher_finds_a_regex_across_chunks_and_keeps_the_text():
     assert both.feed("a z") == ("a ", None) and both.feed("z!") == ("", "zz")
 
 
-@pytest.mark.parametrize("value, field", [("(", "stop_regex"), (["a"] * 65, "stop_regex"), ("x" * 1025, "stop_regex"),
-                                          (["ok", 3], "stop_regex"), (["a"] * 65, "stop")])
+@pytest.mark.parametrize(
+    "value, field",
+    [
+        ("(", "stop_regex"),
+        (["a"] * 65, "stop_regex"),
+        ("x" * 1025, "stop_regex"),
+        (["ok", 3], "stop_regex"),
+        (["a"] * 65, "stop"),
+    ],
+)
 def test_bad_stops_are_refused_by_name(value, field):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams.from_dict({field: value})
@@ -35,10 +43,12 @@ def test_engine_stops_at_the_first_token_that_completes_a_match(smollm2):
         text = free["text"]
         assert len(text) > 12, text
         pattern = re.escape(text[6:9]) + "|never-said-y"  # three characters in the middle, wherever tokens end
-        out = eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0,
-                                                              "stop_regex": [pattern, "never-said-x"]})
+        out = eng.generate(
+            input_ids=prompt,
+            sampling_params={"max_new_tokens": 24, "temperature": 0, "stop_regex": [pattern, "never-said-x"]},
+        )
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
-        assert out["output_ids"] == free["output_ids"][:len(out["output_ids"])]
+        assert out["output_ids"] == free["output_ids"][: len(out["output_ids"])]
         assert re.search(pattern, out["text"]) and not re.search(pattern, tok.decode(out["output_ids"][:-1]))
         assert free["text"].startswith(out["text"])
         assert_no_leak(eng)

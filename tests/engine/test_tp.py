@@ -19,11 +19,15 @@ from tests.engine.conftest import FEW_SHOT
 # Longer than SMALL's 96-token prefill chunk: it is prefilled in two steps; the second round's first prompt
 # extends it, so its prefix comes from the radix cache.
 LONG = FEW_SHOT * 2 + "Q: What is the color of grass?\nA:"
-ROUND2 = [(LONG + " Green\nQ: What do bees make?\nA:", {}),
-          ("Answer yes or no, then a number:", {"regex": "(yes|no) [0-9]{2}"}),
-          ("The quick brown fox jumps over the lazy dog. The quick brown",
-           {"frequency_penalty": 0.8, "repetition_penalty": 1.3}),
-          ("Hello", {})]
+ROUND2 = [
+    (LONG + " Green\nQ: What do bees make?\nA:", {}),
+    ("Answer yes or no, then a number:", {"regex": "(yes|no) [0-9]{2}"}),
+    (
+        "The quick brown fox jumps over the lazy dog. The quick brown",
+        {"frequency_penalty": 0.8, "repetition_penalty": 1.3},
+    ),
+    ("Hello", {}),
+]
 NEW_TOKENS = 8
 
 
@@ -31,19 +35,29 @@ NEW_TOKENS = 8
 def models(tiny):
     """name -> (config, weights, tokenizer): the tiny Llama (4 q heads on 2 KV heads) and a tiny Qwen2 (biases)."""
     cfg, weights, tok = tiny
-    return {"llama": tiny, "qwen2": (TINY_QWEN2_SMOLLM2_VOCAB, dummy_weights(TINY_QWEN2_SMOLLM2_VOCAB, seed=2), tok),
-            "gemma3": (TINY_GEMMA3_SMOLLM2_VOCAB, dummy_weights(TINY_GEMMA3_SMOLLM2_VOCAB, seed=3), tok)}
+    return {
+        "llama": tiny,
+        "qwen2": (TINY_QWEN2_SMOLLM2_VOCAB, dummy_weights(TINY_QWEN2_SMOLLM2_VOCAB, seed=2), tok),
+        "gemma3": (TINY_GEMMA3_SMOLLM2_VOCAB, dummy_weights(TINY_GEMMA3_SMOLLM2_VOCAB, seed=3), tok),
+    }
 
 
 def workload(engine) -> list[tuple[list[int], list[float], int]]:
     """(output ids, output logprobs, cached tokens) of every request: one long prompt, then a batch that reuses
     its prefix, with a regex and a penalised request among them."""
+
     def run(prompts, extras):
         params = [{"max_new_tokens": NEW_TOKENS, "temperature": 0.0, **x} for x in extras]
         out = engine.generate(prompts, params, return_logprob=True)
         # a grammar's forced (jump-forward) tokens have no logprob: NaN, compared as equal
-        return [(o["output_ids"], [np.nan if lp is None else lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
-                 o["meta_info"]["cached_tokens"]) for o in out]
+        return [
+            (
+                o["output_ids"],
+                [np.nan if lp is None else lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
+                o["meta_info"]["cached_tokens"],
+            )
+            for o in out
+        ]
 
     return run([LONG], [{}]) + run([p for p, _ in ROUND2], [x for _, x in ROUND2])
 
@@ -145,8 +159,13 @@ def test_kv_heads_expanded_in_place():
 def test_real_smollm2_three_ways_under_an_explicit_float32(smollm2):
     """SmolLM2-135M (9 heads on 3 KV heads) split 3 ways with --dtype float32: the greedy tokens of one device (which
     runs the native kernel's float32 there, where TP=3 runs XLA's dots: float32 either way, as asked)."""
-    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time,",
-               "The three primary colors are"]
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Water boils at",
+        "Once upon a time,",
+        "The three primary colors are",
+    ]
     params = {"max_new_tokens": 16, "temperature": 0.0}
     outs = {}
     for tp_size in (1, 3):
@@ -174,13 +193,20 @@ def test_pallas_kernel_under_shard_map_matches_ref():
     from tests.kernels.test_ref_attention import make_case
 
     rng = np.random.default_rng(7)
-    (q, k, v, pool, layer, meta), _, total = make_case(rng, q_lens=[1, 5, 1], prefix_lens=[6, 0, 9], page_size=4,
-                                                       num_heads=4, num_kv_heads=2)
+    (q, k, v, pool, layer, meta), _, total = make_case(
+        rng, q_lens=[1, 5, 1], prefix_lens=[6, 0, 9], page_size=4, num_heads=4, num_kv_heads=2
+    )
     mesh = tp.make_mesh(2)
     want, want_pool = jax.jit(lambda *a: ref_attention(*a, sm_scale=0.25))(q, k, v, pool, layer, meta)
     heads = jax.sharding.NamedSharding(mesh, tp.HEADS_SPEC)
-    args = (jax.device_put(q, heads), jax.device_put(k, heads), jax.device_put(v, heads),
-            jax.device_put(pool, tp.pool_sharding(mesh)), layer, meta)
+    args = (
+        jax.device_put(q, heads),
+        jax.device_put(k, heads),
+        jax.device_put(v, heads),
+        jax.device_put(pool, tp.pool_sharding(mesh)),
+        layer,
+        meta,
+    )
     attend = tp.sharded_attention(pallas_attention, mesh)
     got, got_pool = jax.jit(lambda *a: attend(*a, sm_scale=0.25))(*args)
     assert got_pool.sharding.is_equivalent_to(tp.pool_sharding(mesh), got_pool.ndim)
@@ -189,9 +215,14 @@ def test_pallas_kernel_under_shard_map_matches_ref():
     np.testing.assert_array_equal(np.asarray(got_pool), np.asarray(want_pool))
 
 
-@pytest.mark.parametrize("tp_size, message", [(8, "tp_size=8 needs 8 devices"),
-                                              (3, "tp_size=3 must divide the model's 4 attention heads"),
-                                              (0, "tp_size must be a positive integer")])
+@pytest.mark.parametrize(
+    "tp_size, message",
+    [
+        (8, "tp_size=8 needs 8 devices"),
+        (3, "tp_size=3 must divide the model's 4 attention heads"),
+        (0, "tp_size must be a positive integer"),
+    ],
+)
 def test_bad_tp_size_fails_at_start(tiny, tp_size, message):
     with pytest.raises(ValueError, match=message):
         Engine.from_weights(*tiny, **SMALL, tp_size=tp_size)
@@ -257,10 +288,22 @@ def test_dummy_load_format_is_born_sharded(tmp_path):
 
     from sgjax.engine.loading import load_model_cached
 
-    (tmp_path / "config.json").write_text(json.dumps(dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
-        intermediate_size=160, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-        max_position_embeddings=512, rms_norm_eps=1e-6)))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="llama",
+                architectures=["LlamaForCausalLM"],
+                vocab_size=320,
+                hidden_size=64,
+                intermediate_size=160,
+                num_hidden_layers=2,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+                rms_norm_eps=1e-6,
+            )
+        )
+    )
     mesh = tp.make_mesh(4)
     cfg, weights = load_model_cached(str(tmp_path), "float32", "dummy", mesh=mesh)
     assert weights.layers.wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
@@ -286,8 +329,9 @@ def test_checkpoint_loaded_onto_the_mesh(smollm2):
         assert {s.data.shape[-1] for s in wq.addressable_shards} == {cfg.q_size // 3}
         np.testing.assert_array_equal(np.asarray(wq), np.asarray(smollm2[1].layers.wq))
         per_device = tp.addressable_bytes(weights)
-        replicated = sum(a.nbytes for a in (weights.embed, weights.final_norm, weights.layers.attn_norm,
-                                            weights.layers.mlp_norm))
+        replicated = sum(
+            a.nbytes for a in (weights.embed, weights.final_norm, weights.layers.attn_norm, weights.layers.mlp_norm)
+        )
         total = sum(a.nbytes for a in jax.tree.leaves(weights))
         assert set(per_device.values()) == {replicated + (total - replicated) // 3}
     finally:

@@ -23,8 +23,14 @@ def prompt() -> list[int]:
 @pytest.fixture(scope="module")
 def engine(llava):
     # chunks of 16 tokens cut the image's rows (positions 9-24) across two prefill steps
-    with Engine(llava[0], skip_tokenizer_init=True, max_total_tokens=2048, chunked_prefill_size=16,
-                max_running_requests=4, context_length=256) as eng:
+    with Engine(
+        llava[0],
+        skip_tokenizer_init=True,
+        max_total_tokens=2048,
+        chunked_prefill_size=16,
+        max_running_requests=4,
+        context_length=256,
+    ) as eng:
         yield eng
 
 
@@ -33,9 +39,15 @@ def hf_greedy(llava, pixels: np.ndarray) -> list[int]:
     ids = TEXT[:9] + [IMAGE_TOKEN] * vcfg.num_image_tokens + TEXT[9:]
     px = torch.from_numpy(V.preprocess(pixels, vcfg)[None])
     with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=px, max_new_tokens=NEW, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = hf.generate(
+            input_ids=torch.tensor([ids]),
+            pixel_values=px,
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def test_greedy_tokens_equal_hf_and_image_pages_are_cached_per_image(engine, llava):
@@ -53,8 +65,9 @@ def test_greedy_tokens_equal_hf_and_image_pages_are_cached_per_image(engine, lla
     other = engine.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(b)])
     assert other["output_ids"] == want_b and other["meta_info"]["cached_tokens"] == 0  # another image: no match
     assert engine.images.encoded == encoded + 1
-    both = engine.generate(input_ids=[prompt(), prompt()], sampling_params=greedy,
-                           image_data=[[png(b)], [png(a)]])  # one batch, one image each
+    both = engine.generate(
+        input_ids=[prompt(), prompt()], sampling_params=greedy, image_data=[[png(b)], [png(a)]]
+    )  # one batch, one image each
     assert [o["output_ids"] for o in both] == [want_b, want_a] and engine.images.encoded == encoded + 1
 
 
@@ -91,10 +104,19 @@ def test_bf16_native_step_takes_the_image_rows(llava):
     """bf16 matrices on a CPU run the native kernel's step (engine/plan.py): its embeddings take the image's
     feature rows, so the image decides the tokens, and a repeat gives the same tokens."""
     greedy = {"max_new_tokens": NEW, "temperature": 0}
-    with Engine(llava[0], skip_tokenizer_init=True, max_total_tokens=2048, chunked_prefill_size=16,
-                max_running_requests=4, context_length=256, weight_dtype="bfloat16") as eng:
-        outs = [eng.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(picture(k))])["output_ids"]
-                for k in (1, 2, 1)]
+    with Engine(
+        llava[0],
+        skip_tokenizer_init=True,
+        max_total_tokens=2048,
+        chunked_prefill_size=16,
+        max_running_requests=4,
+        context_length=256,
+        weight_dtype="bfloat16",
+    ) as eng:
+        outs = [
+            eng.generate(input_ids=prompt(), sampling_params=greedy, image_data=[png(picture(k))])["output_ids"]
+            for k in (1, 2, 1)
+        ]
         plan = eng.plan
     assert plan.weight_dtype == "bfloat16"
     assert outs[0] != outs[1] and outs[0] == outs[2]

@@ -19,8 +19,16 @@ from sgjax.model.loader import _unpermute, load_gguf
 from sgjax.model.native import NATIVE, pack_weights
 from sgjax.model.presets import TINY_LLAMA
 from sgjax.model.quant import Int4Matrix, Int8Matrix, dequantized, int8_from_q8_0
-from sgjax.model.weights import (MATMUL_LEAVES, QUANTIZED_LEAVES, TOP_MATRICES, LayerWeights, cast_matrices,
-                                 dummy_weights, matrices_dtype, unstack_layers)
+from sgjax.model.weights import (
+    MATMUL_LEAVES,
+    QUANTIZED_LEAVES,
+    TOP_MATRICES,
+    LayerWeights,
+    cast_matrices,
+    dummy_weights,
+    matrices_dtype,
+    unstack_layers,
+)
 from tests.conftest import SMALL
 from tests.engine.conftest import tiny_engine
 
@@ -65,8 +73,11 @@ def test_quantized_dense_matrices_and_embedding(tiny, kind):
     wq = q.layers.wq
     assert wq.shape == (cfg.num_layers, cfg.q_size, cfg.hidden_size)
     assert wq.scale.shape == (wq.shape[:2] if kind == "int8" else wq.shape[:2] + (cfg.hidden_size // 32, 2))
-    np.testing.assert_allclose(np.asarray(dequantized(wq))[0], np.asarray(weights.layers.wq[0]).T,
-                               atol=float(np.asarray(wq.scale).max()) / 2 + 1e-6)
+    np.testing.assert_allclose(
+        np.asarray(dequantized(wq))[0],
+        np.asarray(weights.layers.wq[0]).T,
+        atol=float(np.asarray(wq.scale).max()) / 2 + 1e-6,
+    )
     with pytest.raises(ValueError, match=f"{kind} matrices cannot be cast"):
         cast_matrices(q, "bfloat16")
 
@@ -98,15 +109,17 @@ def test_native_logits_equal_xla_over_the_same_weights(rows, kind):
         assert q.embed.grouped and q.layers.wq.scale.shape == q.layers.wq.shape[:2] + (cfg.hidden_size // 32,)
     packed = pack_weights(q)
     assert isinstance(packed.layers.wq, PackedMatrix) and isinstance(packed.embed, PackedMatrix)
-    batch = build_batch([list(range(3, 3 + rows))], [rows], [[1, 2, 3]], 16, rows, 1, 3,
-                        logits_rows=list(range(rows)), num_logits=rows)
+    batch = build_batch(
+        [list(range(3, 3 + rows))], [rows], [[1, 2, 3]], 16, rows, 1, 3, logits_rows=list(range(rows)), num_logits=rows
+    )
     attend = get_backend("ref")
     logits = []
     for w, ops in ((packed, NATIVE), (q, None), (weights, None)):
         pool = allocate_pool(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim)
         kw = {} if ops is None else {"ops": ops}
         out, _ = jax.jit(lambda w, pool, b, kw=kw: forward(w, pool, b, cfg=cfg, attention=attend, **kw))(
-            w, pool, jax.tree.map(jnp.asarray, batch))
+            w, pool, jax.tree.map(jnp.asarray, batch)
+        )
         logits.append(np.asarray(out))
     got, xla, model = logits
 
@@ -165,8 +178,9 @@ def test_real_smollm2_bf16_greedy_text_equals_float32(smollm2, smollm2_tokenizer
     texts = {}
     # auto for a float32 checkpoint on a CPU with bf16 dots: bf16 matrices and a bf16 KV pool (engine/plan.py)
     for weight_dtype, kv in (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")):
-        with Engine.from_weights(cfg, weights, tok, **{**SMALL, "weight_dtype": weight_dtype,
-                                                       "kv_cache_dtype": kv}) as eng:
+        with Engine.from_weights(
+            cfg, weights, tok, **{**SMALL, "weight_dtype": weight_dtype, "kv_cache_dtype": kv}
+        ) as eng:
             texts[weight_dtype, kv] = [o["text"] for o in eng.generate(prompts, sampling_params=params)]
     assert texts["bfloat16", "float32"] == texts["float32", "float32"]
     assert texts["bfloat16", "bfloat16"] == texts["float32", "float32"]
@@ -207,12 +221,18 @@ def test_real_smollm2_cpu_auto_engine(smollm2, smollm2_path, smollm2_q8_0_path, 
         info = eng.get_server_info()
         got = eng.generate(prompts, sampling_params=params, return_logprob=True)
     assert (info["weight_dtype"], info["kv_cache_dtype"], info["dtype"]) == (
-        expected.weight_dtype, expected.kv_dtype, "float32")
+        expected.weight_dtype,
+        expected.kv_dtype,
+        "float32",
+    )
     if Machine.here().has("avx512_vnni", "avx512_bf16"):
         assert (expected.weight_dtype, expected.kv_dtype) == (kind, "bfloat16")
     assert got[0]["text"].startswith(" Paris"), got[0]["text"]
     for a, b in zip(want, got):
-        (la, ta, _), (lb, tb, _) = a["meta_info"]["output_token_logprobs"][0], b["meta_info"]["output_token_logprobs"][0]
+        (la, ta, _), (lb, tb, _) = (
+            a["meta_info"]["output_token_logprobs"][0],
+            b["meta_info"]["output_token_logprobs"][0],
+        )
         assert ta == tb and abs(la - lb) < 0.1, (a["text"], b["text"], la, lb)
 
 
@@ -228,8 +248,11 @@ def test_real_smollm2_blocks_kept(smollm2, smollm2_path, smollm2_q8_0_path, smol
     import gguf
 
     cfg, weights, _ = smollm2
-    path, kind = {"Q4_1": (smollm2_path, "int4"), "Q8_0": (smollm2_q8_0_path, "int8"),
-                  "Q4_0": (smollm2_q4_0_path, "int4")}[blocks]
+    path, kind = {
+        "Q4_1": (smollm2_path, "int4"),
+        "Q8_0": (smollm2_q8_0_path, "int8"),
+        "Q4_0": (smollm2_q4_0_path, "int4"),
+    }[blocks]
     kept_cfg, kept = load_gguf(path, "float32", keep_blocks=True)
     sources = [((kept_cfg, cast_matrices(kept, kind)), 0.0)]  # kept: exact
     if blocks == "Q4_1":  # quantized again: to float32 rounding
@@ -253,8 +276,11 @@ def test_real_smollm2_blocks_kept(smollm2, smollm2_path, smollm2_q8_0_path, smol
             assert tensors[f"blk.{layer}.{name}.weight"].tensor_type.name == blocks
             w = want(f"blk.{layer}.{name}.weight", cfg.num_heads if name == "attn_q" else None)
             for (_, source), tol in sources:
-                m = getattr(source.layers, field) if isinstance(source.layers, LayerWeights) else getattr(
-                    source.layers[layer], field)
+                m = (
+                    getattr(source.layers, field)
+                    if isinstance(source.layers, LayerWeights)
+                    else getattr(source.layers[layer], field)
+                )
                 m = type(m)(m.q[layer], m.scale[layer]) if m.q.ndim == 3 else m
                 assert isinstance(m, Int4Matrix if kind == "int4" else Int8Matrix)
                 err = np.abs(np.asarray(dequantized(m)) - w).max()

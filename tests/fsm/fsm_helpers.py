@@ -3,18 +3,58 @@
 import re
 
 import numpy as np
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 from sgjax.fsm.vocab import Vocabulary
 
 # Multi-byte tokens chosen to cross JSON structure, and to split UTF-8 characters (\xc3 | \xa9).
-_MULTI = [b'{"', b'":', b'": "', b'", "', b'"}', b' "', b'ab', b'abc', b'bc', b'ca', b'aa', b'12', b'0.',
-          b'true', b'fa', b'lse', b'null', b'na', b'me', b'name', b'\xc3', b'\xa9', b'\xc3\xa9', b'\xa9a',
-          b'\xe4\xb8', b'\xad', b', ', b'[]', b'{}', b'": [', b'xyz', b'  ', b'\\n', b'\\u00', b'"\n']
+_MULTI = [
+    b'{"',
+    b'":',
+    b'": "',
+    b'", "',
+    b'"}',
+    b' "',
+    b"ab",
+    b"abc",
+    b"bc",
+    b"ca",
+    b"aa",
+    b"12",
+    b"0.",
+    b"true",
+    b"fa",
+    b"lse",
+    b"null",
+    b"na",
+    b"me",
+    b"name",
+    b"\xc3",
+    b"\xa9",
+    b"\xc3\xa9",
+    b"\xa9a",
+    b"\xe4\xb8",
+    b"\xad",
+    b", ",
+    b"[]",
+    b"{}",
+    b'": [',
+    b"xyz",
+    b"  ",
+    b"\\n",
+    b"\\u00",
+    b'"\n',
+]
 SPECIAL, EOS = 0, 1
 # Deterministic (derandomized) so a run is reproducible and the suite stays inside its time budget.
-SETTINGS = settings(derandomize=True, deadline=None, max_examples=25, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    derandomize=True,
+    deadline=None,
+    max_examples=25,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _toy_vocab() -> Vocabulary:
@@ -26,7 +66,7 @@ def _toy_vocab() -> Vocabulary:
         while data:
             t, i = next(p for p in ordered if data.startswith(p[0]))
             out.append(i)
-            data = data[len(t):]
+            data = data[len(t) :]
         return out
 
     return Vocabulary(tokens=tuple(tokens), eos_ids=frozenset([EOS]), encode=encode, name="toy")
@@ -46,9 +86,11 @@ def fake_logits(seq, vocab_size: int) -> np.ndarray:
 
 
 # --- random regexes from the dialect's features ---------------------------------------------
-ALPHABET = "ab{}\":., é中-"
-_LEAVES = st.sampled_from([re.escape(c) for c in ALPHABET] + [
-    "[a-c]", "[^a]", "[ab\u00e9]", r"\d", r"\w", r"\s", r"\W", ".", r"[\d.]", r"\x41", "[^\"\\\\]"])
+ALPHABET = 'ab{}":., é中-'
+_LEAVES = st.sampled_from(
+    [re.escape(c) for c in ALPHABET]
+    + ["[a-c]", "[^a]", "[ab\u00e9]", r"\d", r"\w", r"\s", r"\W", ".", r"[\d.]", r"\x41", '[^"\\\\]']
+)
 
 
 def _combine(children):
@@ -56,7 +98,8 @@ def _combine(children):
         st.lists(children, min_size=2, max_size=3).map("".join),
         st.lists(children, min_size=2, max_size=3).map(lambda xs: "(?:" + "|".join(xs) + ")"),
         st.tuples(children, st.sampled_from(["*", "+", "?", "{2}", "{1,3}", "{0,2}", "{2,}", "*?"])).map(
-            lambda t: f"(?:{t[0]}){t[1]}"),
+            lambda t: f"(?:{t[0]}){t[1]}"
+        ),
         children.map(lambda x: f"({x})"),
     )
 

@@ -12,41 +12,50 @@ from sgjax.fsm.automaton import GrammarError, compile_regex
 from sgjax.fsm.ebnf import ebnf_to_regex
 
 GRAMMARS = {
-    "arithmetic": (r'''
+    "arithmetic": (
+        r"""
         root ::= expr
         expr ::= term (("+" | "-") term)*   # left-associative sums
         term ::= [0-9]{1,3} | "(" expr ")"
-    ''', r'''
+    """,
+        r"""
         start: expr
         expr: term (("+" | "-") term)*
         term: /[0-9]{1,3}/ | "(" expr ")"
-    '''),
-    "json-ish": (r'''
+    """,
+    ),
+    "json-ish": (
+        r"""
         root ::= value
         value ::= array | string | number | "true" | "null"
         array ::= "[" (value ("," " "? value)*)? "]"
         string ::= "\"" [a-z ]* "\""
         number ::= "-"? [1-9] [0-9]*
-    ''', r'''
+    """,
+        r"""
         start: value
         value: array | STRING | NUMBER | "true" | "null"
         array: "[" (value ("," SP? value)*)? "]"
         SP: " "
         STRING: /"[a-z ]*"/
         NUMBER: /-?[1-9][0-9]*/
-    '''),
-    "commands": (r'''
+    """,
+    ),
+    "commands": (
+        r"""
         root ::= cmd ("\n" cmd){0,2}
         cmd ::= "set " key "=" val | "del " key | '# ' [^\n]{0,10}
         key ::= [a-z_]{1,8}
         val ::= "'" [^'\\\n]* "'" | [0-9]+
-    ''', r'''
+    """,
+        r"""
         start: cmd ("\n" cmd)~0..2
         cmd: "set " KEY "=" VAL | "del " KEY | COMMENT
         KEY: /[a-z_]{1,8}/
         VAL: /'[^'\\\n]*'/ | /[0-9]+/
         COMMENT: /# [^\n]{0,10}/
-    '''),
+    """,
+    ),
 }
 
 
@@ -88,18 +97,21 @@ def test_recursion_is_bounded_to_a_subset():
             ref.parse(bad)
 
 
-@pytest.mark.parametrize("src, message", [
-    ("", "empty"),
-    ("root ::= ", "expected an element"),
-    ("root ::= word", "rule 'word' is not defined (line 1 column 10)"),
-    ("start ::= 'a'", "no 'root' rule"),
-    ("root ::= 'a'\nroot ::= 'b'", "defined twice"),
-    ("root ::= 'a' {3,1}", "maximum is below the minimum"),
-    ("root ::= root 'a'", "recurses deeper"),
-    ("root ::= 'a\\q'", "unknown escape"),
-    ("root ::= ('a' | 'b'", "expected ')'"),
-    ("root ::= 'a' @", "unexpected '@' at line 1 column 14"),
-])
+@pytest.mark.parametrize(
+    "src, message",
+    [
+        ("", "empty"),
+        ("root ::= ", "expected an element"),
+        ("root ::= word", "rule 'word' is not defined (line 1 column 10)"),
+        ("start ::= 'a'", "no 'root' rule"),
+        ("root ::= 'a'\nroot ::= 'b'", "defined twice"),
+        ("root ::= 'a' {3,1}", "maximum is below the minimum"),
+        ("root ::= root 'a'", "recurses deeper"),
+        ("root ::= 'a\\q'", "unknown escape"),
+        ("root ::= ('a' | 'b'", "expected ')'"),
+        ("root ::= 'a' @", "unexpected '@' at line 1 column 14"),
+    ],
+)
 def test_bad_grammars_say_where(src, message):
     with pytest.raises(GrammarError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ebnf_to_regex(src)
@@ -127,16 +139,26 @@ def test_structural_tag():
 
     from sgjax.fsm.structural_tag import structural_tag_to_regex
 
-    spec = {"structures": [{"begin": "<f=add>", "schema": {"type": "object", "properties": {
-        "a": {"type": "integer"}}, "required": ["a"]}, "end": "</f>"}], "triggers": ["<f="]}
+    spec = {
+        "structures": [
+            {
+                "begin": "<f=add>",
+                "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                "end": "</f>",
+            }
+        ],
+        "triggers": ["<f="],
+    }
     dfa = compile_regex(structural_tag_to_regex(json.dumps(spec)))
     for ok in ["plain text", 'x <f=add>{"a": 1}</f> and <f=add>{"a": 2}</f>.', "<f"]:
         assert dfa.accepts(ok.encode()), ok
     for bad in ['<f=sub>{"a": 1}</f>', '<f=add>{"a": "x"}</f>', "<f=add>"]:
         assert not dfa.accepts(bad.encode()), bad
-    for broken, message in [({"structures": [], "triggers": ["<"]}, "structures"),
-                            ({**spec, "triggers": ["<a", "<b"]}, "exactly one trigger"),
-                            ({**spec, "triggers": ["<g="]}, "must start with the trigger"),
-                            ({**spec, "triggers": ["<f<"]}, "occurs again")]:
+    for broken, message in [
+        ({"structures": [], "triggers": ["<"]}, "structures"),
+        ({**spec, "triggers": ["<a", "<b"]}, "exactly one trigger"),
+        ({**spec, "triggers": ["<g="]}, "must start with the trigger"),
+        ({**spec, "triggers": ["<f<"]}, "occurs again"),
+    ]:
         with pytest.raises(GrammarError, match=message):
             structural_tag_to_regex(broken)

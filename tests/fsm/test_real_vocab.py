@@ -12,16 +12,36 @@ from sgjax.fsm import GrammarCache
 from sgjax.fsm.reference import greedy_decode
 
 PAPER = r'\{"summary": "[\w\d\s]+\.", "grade": "[ABCD][+-]?"\}'
-SCHEMA = {"type": "object", "properties": {
-    "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 20},
-    "role": {"enum": ["admin", "user", "guest"]}, "active": {"type": "boolean"}, "score": {"type": "number"},
-    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-    "address": {"type": "object", "properties": {
-        "street": {"type": "string"}, "city": {"type": "string"},
-        "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["street", "city", "zip"]}},
-    "required": ["id", "name", "role", "active", "score", "tags", "address"]}
-INSTANCE = {"id": 12, "name": "Bob", "role": "admin", "active": True, "score": 1.5, "tags": ["a", "b"],
-            "address": {"street": "Main St", "city": "Paris", "zip": "75001"}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string", "maxLength": 20},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "active": {"type": "boolean"},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string"},
+                "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["street", "city", "zip"],
+        },
+    },
+    "required": ["id", "name", "role", "active", "score", "tags", "address"],
+}
+INSTANCE = {
+    "id": 12,
+    "name": "Bob",
+    "role": "admin",
+    "active": True,
+    "score": 1.5,
+    "tags": ["a", "b"],
+    "address": {"street": "Main St", "city": "Paris", "zip": "75001"},
+}
 CACHE = GrammarCache()
 
 

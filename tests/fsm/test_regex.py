@@ -5,15 +5,19 @@ import re
 import numpy as np
 import pytest
 from fsm_helpers import ALPHABET, REGEXES, SETTINGS, random_match
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sgjax.fsm.automaton import compile_regex, utf8_sequences
 from sgjax.fsm.regex_parser import RegexError
 
 
 @SETTINGS
-@given(REGEXES, st.lists(st.text(alphabet=ALPHABET + "x\n\t0", max_size=8), min_size=20, max_size=20),
-       st.integers(0, 2**31))
+@given(
+    REGEXES,
+    st.lists(st.text(alphabet=ALPHABET + "x\n\t0", max_size=8), min_size=20, max_size=20),
+    st.integers(0, 2**31),
+)
 def test_dfa_agrees_with_python_re(pattern, strings, seed):
     dfa = compile_regex(pattern)
     rx = re.compile(pattern, re.ASCII)
@@ -32,8 +36,21 @@ def test_minimized_and_trimmed():
     assert dfa.step(0, b"x") == -1 and dfa.step(0, b"ab") >= 0
 
 
-@pytest.mark.parametrize("pattern,pos", [("a(b", 1), ("a)b", 1), ("*a", 0), ("a**", 2), ("[b-a]", 2),
-                                         (r"a\1", 1), ("(?=a)", 0), ("a^b", 1), ("[abc", 0), (r"\p{L}", 0)])
+@pytest.mark.parametrize(
+    "pattern,pos",
+    [
+        ("a(b", 1),
+        ("a)b", 1),
+        ("*a", 0),
+        ("a**", 2),
+        ("[b-a]", 2),
+        (r"a\1", 1),
+        ("(?=a)", 0),
+        ("a^b", 1),
+        ("[abc", 0),
+        (r"\p{L}", 0),
+    ],
+)
 def test_errors_name_the_position(pattern, pos):
     with pytest.raises(RegexError) as err:
         compile_regex(pattern)

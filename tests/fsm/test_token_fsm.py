@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from fsm_helpers import EOS, REGEXES, SETTINGS, SPECIAL, TOY, decode
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sgjax.fsm import advance, apply_mask, compile_grammar, pack_tables
 

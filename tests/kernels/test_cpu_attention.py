@@ -21,8 +21,9 @@ HEADS = {"mha": (4, 4), "gqa4": (8, 2), "gqa8": (8, 1), "gqa3": (9, 3)}
 EXTRA = {
     "page16-d64": dict(q_lens=[1, 20, 1], prefix_lens=[40, 13, 0], page_size=16, head_dim=64),
     "page16-d80": dict(q_lens=[3, 1], prefix_lens=[50, 33], page_size=16, head_dim=80),
-    "long-decode": dict(q_lens=[1, 1, 1, 1, 1], prefix_lens=[300, 17, 160, 64, 1], page_size=16, head_dim=64,
-                        num_tokens=7),
+    "long-decode": dict(
+        q_lens=[1, 1, 1, 1, 1], prefix_lens=[300, 17, 160, 64, 1], page_size=16, head_dim=64, num_tokens=7
+    ),
     # decode rows at head_dim 128 and 256 (the row kernel's wider accumulators), one row a page's first key
     "decode-d128": dict(q_lens=[1, 1, 1], prefix_lens=[40, 200, 16], page_size=16, head_dim=128),
     "decode-d256": dict(q_lens=[1, 1], prefix_lens=[70, 31], page_size=16, head_dim=256),
@@ -76,8 +77,9 @@ def test_sliding_window_and_softcap(case, traced):
     q, k, v, pool, layer, meta = args
 
     def attend(q, k, v, pool, meta, window):  # traced: the window a scanned layer loop gives (one per layer)
-        return cpu.cpu_attention(q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, window=window,
-                                 softcap=extra["softcap"])
+        return cpu.cpu_attention(
+            q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, window=window, softcap=extra["softcap"]
+        )
 
     if traced:
         out, _ = jax.jit(attend)(q, k, v, pool, meta, jnp.int32(extra["window"]))
@@ -94,8 +96,17 @@ def test_bfloat16_pool_reads_as_float32(case, arch):
     q, k, v, pool, layer, meta = args
     rounded = pool.astype(jnp.bfloat16)
     out16, pool16 = _run((q, k, v, rounded, layer, meta), arch=arch)
-    out32, _ = _run((q, k.astype(jnp.bfloat16).astype(jnp.float32), v.astype(jnp.bfloat16).astype(jnp.float32),
-                     rounded.astype(jnp.float32), layer, meta), arch=arch)
+    out32, _ = _run(
+        (
+            q,
+            k.astype(jnp.bfloat16).astype(jnp.float32),
+            v.astype(jnp.bfloat16).astype(jnp.float32),
+            rounded.astype(jnp.float32),
+            layer,
+            meta,
+        ),
+        arch=arch,
+    )
     assert pool16.dtype == jnp.bfloat16
     np.testing.assert_allclose(out16[:total], out32[:total], atol=1e-5, rtol=1e-5)
     # the kernel writes the new keys and values itself, rounded as XLA's convert rounds (to nearest even)
@@ -109,7 +120,7 @@ def test_out_of_range_pages_are_clamped_not_read_past_the_pool():
     """A page table entry past the pool (a bug upstream) must not read outside it: the kernel clamps page ids."""
     args, _, total = make_case(np.random.default_rng(5), num_heads=4, num_kv_heads=4, **CASES["all-decode"])
     q, k, v, pool, layer, meta = args
-    bad = meta.page_table.at[0, 0].set(10 ** 6).at[1, 0].set(-5)
+    bad = meta.page_table.at[0, 0].set(10**6).at[1, 0].set(-5)
     out, _ = _run((q, k, v, pool, layer, type(meta)(meta.slot_mapping, meta.cu_q_lens, meta.kv_lens, bad)))
     assert np.isfinite(out).all()
 

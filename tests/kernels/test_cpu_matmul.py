@@ -18,8 +18,15 @@ import pytest
 
 from sgjax.kernels import cpu
 from sgjax.kernels.cpu_pack import PackedMatrix, pack_float, pack_int4, pack_int8
-from sgjax.model.quant import (Int4Matrix, Int8Matrix, dequantized, int4_from_q4_0, int8_from_q8_0, quantize,
-                               quantize_int4)
+from sgjax.model.quant import (
+    Int4Matrix,
+    Int8Matrix,
+    dequantized,
+    int4_from_q4_0,
+    int8_from_q8_0,
+    quantize,
+    quantize_int4,
+)
 
 SCALAR = "x86-64" if platform.machine() in ("x86_64", "AMD64") else None  # the build without vectors
 KINDS = ["float32", "bfloat16", "int8", "int8g", "int4", "int4q0"]
@@ -34,10 +41,12 @@ def _matrix(rng, kind, n, k, layers=0):
     if kind == "bfloat16":
         wb = np.asarray(jnp.asarray(w, jnp.bfloat16))
         return pack_float(wb), wb
-    m = {"int8": lambda: quantize(w),
-         "int8g": lambda: int8_from_q8_0(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)),
-         "int4": lambda: quantize_int4(w),
-         "int4q0": lambda: int4_from_q4_0(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0))}[kind]()
+    m = {
+        "int8": lambda: quantize(w),
+        "int8g": lambda: int8_from_q8_0(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)),
+        "int4": lambda: quantize_int4(w),
+        "int4q0": lambda: int4_from_q4_0(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)),
+    }[kind]()
     return (pack_int8 if isinstance(m, Int8Matrix) else pack_int4)(m.q, m.scale), m
 
 
@@ -77,8 +86,14 @@ def _run(x, mats, arch="native", layer=0):
 
 
 # K per kind: int4's runs of 64, integer groups of 32 (96: an odd number of groups), float's any (37: a tail)
-K = {"float32": (576, 96, 37), "bfloat16": (576, 96, 38), "int8": (576, 96), "int8g": (576, 96), "int4": (576, 128),
-     "int4q0": (576,)}
+K = {
+    "float32": (576, 96, 37),
+    "bfloat16": (576, 96, 38),
+    "int8": (576, 96),
+    "int8g": (576, 96),
+    "int4": (576, 128),
+    "int4q0": (576,),
+}
 
 
 @pytest.mark.parametrize("arch", ["native"] + ([SCALAR] if SCALAR else []))
@@ -106,8 +121,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
     (full,) = _run(x, [packed])
     for m in (1, 2, 5, 8, 9, 16, 33):
         for start in (0, 3, 70 - m):
-            (part,) = _run(x[start:start + m], [packed])
-            np.testing.assert_array_equal(part, full[start:start + m], err_msg=f"{m} rows from {start}")
+            (part,) = _run(x[start : start + m], [packed])
+            np.testing.assert_array_equal(part, full[start : start + m], err_msg=f"{m} rows from {start}")
 
 
 @pytest.mark.skipif(SCALAR is None, reason="the scalar build is x86-64's (gcc -march=x86-64)")
@@ -126,7 +141,11 @@ def test_packed_rows_read_back_the_matrix(kind):
     """PackedMatrix.rows (a tied head's embedding lookup) gives the weights' rows, padding panels included."""
     rng = np.random.default_rng(5)
     packed, w = _matrix(rng, kind, 37, 128)
-    assert isinstance(packed, PackedMatrix) and packed.shape == (37, 128) and packed.kind == {"int8g": "int8"}.get(kind, kind)
+    assert (
+        isinstance(packed, PackedMatrix)
+        and packed.shape == (37, 128)
+        and packed.kind == {"int8g": "int8"}.get(kind, kind)
+    )
     ids = jnp.asarray([[0, 36], [17, 5]])
     want = np.asarray(w, np.float32) if isinstance(w, np.ndarray) else np.asarray(dequantized(w))
     np.testing.assert_array_equal(np.asarray(packed.rows(ids)), want[np.asarray(ids)])
@@ -180,10 +199,12 @@ def test_one_thread_setting_gives_the_same_numbers(tmp_path):
     packed, _ = _matrix(rng, "int4", 512, 576)
     x = rng.standard_normal((3, 576)).astype(np.float32)
     np.savez(tmp_path / "in.npz", panels=np.asarray(packed.panels), params=np.asarray(packed.params), x=x)
-    code = ("import numpy as np, jax.numpy as jnp; from sgjax.kernels import cpu; "
-            "from sgjax.kernels.cpu_pack import PackedMatrix; d = np.load('in.npz'); "
-            "m = PackedMatrix(jnp.asarray(d['panels']), jnp.asarray(d['params']), 512, 576); "
-            "np.save('out.npy', np.asarray(cpu.cpu_matmul(jnp.asarray(d['x']), 0, [m])[0]))")
+    code = (
+        "import numpy as np, jax.numpy as jnp; from sgjax.kernels import cpu; "
+        "from sgjax.kernels.cpu_pack import PackedMatrix; d = np.load('in.npz'); "
+        "m = PackedMatrix(jnp.asarray(d['panels']), jnp.asarray(d['params']), 512, 576); "
+        "np.save('out.npy', np.asarray(cpu.cpu_matmul(jnp.asarray(d['x']), 0, [m])[0]))"
+    )
     env = {**os.environ, "SGJAX_CPU_THREADS": "1", "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=300)
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), _run(x, [packed])[0])
@@ -197,8 +218,9 @@ def test_refusals_name_the_operand():
     with pytest.raises(Exception, match="panels must be"):
         jax.block_until_ready(cpu.cpu_matmul(x, 0, [PackedMatrix(jnp.ones((1, 32 * 16)), good.params, 16, 64)]))
     with pytest.raises(Exception, match="float32, bfloat16, uint8 \\(int4\\) or int8"):
-        jax.block_until_ready(cpu.cpu_matmul(x, 0, [PackedMatrix(jnp.ones((1, 64 * 16), jnp.float16),
-                                                                 good.params, 16, 64)]))
+        jax.block_until_ready(
+            cpu.cpu_matmul(x, 0, [PackedMatrix(jnp.ones((1, 64 * 16), jnp.float16), good.params, 16, 64)])
+        )
     with pytest.raises(ValueError, match="x has K=64, a matrix K=32"):
         cpu.cpu_matmul(x, 0, [PackedMatrix(jnp.ones((1, 32 * 16)), good.params, 16, 32)])
     with pytest.raises(ValueError, match="bfloat16 with an even K"):
@@ -271,7 +293,8 @@ def test_quantize_int4_groups():
         assert err[0, 1, 0].max() == 0  # a constant group is exact
         steps = np.asarray(m.q)[0, 0, :32] & 0xF  # weights 0..31 of the first run
         np.testing.assert_array_equal(steps, np.clip(np.round((w[0, 0, :32] - low[0, 0, 0]) / scale[0, 0, 0]), 0, 15))
-    np.testing.assert_allclose(np.asarray(quantize_int4(w[0]).rows(jnp.asarray([2]))),
-                               np.asarray(dequantized(quantize_int4(w[0])))[[2]])
+    np.testing.assert_allclose(
+        np.asarray(quantize_int4(w[0]).rows(jnp.asarray([2]))), np.asarray(dequantized(quantize_int4(w[0])))[[2]]
+    )
     with pytest.raises(ValueError, match="multiple of 64"):
         quantize_int4(w[..., :96])

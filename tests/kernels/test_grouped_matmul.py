@@ -17,7 +17,7 @@ SIZES = {"ragged": [7, 0, 20, 1, 3, 0], "one-group": [0, 0, 37, 0], "all-empty":
 def _reference(x, w, sizes):
     out, start = np.zeros((x.shape[0], w.shape[2]), np.float64), 0
     for g, n in enumerate(sizes):
-        out[start:start + n] = x[start:start + n].astype(np.float64) @ w[g].astype(np.float64)
+        out[start : start + n] = x[start : start + n].astype(np.float64) @ w[g].astype(np.float64)
         start += n
     return out, start
 
@@ -46,8 +46,11 @@ def test_grouped_matmul_matches_per_group_products(sizes, config):
     rng = np.random.default_rng(len(sizes))
     x = rng.standard_normal((sum(sizes) + 5, 64)).astype(np.float32)
     w = rng.standard_normal((len(sizes), 64, 128)).astype(np.float32)
-    out = np.asarray(gmm.grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32),
-                                        interpret=INTERPRET, config=config))
+    out = np.asarray(
+        gmm.grouped_matmul(
+            jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32), interpret=INTERPRET, config=config
+        )
+    )
     expected, n = _reference(x, w, sizes)
     assert out.shape == expected.shape and out.dtype == np.float32
     np.testing.assert_allclose(out[:n], expected[:n], rtol=1e-4, atol=1e-4)
@@ -73,12 +76,19 @@ def test_blocks_shrink_to_small_experts_and_must_divide():
     assert gmm.supported(64, 128, gmm.default_config(8, 4, jnp.float32))
     assert not gmm.supported(64, 96, dict(block_k=32, block_n=64))
     with pytest.raises(ValueError, match="must divide"):
-        gmm.grouped_matmul(jnp.zeros((4, 64)), jnp.zeros((2, 64, 96)), jnp.asarray([2, 2]), interpret=True,
-                           config=dict(block_n=64))
+        gmm.grouped_matmul(
+            jnp.zeros((4, 64)), jnp.zeros((2, 64, 96)), jnp.asarray([2, 2]), interpret=True, config=dict(block_n=64)
+        )
     sizes = jnp.asarray([2, 2])
     with pytest.raises(ValueError, match="another block_m"):  # a shared tile table must match the kernel's tiles
-        gmm.grouped_matmul(jnp.zeros((40, 64)), jnp.zeros((2, 64, 64)), sizes, interpret=True,
-                           config=dict(block_m=32), tiles=gmm.tile_table(sizes, 40, 16))
+        gmm.grouped_matmul(
+            jnp.zeros((40, 64)),
+            jnp.zeros((2, 64, 64)),
+            sizes,
+            interpret=True,
+            config=dict(block_m=32),
+            tiles=gmm.tile_table(sizes, 40, 16),
+        )
 
 
 @pytest.mark.parametrize("first,here", [(0, 6), (2, 3)], ids=["all-experts", "expert-shard"])

@@ -12,11 +12,14 @@ from tests.kernels.test_pallas_attention import HEADS, _check
 INTERPRET = jax.default_backend() != "gpu"
 
 
-@pytest.mark.parametrize("layers,pages,page_size,kv_heads,head_dim,tokens,dtype", [
-    (2, 9, 16, 3, 64, 37, jnp.float32),     # SmolLM2's 3 KV heads: 192 columns, masked up to 256
-    (3, 17, 8, 8, 128, 5, jnp.bfloat16),    # Llama-3-8B's heads, a decode-sized batch, page 8
-    (2, 40, 16, 2, 64, 300, jnp.float32),   # more tokens than one program's block, with a remainder
-])
+@pytest.mark.parametrize(
+    "layers,pages,page_size,kv_heads,head_dim,tokens,dtype",
+    [
+        (2, 9, 16, 3, 64, 37, jnp.float32),  # SmolLM2's 3 KV heads: 192 columns, masked up to 256
+        (3, 17, 8, 8, 128, 5, jnp.bfloat16),  # Llama-3-8B's heads, a decode-sized batch, page 8
+        (2, 40, 16, 2, 64, 300, jnp.float32),  # more tokens than one program's block, with a remainder
+    ],
+)
 @pytest.mark.parametrize("by_head", [False, True], ids=["flat", "by-head"])
 def test_matches_xla_scatter(layers, pages, page_size, kv_heads, head_dim, tokens, dtype, by_head):
     keys = jax.random.split(jax.random.key(tokens), 3)

@@ -62,13 +62,16 @@ def test_long_and_page_crossing(case):
     _check(case, HEADS["gqa4"])
 
 
-@pytest.mark.parametrize("case,config", [
-    ("mixed", dict(num_splits=2, block_k=8)),
-    ("mixed", dict(num_splits=1, block_k=8, prefetch_pages=True)),  # pages of the next tile in the carry
-    ("prefix-hit-long", dict(num_splits=4, block_k=16)),  # some splits see no key of short requests
-    ("all-prefill", dict(num_splits=2, block_q=2, block_k=4)),  # block_k below the page size
-    ("long-context", dict(num_splits=8, block_k=32, prefetch_pages=True)),
-])
+@pytest.mark.parametrize(
+    "case,config",
+    [
+        ("mixed", dict(num_splits=2, block_k=8)),
+        ("mixed", dict(num_splits=1, block_k=8, prefetch_pages=True)),  # pages of the next tile in the carry
+        ("prefix-hit-long", dict(num_splits=4, block_k=16)),  # some splits see no key of short requests
+        ("all-prefill", dict(num_splits=2, block_q=2, block_k=4)),  # block_k below the page size
+        ("long-context", dict(num_splits=8, block_k=32, prefetch_pages=True)),
+    ],
+)
 def test_split_k_and_tiles(case, config):
     _check(case, HEADS["gqa4"], **config)
 
@@ -140,11 +143,17 @@ def check_windowed(case, attend, tol=2e-5, jit=True, **config):
 
 
 # every case on the default tiles; split-K and tiles smaller than the window on the two that need them most
-@pytest.mark.parametrize("case, config", [(c, {}) for c in sorted(WINDOWED)] + [
-    ("window-prefix-hit", dict(num_splits=2, block_k=8)), ("window-mixed", dict(block_q=2, block_k=4))])
+@pytest.mark.parametrize(
+    "case, config",
+    [(c, {}) for c in sorted(WINDOWED)]
+    + [("window-prefix-hit", dict(num_splits=2, block_k=8)), ("window-mixed", dict(block_q=2, block_k=4))],
+)
 def test_sliding_window_and_softcap(case, config):
     args, extra, expected, total = check_windowed(case, pallas_attention, **config)
     q, k, v, pool, layer, meta = args
-    traced = jax.jit(lambda w: pallas_attention(q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5,
-                                                window=w, softcap=extra["softcap"], **config)[0])
+    traced = jax.jit(
+        lambda w: pallas_attention(
+            q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, window=w, softcap=extra["softcap"], **config
+        )[0]
+    )
     np.testing.assert_allclose(np.asarray(traced(jnp.int32(extra["window"])))[:total], expected[:total], atol=1e-4)

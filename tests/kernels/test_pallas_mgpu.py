@@ -12,12 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgjax.kernels import pallas_attention
-from sgjax.kernels import pallas_mgpu
+from sgjax.kernels import pallas_attention, pallas_mgpu
 from sgjax.kernels import ragged_blocks as rb
-from sgjax.kernels.pallas_gpu import pallas_gpu_attention
 from sgjax.kernels.kv_pool import write_kv
 from sgjax.kernels.metadata import AttentionMetadata
+from sgjax.kernels.pallas_gpu import pallas_gpu_attention
 from tests.kernels.test_ref_attention import make_case
 
 ON_HOPPER = jax.default_backend() == "gpu" and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
@@ -29,21 +28,25 @@ needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="compiles only for a Hop
 CASES = {
     "ragged-prefix": dict(q_lens=[130, 64, 7, 200], prefix_lens=[0, 100, 33, 300], page_size=16, head_dim=128),
     "one-long": dict(q_lens=[1024], prefix_lens=[0], page_size=16, head_dim=128),
-    "padded-d64-page8": dict(q_lens=[70, 129], prefix_lens=[5, 0], page_size=8, head_dim=64, num_tokens=256,
-                             num_reqs=4, pages_per_req=40),
+    "padded-d64-page8": dict(
+        q_lens=[70, 129], prefix_lens=[5, 0], page_size=8, head_dim=64, num_tokens=256, num_reqs=4, pages_per_req=40
+    ),
     # sliding windows (the first warpgroup's and the second's first tiles differ, rows see nothing in some tiles)
     # and Gemma's head_dim 256 (64-key tiles) with a soft cap
-    "window-prefix": dict(q_lens=[130, 64, 7, 200], prefix_lens=[0, 100, 33, 300], page_size=16, head_dim=128,
-                          window=100),
-    "window-softcap-d256": dict(q_lens=[300, 40], prefix_lens=[50, 0], page_size=16, head_dim=256, window=128,
-                                softcap=50.0),
+    "window-prefix": dict(
+        q_lens=[130, 64, 7, 200], prefix_lens=[0, 100, 33, 300], page_size=16, head_dim=128, window=100
+    ),
+    "window-softcap-d256": dict(
+        q_lens=[300, 40], prefix_lens=[50, 0], page_size=16, head_dim=256, window=128, softcap=50.0
+    ),
 }
 HEADS = {"mha": (4, 4), "gqa4": (8, 2), "gqa8": (8, 1)}
 
 
 def _bf16_case(case, heads, seed):
-    args, expected, total = make_case(np.random.default_rng(seed), num_heads=heads[0], num_kv_heads=heads[1],
-                                      **CASES[case])
+    args, expected, total = make_case(
+        np.random.default_rng(seed), num_heads=heads[0], num_kv_heads=heads[1], **CASES[case]
+    )
     q, k, v, pool, layer, meta = args
     q, k, v, pool = (x.astype(jnp.bfloat16) for x in (q, k, v, pool))
     return (q, k, v, pool, layer, meta), expected, total
@@ -72,13 +75,13 @@ def test_kernel_matches_expectation(case, heads):
 # Small enough for the interpreter (a thread per warpgroup, every op a callback): ~20-30 s each on 2 cores.
 INTERPRET_CASES = {
     # page 8, 13 padding rows and an empty request slot
-    "padded-page8": dict(q_lens=[70, 5], prefix_lens=[3, 0], page_size=8, head_dim=64, num_tokens=88, num_reqs=3,
-                         pages_per_req=10),
+    "padded-page8": dict(
+        q_lens=[70, 5], prefix_lens=[3, 0], page_size=8, head_dim=64, num_tokens=88, num_reqs=3, pages_per_req=10
+    ),
     # a 20-key window and Gemma 2's soft cap: on a 100-token prefix the first half-block starts at tile 1 and the
     # second at tile 2 (it skips a tile the first needs), the rows' edges move across 64-key tiles so a row may see
     # nothing in its warpgroup's first tile; request 1 starts inside request 0's last block
-    "window-softcap": dict(q_lens=[150, 9], prefix_lens=[100, 30], page_size=16, head_dim=64, window=20,
-                           softcap=3.0),
+    "window-softcap": dict(q_lens=[150, 9], prefix_lens=[100, 30], page_size=16, head_dim=64, window=20, softcap=3.0),
 }
 
 
@@ -87,14 +90,16 @@ INTERPRET_CASES = {
 # one head on the padded page-8 batch (no window). The compiled tests run every layout on the H200.
 @pytest.mark.parametrize("case,heads", [("padded-page8", (1, 1)), ("window-softcap", (2, 1))])
 def test_interpret_mode_matches_expectation(case, heads):
-    args, expected, total = make_case(np.random.default_rng(11), num_heads=heads[0], num_kv_heads=heads[1],
-                                      **INTERPRET_CASES[case])
+    args, expected, total = make_case(
+        np.random.default_rng(11), num_heads=heads[0], num_kv_heads=heads[1], **INTERPRET_CASES[case]
+    )
     q, k, v, pool, layer, meta = args
     q, k, v, pool = (x.astype(jnp.bfloat16) for x in (q, k, v, pool))
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
     masks = {k: INTERPRET_CASES[case][k] for k in ("window", "softcap") if k in INTERPRET_CASES[case]}
-    out = pallas_mgpu.mgpu_prefill_attention(q, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, block_kv=64,
-                                             stages=2, interpret=True, **masks)
+    out = pallas_mgpu.mgpu_prefill_attention(
+        q, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, block_kv=64, stages=2, interpret=True, **masks
+    )
     out = np.asarray(out, np.float32)
     assert _rel_err(out, expected, total) < 1e-2
     np.testing.assert_array_equal(out[total:], 0.0)
@@ -105,8 +110,11 @@ def test_interpret_mode_matches_expectation(case, heads):
 def test_tile_configs(block_kv, stages):
     (q, k, v, pool, layer, meta), expected, total = _bf16_case("ragged-prefix", HEADS["gqa4"], seed=5)
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
-    out = jax.jit(functools.partial(pallas_mgpu.mgpu_prefill_attention, sm_scale=q.shape[-1] ** -0.5,
-                                    block_kv=block_kv, stages=stages))(q, pool, layer, meta)
+    out = jax.jit(
+        functools.partial(
+            pallas_mgpu.mgpu_prefill_attention, sm_scale=q.shape[-1] ** -0.5, block_kv=block_kv, stages=stages
+        )
+    )(q, pool, layer, meta)
     assert _rel_err(out, expected, total) < 1e-2
 
 
@@ -124,8 +132,15 @@ def test_backend_routes_prefill_to_mgpu():
 
 # A mixed bucket (96 rows, 5 request slots: fewer than 64 rows per slot): decodes and a short extend beside an
 # 80-row extend, a padding row block and an empty slot. The router splits it by request between the two kernels.
-MIXED = dict(q_lens=[1, 80, 1, 3], prefix_lens=[40, 20, 70, 10], page_size=16, head_dim=64, num_tokens=96,
-             num_reqs=5, pages_per_req=8)
+MIXED = dict(
+    q_lens=[1, 80, 1, 3],
+    prefix_lens=[40, 20, 70, 10],
+    page_size=16,
+    head_dim=64,
+    num_tokens=96,
+    num_reqs=5,
+    pages_per_req=8,
+)
 
 
 def _mixed_case(heads, seed):
@@ -137,8 +152,18 @@ def test_mixed_bucket_splits_between_kernels_in_interpret_mode():
     # One head: the split is by request, the same for every head, and the interpreter's time grows with the heads
     # (GQA in the Hopper kernel: test_interpret_mode_matches_expectation; in the Triton one: test_pallas_attention).
     (q, k, v, pool, layer, meta), expected, total = _mixed_case((1, 1), seed=4)
-    out, _ = pallas_gpu_attention(q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, prefill_kernel="mgpu",
-                                  interpret=True, mgpu=dict(block_kv=64, stages=2))
+    out, _ = pallas_gpu_attention(
+        q,
+        k,
+        v,
+        pool,
+        layer,
+        meta,
+        sm_scale=q.shape[-1] ** -0.5,
+        prefill_kernel="mgpu",
+        interpret=True,
+        mgpu=dict(block_kv=64, stages=2),
+    )
     out = np.asarray(out, np.float32)
     for rows in ([0], range(1, 81), [81], range(82, 85)):  # each request: a wrong pick or mask shows here
         rows = list(rows)
@@ -165,16 +190,24 @@ def test_metadata_sliced_out_of_one_buffer_as_the_engine_packs_it():
     # The engine's step unpacks the metadata from one int32 buffer; a slice at an offset that is not a multiple of
     # 64 ints must still reach the kernel aligned (Mosaic GPU rejects inputs that are not 256-byte aligned).
     (q, k, v, pool, layer, meta), expected, total = _mixed_case((8, 2), seed=8)
-    parts = [np.zeros(3, np.int32), np.asarray(meta.slot_mapping), np.asarray(meta.cu_q_lens),
-             np.asarray(meta.kv_lens), np.asarray(meta.page_table).reshape(-1)]
+    parts = [
+        np.zeros(3, np.int32),
+        np.asarray(meta.slot_mapping),
+        np.asarray(meta.cu_q_lens),
+        np.asarray(meta.kv_lens),
+        np.asarray(meta.page_table).reshape(-1),
+    ]
     packed = jnp.asarray(np.concatenate(parts))
     sizes = np.cumsum([len(x) for x in parts])
 
     @jax.jit
     def step(packed, q, k, v, pool):
-        m = AttentionMetadata(slot_mapping=packed[sizes[0]:sizes[1]], cu_q_lens=packed[sizes[1]:sizes[2]],
-                              kv_lens=packed[sizes[2]:sizes[3]],
-                              page_table=packed[sizes[3]:sizes[4]].reshape(meta.page_table.shape))
+        m = AttentionMetadata(
+            slot_mapping=packed[sizes[0] : sizes[1]],
+            cu_q_lens=packed[sizes[1] : sizes[2]],
+            kv_lens=packed[sizes[2] : sizes[3]],
+            page_table=packed[sizes[3] : sizes[4]].reshape(meta.page_table.shape),
+        )
         return pallas_attention(q, k, v, pool, layer, m, sm_scale=q.shape[-1] ** -0.5, prefill_kernel="mgpu")[0]
 
     out = np.asarray(step(packed, q, k, v, pool), np.float32)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
-from sgjax.kernels.metadata import AttentionMetadata
 from sgjax.kernels import pallas_attention
+from sgjax.kernels.metadata import AttentionMetadata
 from sgjax.kernels.pallas_tpu import pallas_tpu_attention, tpu_operands
 from sgjax.kernels.pallas_tpu_kernel import default_config, sgjax_tpu_attention
 from tests.kernels.test_pallas_attention import _check, check_windowed
@@ -47,8 +47,12 @@ def test_wrapper_matches_expected(case):
 
 def test_operands_offset_pages_by_layer():
     pool = jnp.zeros((3, 5, 4, 2, 8))
-    meta = AttentionMetadata(slot_mapping=jnp.zeros(2, jnp.int32), cu_q_lens=jnp.array([0, 1, 2], jnp.int32),
-                             kv_lens=jnp.array([3, 6], jnp.int32), page_table=jnp.array([[1, 0], [2, 3]], jnp.int32))
+    meta = AttentionMetadata(
+        slot_mapping=jnp.zeros(2, jnp.int32),
+        cu_q_lens=jnp.array([0, 1, 2], jnp.int32),
+        kv_lens=jnp.array([3, 6], jnp.int32),
+        page_table=jnp.array([[1, 0], [2, 3]], jnp.int32),
+    )
     kv_pages, kv_lens, pages, cu, num_seqs = tpu_operands(pool, jnp.int32(2), meta)
     assert kv_pages.shape == (15, 4, 2, 8)
     np.testing.assert_array_equal(pages, [[11, 10], [12, 13]])
@@ -59,11 +63,20 @@ def _export_for_tpu(attend, t, reqs, head_dim, dtype, heads=16, kv_heads=4, **co
     """jax.export of one attention call for platform "tpu" (the Pallas -> Mosaic lowering runs on CPU)."""
     layers, pages, page_size, per_req = 2, 64, 16, 8
     spec = jax.ShapeDtypeStruct
-    meta = AttentionMetadata(slot_mapping=spec((t,), jnp.int32), cu_q_lens=spec((reqs + 1,), jnp.int32),
-                             kv_lens=spec((reqs,), jnp.int32), page_table=spec((reqs, per_req), jnp.int32))
-    args = (spec((t, heads, head_dim), dtype), spec((t, kv_heads, head_dim), dtype),
-            spec((t, kv_heads, head_dim), dtype), spec((layers, pages, page_size, 2 * kv_heads, head_dim), dtype),
-            spec((), jnp.int32), meta)
+    meta = AttentionMetadata(
+        slot_mapping=spec((t,), jnp.int32),
+        cu_q_lens=spec((reqs + 1,), jnp.int32),
+        kv_lens=spec((reqs,), jnp.int32),
+        page_table=spec((reqs, per_req), jnp.int32),
+    )
+    args = (
+        spec((t, heads, head_dim), dtype),
+        spec((t, kv_heads, head_dim), dtype),
+        spec((t, kv_heads, head_dim), dtype),
+        spec((layers, pages, page_size, 2 * kv_heads, head_dim), dtype),
+        spec((), jnp.int32),
+        meta,
+    )
 
     def step(q, k, v, pool, layer, meta):
         return attend(q, k, v, pool, layer, meta, sm_scale=0.088, **config)
@@ -78,21 +91,26 @@ def _export_for_tpu(attend, t, reqs, head_dim, dtype, heads=16, kv_heads=4, **co
 
 
 def test_lowers_to_mosaic_for_tpu():
-    text = _export_for_tpu(pallas_tpu_attention, 64, 8, 128, jnp.bfloat16, num_kv_pages_per_block=4,
-                           num_queries_per_block=16)
+    text = _export_for_tpu(
+        pallas_tpu_attention, 64, 8, 128, jnp.bfloat16, num_kv_pages_per_block=4, num_queries_per_block=16
+    )
     assert "tpu_custom_call" in text and "ragged_paged_attention_kernel" in text
 
 
 # -- our kernel, executed in TPU interpret mode --------------------------------------------------------------
 
-@pytest.mark.parametrize("case,heads,config", [
-    ("mixed", (8, 2), {}),
-    ("padded", (4, 4), {}),
-    ("all-decode", (8, 1), {}),
-    ("all-prefill", (8, 2), {"block_q": 8}),  # a 16-row request spans two query blocks
-    ("prefix-hit-long", (8, 2), {"pages_per_block": 2}),  # 7 double-buffered key tiles
-    ("page-crossing", (8, 2), {"pages_per_block": 1}),  # head_dim 128, page 8, tiles of one page
-])
+
+@pytest.mark.parametrize(
+    "case,heads,config",
+    [
+        ("mixed", (8, 2), {}),
+        ("padded", (4, 4), {}),
+        ("all-decode", (8, 1), {}),
+        ("all-prefill", (8, 2), {"block_q": 8}),  # a 16-row request spans two query blocks
+        ("prefix-hit-long", (8, 2), {"pages_per_block": 2}),  # 7 double-buffered key tiles
+        ("page-crossing", (8, 2), {"pages_per_block": 1}),  # head_dim 128, page 8, tiles of one page
+    ],
+)
 def test_own_kernel_in_interpret_mode(case, heads, config):
     _check(case, heads, attend=functools.partial(sgjax_tpu_attention, interpret=True), **config)
 
@@ -101,7 +119,7 @@ def test_own_kernel_bf16():
     rng = np.random.default_rng(5)
     args, expected, total = make_case(rng, num_heads=8, num_kv_heads=2, **CASES["mixed"], head_dim=64)
     bf16 = [a.astype(jnp.bfloat16) if i < 4 else a for i, a in enumerate(args)]
-    out, _ = jax.jit(functools.partial(sgjax_tpu_attention, sm_scale=64 ** -0.5, interpret=True))(*bf16)
+    out, _ = jax.jit(functools.partial(sgjax_tpu_attention, sm_scale=64**-0.5, interpret=True))(*bf16)
     assert out.dtype == jnp.bfloat16
     out = np.asarray(out.astype(jnp.float32))[:total]
     assert np.linalg.norm(out - expected[:total]) / np.linalg.norm(expected[:total]) < 1e-2
@@ -109,12 +127,14 @@ def test_own_kernel_bf16():
 
 def test_own_kernel_through_the_backend():
     # pallas_attention(platform="tpu", tpu_kernel="sgjax") reaches our kernel; interpret mode since this is CPU.
-    _check("mixed", (8, 2), attend=functools.partial(pallas_attention, platform="tpu", tpu_kernel="sgjax",
-                                                     interpret=True))
+    _check(
+        "mixed", (8, 2), attend=functools.partial(pallas_attention, platform="tpu", tpu_kernel="sgjax", interpret=True)
+    )
 
 
-@pytest.mark.parametrize("t,reqs,head_dim,dtype", [(64, 8, 128, jnp.bfloat16), (8, 8, 64, jnp.bfloat16),
-                                                   (256, 2, 128, jnp.float32)])
+@pytest.mark.parametrize(
+    "t,reqs,head_dim,dtype", [(64, 8, 128, jnp.bfloat16), (8, 8, 64, jnp.bfloat16), (256, 2, 128, jnp.float32)]
+)
 def test_own_kernel_lowers_to_mosaic(t, reqs, head_dim, dtype):
     text = _export_for_tpu(sgjax_tpu_attention, t, reqs, head_dim, dtype)
     assert "tpu_custom_call" in text and "sgjax_ragged_paged_attention" in text
@@ -126,10 +146,20 @@ def test_own_kernel_default_config():
     assert default_config(512, 4, 32, jnp.bfloat16) == {"block_q": 32, "pages_per_block": 4}
 
 
-def _reference_op_masked(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None,
-                         soft_cap=None):
-    out = ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                                     sliding_window=sliding_window, soft_cap=soft_cap)
+def _reference_op_masked(
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None, soft_cap=None
+):
+    out = ref_ragged_paged_attention(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     return jnp.concatenate([out, jnp.zeros((q.shape[0] - out.shape[0],) + out.shape[1:], out.dtype)])
 
 

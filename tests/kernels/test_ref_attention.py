@@ -14,8 +14,20 @@ from sgjax.kernels import AttentionMetadata, ref_attention
 from sgjax.kernels.kv_pool import pool_shape
 
 
-def make_case(rng, q_lens, prefix_lens, page_size, num_heads, num_kv_heads, head_dim=16, num_tokens=None,
-              num_reqs=None, pages_per_req=None, window=0, softcap=None):
+def make_case(
+    rng,
+    q_lens,
+    prefix_lens,
+    page_size,
+    num_heads,
+    num_kv_heads,
+    head_dim=16,
+    num_tokens=None,
+    num_reqs=None,
+    pages_per_req=None,
+    window=0,
+    softcap=None,
+):
     """Random pool with cached prefixes, new q/k/v, metadata, and the expected output and pool. window > 0: a row
     at position p sees keys (p - window, p]; softcap: scores become softcap * tanh(scores / softcap)."""
     num_reqs = num_reqs or len(q_lens)
@@ -34,33 +46,37 @@ def make_case(rng, q_lens, prefix_lens, page_size, num_heads, num_kv_heads, head
     slots = np.zeros(num_tokens, np.int32)
     cu = np.zeros(num_reqs + 1, np.int32)
     expected = np.zeros_like(q)
-    layer, scale, group = 1, head_dim ** -0.5, num_heads // num_kv_heads
+    layer, scale, group = 1, head_dim**-0.5, num_heads // num_kv_heads
     t = 0
     for r, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-        pages = perm[r * pages_per_req:(r + 1) * pages_per_req]
+        pages = perm[r * pages_per_req : (r + 1) * pages_per_req]
         table[r] = pages
         pos = np.arange(kl)
         seq_slots = pages[pos // page_size] * page_size + pos % page_size
-        slots[t:t + ql] = seq_slots[kl - ql:]
+        slots[t : t + ql] = seq_slots[kl - ql :]
         flat = pool[layer].reshape(-1, 2 * num_kv_heads, head_dim)
         keys, vals = flat[seq_slots, 0::2].copy(), flat[seq_slots, 1::2].copy()
-        keys[kl - ql:], vals[kl - ql:] = k[t:t + ql], v[t:t + ql]
+        keys[kl - ql :], vals[kl - ql :] = k[t : t + ql], v[t : t + ql]
         for i in range(ql):
             p = kl - ql + i
             lo = max(0, p - window + 1) if window else 0
             for h in range(num_heads):
-                s = keys[lo:p + 1, h // group] @ q[t + i, h] * scale
+                s = keys[lo : p + 1, h // group] @ q[t + i, h] * scale
                 if softcap:
                     s = softcap * np.tanh(s / softcap)
                 w = np.exp(s - s.max())
-                expected[t + i, h] = (w / w.sum()) @ vals[lo:p + 1, h // group]
+                expected[t + i, h] = (w / w.sum()) @ vals[lo : p + 1, h // group]
         t += ql
         cu[r + 1] = t
-    cu[len(q_lens) + 1:] = t
+    cu[len(q_lens) + 1 :] = t
     lens = np.zeros(num_reqs, np.int32)
-    lens[:len(kv_lens)] = kv_lens
-    meta = AttentionMetadata(slot_mapping=jnp.asarray(slots), cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(lens),
-                             page_table=jnp.asarray(table))
+    lens[: len(kv_lens)] = kv_lens
+    meta = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots),
+        cu_q_lens=jnp.asarray(cu),
+        kv_lens=jnp.asarray(lens),
+        page_table=jnp.asarray(table),
+    )
     return (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pool), layer, meta), expected, total
 
 
@@ -134,8 +150,18 @@ def test_ref_sliding_window_and_softcap(case, strategy, traced):
     q, k, v, pool, layer, meta = args
 
     def attend(q, k, v, pool, meta, window):  # traced: the window a scanned layer loop gives (one per layer)
-        return ref_attention(q, k, v, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, strategy=strategy,
-                             window=window, softcap=extra["softcap"])
+        return ref_attention(
+            q,
+            k,
+            v,
+            pool,
+            layer,
+            meta,
+            sm_scale=q.shape[-1] ** -0.5,
+            strategy=strategy,
+            window=window,
+            softcap=extra["softcap"],
+        )
 
     if traced:
         out, _ = jax.jit(attend)(q, k, v, pool, meta, jnp.int32(extra["window"]))

@@ -9,8 +9,12 @@ import time
 from sgjax.lang.backend.base import Backend
 from sgjax.lang.chat_template import ChatTemplate
 
-TEMPLATE = ChatTemplate("test", {"system": ("<s>", "</s>"), "user": ("<u>", "</u>"), "assistant": ("<a>", "</a>")},
-                        default_system_prompt="DEFAULT", stop_str=("</a>",))
+TEMPLATE = ChatTemplate(
+    "test",
+    {"system": ("<s>", "</s>"), "user": ("<u>", "</u>"), "assistant": ("<a>", "</a>")},
+    default_system_prompt="DEFAULT",
+    stop_str=("</a>",),
+)
 
 
 class FakeBackend(Backend):
@@ -56,5 +60,10 @@ class FakeBackend(Backend):
 
     def prompt_logprobs(self, input_ids, starts, images=None):
         self._record("prompt_logprobs", [list(ids) for ids in input_ids], list(starts), *([images] if images else []))
-        return [[None if p == 0 else self.char_logprob("".join(map(chr, ids[:p])), chr(ids[p]))
-                 for p in range(start, len(ids))] for ids, start in zip(input_ids, starts)]
+        return [
+            [
+                None if p == 0 else self.char_logprob("".join(map(chr, ids[:p])), chr(ids[p]))
+                for p in range(start, len(ids))
+            ]
+            for ids, start in zip(input_ids, starts)
+        ]

@@ -7,18 +7,28 @@ import pytest
 from sgjax.lang.chat_template import PLAIN, from_tokenizer
 from sgjax.model.tokenizer import load_tokenizer
 
-CONVERSATION = [{"role": "system", "content": "You judge essays."}, {"role": "user", "content": "Hi there"},
-                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Grade it."}]
-LLAMA3_LIKE = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-               "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
-NO_SYSTEM_ROLE = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-                  "{% endif %}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}")
+CONVERSATION = [
+    {"role": "system", "content": "You judge essays."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Grade it."},
+]
+LLAMA3_LIKE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+NO_SYSTEM_ROLE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+)
 
 
 def compose(template, messages):
-    return "".join(template.get_prefix_and_suffix(m["role"])[0] + m["content"]
-                   + template.get_prefix_and_suffix(m["role"])[1] for m in messages)
+    return "".join(
+        template.get_prefix_and_suffix(m["role"])[0] + m["content"] + template.get_prefix_and_suffix(m["role"])[1]
+        for m in messages
+    )
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,12 @@
 
 import pytest
 
-from sgjax.lang.choices import (greedy_token_selection, token_length_normalized, unconditional_likelihood_normalized,
-                                unconditional_normalized_scores)
+from sgjax.lang.choices import (
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+    unconditional_normalized_scores,
+)
 
 CHOICES = ["long option", "short"]
 
@@ -36,10 +40,13 @@ def test_unconditional_likelihood_normalized_discounts_what_is_likely_anyway():
     assert token_length_normalized(CHOICES, cond).decision == "long option"
 
 
-@pytest.mark.parametrize("args, match", [
-    ((CHOICES, [[-1.0]]), "2 choices but 1"),
-    ((CHOICES, [[-1.0], []]), "no scored tokens"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((CHOICES, [[-1.0]]), "2 choices but 1"),
+        ((CHOICES, [[-1.0], []]), "no scored tokens"),
+    ],
+)
 def test_bad_inputs_are_clear_errors(args, match):
     for method in (token_length_normalized, greedy_token_selection):
         with pytest.raises(ValueError, match=match):
@@ -57,11 +64,17 @@ def test_unconditional_method_needs_unconditional_logprobs():
 KEYWORDS = {
     "choices": ["cat", "catalog", "dog"],
     "normalized_prompt_logprobs": [-0.3, -0.4, -0.2],  # ranked as given (SGLang's select corrects them for healing)
-    "input_token_logprobs": [[[-0.2, 10, "cat"]], [[-0.2, 10, "cat"], [-0.6, 11, "alog"]],
-                             [[-0.5, 12, "d"], [-0.05, 13, "og"]]],
+    "input_token_logprobs": [
+        [[-0.2, 10, "cat"]],
+        [[-0.2, 10, "cat"], [-0.6, 11, "alog"]],
+        [[-0.5, 12, "d"], [-0.05, 13, "og"]],
+    ],
     "output_token_logprobs": [[], [], []],
-    "unconditional_token_logprobs": [[[None, 10, "cat"]], [[None, 10, "cat"], [-2.0, 11, "alog"]],
-                                     [[None, 12, "d"], [-0.05, 13, "og"]]],
+    "unconditional_token_logprobs": [
+        [[None, 10, "cat"]],
+        [[None, 10, "cat"], [-2.0, 11, "alog"]],
+        [[None, 12, "d"], [-0.05, 13, "og"]],
+    ],
 }
 
 
@@ -88,25 +101,34 @@ def test_the_short_call_reports_sglangs_keys_too():
 
 
 def test_an_sglang_style_custom_method_gets_the_keyword_call_from_select():
-    from sgjax.lang.choices import ChoicesDecision, ChoicesSamplingMethod
-
     import sgjax as sgl
+    from sgjax.lang.choices import ChoicesDecision, ChoicesSamplingMethod
     from tests.lang.fakes import FakeBackend
 
     seen = {}
 
     class LastToken(ChoicesSamplingMethod):  # written for SGLang: keyword-only, returns decision + meta_info
-        def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs, output_token_logprobs,
-                     unconditional_token_logprobs=None):
+        def __call__(
+            self,
+            *,
+            choices,
+            normalized_prompt_logprobs,
+            input_token_logprobs,
+            output_token_logprobs,
+            unconditional_token_logprobs=None,
+        ):
             seen.update(input_token_logprobs=input_token_logprobs, normalized=normalized_prompt_logprobs)
             best = max(range(len(choices)), key=lambda i: input_token_logprobs[i][-1][0])
             return ChoicesDecision(decision=choices[best], meta_info={"by": "last token"})
 
     backend = FakeBackend(char_logprob=lambda context, ch: -1.0 if ch != "z" else -0.1)
-    state = sgl.function(lambda s: s.__iadd__("A: " + sgl.select("x", ["ab", "az"], choices_method=LastToken()))
-                         ).run(backend=backend)
+    state = sgl.function(lambda s: s.__iadd__("A: " + sgl.select("x", ["ab", "az"], choices_method=LastToken()))).run(
+        backend=backend
+    )
     assert state["x"] == "az" and state.get_meta_info("x")["by"] == "last token"
     # one [logprob, token_id, text] entry per choice token (the fake tokenizes by character; no token texts)
-    assert seen["input_token_logprobs"] == [[(-1.0, ord("a"), None), (-1.0, ord("b"), None)],
-                                            [(-1.0, ord("a"), None), (-0.1, ord("z"), None)]]
+    assert seen["input_token_logprobs"] == [
+        [(-1.0, ord("a"), None), (-1.0, ord("b"), None)],
+        [(-1.0, ord("a"), None), (-0.1, ord("z"), None)],
+    ]
     assert seen["normalized"] == pytest.approx([-1.0, -0.55])

@@ -17,10 +17,12 @@ from sgjax.lang.interpreter import ProgramError
 from tests.lang.conftest import assert_streams_as_a_whole_run
 
 PAGE = 16  # the engine's page size: the radix cache matches whole pages
-STORY = ("The lighthouse keeper climbed the stairs every evening at dusk. He cleaned the lens, lit the lamp and "
-         "wrote the weather in a small blue notebook. Ships passed far out at sea, and none of them knew his name, "
-         "but every one of them saw his light. In winter the storms shook the tower and the waves broke over "
-         "the rocks below, yet the lamp never went out.")
+STORY = (
+    "The lighthouse keeper climbed the stairs every evening at dusk. He cleaned the lens, lit the lamp and "
+    "wrote the weather in a small blue notebook. Ships passed far out at sea, and none of them knew his name, "
+    "but every one of them saw his light. In winter the storms shook the tower and the waves broke over "
+    "the rocks below, yet the lamp never went out."
+)
 
 
 def pages(n_tokens: int) -> int:
@@ -41,8 +43,9 @@ def test_gen_sends_the_chat_prompt_and_honours_stop_and_max_tokens(engine, backe
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
     assert state.text() == tok.apply_chat_template(messages, add_generation_prompt=False)
     # Each gen got exactly the rendered conversation so far and returned what the engine gives for it.
-    first = engine.generate(tok.apply_chat_template(messages[:2]), {"max_new_tokens": 12, "stop": [","],
-                                                                   "temperature": 0})
+    first = engine.generate(
+        tok.apply_chat_template(messages[:2]), {"max_new_tokens": 12, "stop": [","], "temperature": 0}
+    )
     assert state["colors"] == first["text"] and "," not in state["colors"]
     assert state.get_meta_info("colors")["completion_tokens"] <= 12
     second = engine.generate(tok.apply_chat_template(messages[:4]), {"max_new_tokens": 6, "temperature": 0})
@@ -67,8 +70,9 @@ def _expected_choice(method, cond, uncond):
     return alive[0], None
 
 
-@pytest.mark.parametrize("method", ["token_length_normalized", "greedy_token_selection",
-                                    "unconditional_likelihood_normalized"])
+@pytest.mark.parametrize(
+    "method", ["token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized"]
+)
 def test_select_agrees_with_scores_from_the_engines_full_prompt_logprobs(engine, backend, method):
     method = getattr(sgl, method)
     choices = ["Paris", "London", "a small town in the south of Spain"]
@@ -92,11 +96,13 @@ def test_select_agrees_with_scores_from_the_engines_full_prompt_logprobs(engine,
     for c in choices:
         ids = tok.encode(prefix + c)
         k = next(i for i, (a, b) in enumerate(zip(ids, prefix_ids + [-1])) if a != b)
-        full = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                               logprob_start_len=0)  # the whole prompt computed, no cache
+        full = engine.generate(
+            input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+        )  # the whole prompt computed, no cache
         cond.append([lp for lp, _, _ in full["meta_info"]["input_token_logprobs"][k:]])
-        alone = engine.generate(input_ids=ids[k:], sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                logprob_start_len=0)
+        alone = engine.generate(
+            input_ids=ids[k:], sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+        )
         uncond.append([lp for lp, _, _ in alone["meta_info"]["input_token_logprobs"]])
     index, scores = _expected_choice(method, cond, uncond)
     assert state["city"] == choices[index]
@@ -122,8 +128,10 @@ def test_fork_branches_see_the_parent_and_not_each_other(engine, backend):
 
     state = animals.run(backend=backend, temperature=0)
     tok = engine.tokenizer
-    base = [{"role": "user", "content": "I will ask about two animals."},
-            {"role": "assistant", "content": "Sure, go ahead."}]
+    base = [
+        {"role": "user", "content": "I will ask about two animals."},
+        {"role": "assistant", "content": "Sure, go ahead."},
+    ]
     for fact, animal in zip(state["fact"], ["cats", "fish"]):
         prompt = tok.apply_chat_template(base + [{"role": "user", "content": f"One sentence about {animal}."}])
         assert fact == engine.generate(prompt, {"max_new_tokens": 10, "temperature": 0})["text"]
@@ -142,8 +150,10 @@ def test_role_forms_var_scope_copy_and_appending_join(engine, backend):
         with s.copy() as c:
             c += sgl.user("Its color?") + sgl.assistant(sgl.gen("color", max_tokens=4))
         forks = s.fork(2)
-        forks += [sgl.user("A vegetable?") + sgl.assistant(sgl.gen("v", max_tokens=4)),
-                  sgl.user("A nut?") + sgl.assistant(sgl.gen("v", max_tokens=4))]
+        forks += [
+            sgl.user("A vegetable?") + sgl.assistant(sgl.gen("v", max_tokens=4)),
+            sgl.user("A nut?") + sgl.assistant(sgl.gen("v", max_tokens=4)),
+        ]
         forks.join("concate_and_append")
         return c, forks
 
@@ -157,10 +167,15 @@ def test_role_forms_var_scope_copy_and_appending_join(engine, backend):
     render = engine.tokenizer.apply_chat_template
     base = state.messages()
     assert [m["role"] for m in base] == ["system", "user", "assistant"]
-    turns = [render(base + [{"role": "user", "content": q}, {"role": "assistant", "content": f["v"]}],
-                    add_generation_prompt=False) for q, f in zip(["A vegetable?", "A nut?"], forks)]
+    turns = [
+        render(
+            base + [{"role": "user", "content": q}, {"role": "assistant", "content": f["v"]}],
+            add_generation_prompt=False,
+        )
+        for q, f in zip(["A vegetable?", "A nut?"], forks)
+    ]
     head = render(base, add_generation_prompt=False)
-    assert state.text() == head + "".join(t[len(head):] for t in turns)
+    assert state.text() == head + "".join(t[len(head) :] for t in turns)
 
 
 def _branch_cached_tokens(backend, nonce):
@@ -197,8 +212,9 @@ def test_run_batch_pre_caches_the_common_prefix(engine, backend, monkeypatch):
             s += sgl.user("One word about " + topic + ":")
             s += sgl.assistant(sgl.gen("word", max_tokens=1))
 
-        states = summary.run_batch([{"topic": "the keeper"}, {"topic": "the sea"}], backend=backend,
-                                   temperature=0, num_threads=2)
+        states = summary.run_batch(
+            [{"topic": "the keeper"}, {"topic": "the sea"}], backend=backend, temperature=0, num_threads=2
+        )
         return [s.get_meta_info("word")["cached_tokens"] for s in states]
 
     assert min(first_cached(uuid.uuid4().hex)) > 64  # the traced prefix was cached before either program ran
@@ -208,15 +224,23 @@ def test_run_batch_pre_caches_the_common_prefix(engine, backend, monkeypatch):
 
 def test_constrained_gens_match_their_regex_and_schema(backend):
     phone = r"\(\d{3}\) \d{3}-\d{4}"
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
 
     @sgl.function
     def card(s):
         s += sgl.user("Invent a person: a phone number, then the person as JSON, then a number.")
-        s += sgl.assistant("Phone: " + sgl.gen("phone", regex=phone, max_tokens=16) + "\nJSON: "
-                           + sgl.gen("person", json_schema=schema, max_tokens=32) + "\nNumber: "
-                           + sgl.gen_int("n", max_tokens=3))
+        s += sgl.assistant(
+            "Phone: "
+            + sgl.gen("phone", regex=phone, max_tokens=16)
+            + "\nJSON: "
+            + sgl.gen("person", json_schema=schema, max_tokens=32)
+            + "\nNumber: "
+            + sgl.gen_int("n", max_tokens=3)
+        )
 
     state = card.run(backend=backend, temperature=0)
     assert re.fullmatch(phone, state["phone"])
@@ -236,8 +260,10 @@ def test_run_batch_under_greedy_equals_running_one_by_one(backend):
         s += sgl.gen("answer", max_tokens=6, stop="\n")
         s += "\nIs that right? " + sgl.select("check", choices=["yes", "no"])
 
-    args = [{"question": q} for q in ("What do bees make?", "What is frozen water?", "Which animal barks?",
-                                      "What is the opposite of hot?")]
+    args = [
+        {"question": q}
+        for q in ("What do bees make?", "What is frozen water?", "Which animal barks?", "What is the opposite of hot?")
+    ]
     batch = qa.run_batch(args, backend=backend, temperature=0, num_threads=4)
     one_by_one = []
     for a in args:  # run returns while the program's stream still runs: wait, so that nothing overlaps
@@ -255,8 +281,11 @@ def test_engine_errors_name_the_program_line(backend):
         s += sgl.gen("d", regex="[0-9", max_tokens=4)
 
     state = broken.run(backend=backend)
-    with pytest.raises(ProgramError, match=rf"test_engine_e2e.py:{lines['bad']} in broken: gen\('d'\) failed: "
-                                           r"SamplingParamsError: regex"):
+    with pytest.raises(
+        ProgramError,
+        match=rf"test_engine_e2e.py:{lines['bad']} in broken: gen\('d'\) failed: "
+        r"SamplingParamsError: regex",
+    ):
         state["d"]
 
 
@@ -277,8 +306,11 @@ def test_a_failed_engine_step_fails_the_program_by_name_and_the_engine_serves_on
         s += "The sky on a clear day is" + sgl.select("colour", ["blue", "green"])
 
     monkeypatch.setattr(engine.runner, "dispatch", fail_once)
-    with pytest.raises(ProgramError, match=r"select\('colour'.*EngineError: the engine aborted the request: "
-                                           r"internal error: device lost"):
+    with pytest.raises(
+        ProgramError,
+        match=r"select\('colour'.*EngineError: the engine aborted the request: "
+        r"internal error: device lost",
+    ):
         pick.run(backend=backend, temperature=0)["colour"]
     assert failures and pick.run(backend=backend, temperature=0)["colour"] in ("blue", "green")
     engine.check_invariants()

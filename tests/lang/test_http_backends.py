@@ -29,8 +29,9 @@ def endpoint(server):
 
 
 def openai_backend(server, endpoint, chat: bool, **kwargs):
-    return sgl.OpenAI(endpoint.model_info["served_model_name"], base_url=server.url + "/v1", is_chat_model=chat,
-                      **kwargs)
+    return sgl.OpenAI(
+        endpoint.model_info["served_model_name"], base_url=server.url + "/v1", is_chat_model=chat, **kwargs
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +90,10 @@ def test_runtime_endpoint_streams_server_sent_events(endpoint):
 def test_the_server_cache_serves_a_few_shot_program_with_forks(endpoint):
     @sgl.function
     def few_shot(s, question):
-        s += ("Answer with one word.\nQ: What color is the sky?\nA: Blue\nQ: What do cows drink?\nA: Water\n"
-              "Q: What is the capital of France?\nA: Paris\nQ: How many legs does a spider have?\nA: Eight\n")
+        s += (
+            "Answer with one word.\nQ: What color is the sky?\nA: Blue\nQ: What do cows drink?\nA: Water\n"
+            "Q: What is the capital of France?\nA: Paris\nQ: How many legs does a spider have?\nA: Eight\n"
+        )
         s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=2, stop="\n")
         forks = s.fork(2)
         forks += ["\nIs that right?" + sgl.gen("check", max_tokens=1), "\nWhy?" + sgl.gen("check", max_tokens=1)]
@@ -98,14 +101,20 @@ def test_the_server_cache_serves_a_few_shot_program_with_forks(endpoint):
 
     assert endpoint.flush_cache()
     before = endpoint.get_server_info()
-    states = few_shot.run_batch([{"question": q} for q in ("What do bees make?", "Which animal barks?")],
-                                backend=endpoint, temperature=0, num_threads=2)
+    states = few_shot.run_batch(
+        [{"question": q} for q in ("What do bees make?", "Which animal barks?")],
+        backend=endpoint,
+        temperature=0,
+        num_threads=2,
+    )
     after = endpoint.get_server_info()
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
     cached = after["cached_tokens"] - before["cached_tokens"]
-    print(f"\nfew-shot + fork program over HTTP: {cached} of {prompt} prompt tokens cached "
-          f"(hit rate {cached / prompt:.2f}); server hit rate {before['cache_hit_rate']:.3f} -> "
-          f"{after['cache_hit_rate']:.3f}")
+    print(
+        f"\nfew-shot + fork program over HTTP: {cached} of {prompt} prompt tokens cached "
+        f"(hit rate {cached / prompt:.2f}); server hit rate {before['cache_hit_rate']:.3f} -> "
+        f"{after['cache_hit_rate']:.3f}"
+    )
     assert cached / prompt > 0.5
     for state in states:  # each branch found its program's prefix (the frontend hint) in whole pages
         hint = state.stream_executor.hint_meta["prompt_tokens"]
@@ -118,15 +127,23 @@ def test_runtime_endpoint_errors_name_the_problem(server, endpoint):
     with pytest.raises(ValueError, match="needs the model's tokenizer.*not on this machine; pass tokenizer_path="):
         sgl.RuntimeEndpoint(server.url, tokenizer_path="/nonexistent/model.gguf")
     state = sgl.function(lambda s: s.__iadd__("Digits: " + sgl.gen("d", regex="[0-9", max_tokens=4))).run(
-        backend=endpoint)
+        backend=endpoint
+    )
     with pytest.raises(ProgramError, match=r"ServerError: .*/generate answered 400: sampling_params.regex"):
         state["d"]
 
 
-@pytest.mark.parametrize("check", [up.check_parallel_decoding, up.check_decode_json_regex, up.check_gen_logprobs,
-                                   up.check_select_meta, up.check_stream_logprobs],
-                         ids=["forks_item_assignment", "json_regex_constants", "gen_logprobs", "select_meta",
-                              "async_stream_logprobs"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        up.check_parallel_decoding,
+        up.check_decode_json_regex,
+        up.check_gen_logprobs,
+        up.check_select_meta,
+        up.check_stream_logprobs,
+    ],
+    ids=["forks_item_assignment", "json_regex_constants", "gen_logprobs", "select_meta", "async_stream_logprobs"],
+)
 def test_sglangs_programs_run_through_the_runtime_endpoint(endpoint, check):
     check(endpoint)  # the ported upstream programs (test_upstream_programs.py) over sgjax serve's native API
 
@@ -136,9 +153,11 @@ def test_speculation_extracts_the_same_fields_with_fewer_calls_and_input_tokens(
     texts = example.passages(3, max_words=40)
     plain, plain_usage, _ = example.measure(completions, texts, None, max_tokens=12)
     spec, spec_usage, _ = example.measure(completions, texts, 24, max_tokens=12)
-    print(f"\nthree-field extraction, {len(texts)} SQuAD passages: without speculation {plain_usage}, "
-          f"with {spec_usage}: {plain_usage['calls'] / spec_usage['calls']:.2f}x fewer calls, "
-          f"{plain_usage['prompt_tokens'] / spec_usage['prompt_tokens']:.2f}x fewer input tokens")
+    print(
+        f"\nthree-field extraction, {len(texts)} SQuAD passages: without speculation {plain_usage}, "
+        f"with {spec_usage}: {plain_usage['calls'] / spec_usage['calls']:.2f}x fewer calls, "
+        f"{plain_usage['prompt_tokens'] / spec_usage['prompt_tokens']:.2f}x fewer input tokens"
+    )
     fields = example.FIELDS
     assert [[s[f] for f in fields] for s in spec] == [[s[f] for f in fields] for s in plain]
     assert plain_usage["calls"] == 3 * len(texts)
@@ -181,15 +200,17 @@ def test_a_failed_match_calls_again_and_keeps_the_values(completions):
 
 
 # -- OpenAI on completions: select, streaming, errors ---------------------------------------------------------------
-@pytest.mark.parametrize("method", ["token_length_normalized", "greedy_token_selection",
-                                    "unconditional_likelihood_normalized"])
+@pytest.mark.parametrize(
+    "method", ["token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized"]
+)
 def test_completion_select_scores_the_choices_as_the_runtime_does(completions, endpoint, method):
     method = getattr(sgl, method)
 
     @sgl.function
     def capital(s):
-        s += "Q: What is the capital of France?\nA:" + sgl.select("city", choices=[" Paris", " London", " Rome"],
-                                                                 choices_method=method)
+        s += "Q: What is the capital of France?\nA:" + sgl.select(
+            "city", choices=[" Paris", " London", " Rome"], choices_method=method
+        )
 
     api = capital.run(backend=completions)
     native = capital.run(backend=endpoint)
@@ -215,8 +236,9 @@ def test_completion_streaming_and_usage(completions):
 def test_constraints_and_logprobs_reach_the_api(completions, chat):
     @sgl.function
     def number(s):
-        s += "Three digits:" + sgl.gen("n", regex=" [0-9]{3}", return_logprob=True, top_logprobs_num=2,
-                                       return_text_in_logprobs=True)  # SGLang's flag: the API's entries have texts
+        s += "Three digits:" + sgl.gen(
+            "n", regex=" [0-9]{3}", return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True
+        )  # SGLang's flag: the API's entries have texts
 
     state = number.run(backend=completions, temperature=0)
     assert re.fullmatch(" [0-9]{3}", state["n"])
@@ -253,8 +275,12 @@ def test_chat_messages_get_the_answer_the_templated_text_gets(chat, endpoint):
     api = turns.run(backend=chat, temperature=0)
     native = turns.run(backend=endpoint, temperature=0)  # the server's template, the default system prompt included
     assert (api["animal"], api["home"]) == (native["animal"], native["home"])
-    assert [m["content"] for m in api.messages()] == ["Name a large animal.", api["animal"], "Where does it live?",
-                                                      api["home"]]
+    assert [m["content"] for m in api.messages()] == [
+        "Name a large animal.",
+        api["animal"],
+        "Where does it live?",
+        api["home"],
+    ]
 
 
 def test_chat_select_asks_and_matches_the_reply(chat):
@@ -275,9 +301,14 @@ def test_chat_speculation_reads_a_whole_card_from_one_reply(chat, endpoint):
         s += sgl.user("Bob is a chef. He is 40. Fill in his card.")
         s += sgl.assistant("Name: Bob\nJob: chef\nAge: 40")
         s += sgl.user(person + " Fill in the card.")
-        s += sgl.assistant("Name:" + sgl.gen("name", stop="\n", max_tokens=6)
-                           + "\nJob:" + sgl.gen("job", stop="\n", max_tokens=6)
-                           + "\nAge:" + sgl.gen("age", stop="\n", max_tokens=6))
+        s += sgl.assistant(
+            "Name:"
+            + sgl.gen("name", stop="\n", max_tokens=6)
+            + "\nJob:"
+            + sgl.gen("job", stop="\n", max_tokens=6)
+            + "\nAge:"
+            + sgl.gen("age", stop="\n", max_tokens=6)
+        )
 
     person = "Alice is a pilot. She is 31."
     native = sgl.function(card).run(person, backend=endpoint, temperature=0)  # one request per gen, on the text

@@ -54,8 +54,7 @@ def test_text_variables_meta_and_sampling_parameters():
     assert state["mine"] == 7 and "a" in state and "zzz" not in state
     # The gen's own parameters override the run's; the template's end marker is always a stop string.
     assert backend.calls[0][2] == {"max_new_tokens": 5, "stop": ["\n", "</a>"], "temperature": 0.5}
-    assert backend.calls[1][2] == {"max_new_tokens": 3, "stop": ["END", "</a>"], "temperature": 0,
-                                   "regex": "[0-9]+"}
+    assert backend.calls[1][2] == {"max_new_tokens": 3, "stop": ["END", "</a>"], "temperature": 0, "regex": "[0-9]+"}
     with pytest.raises(KeyError, match="no variable 'zzz'"):
         state["zzz"]
 
@@ -102,9 +101,13 @@ def test_roles_insert_the_default_system_prompt_and_record_messages():
 
     state = chat.run(backend=backend)
     assert state.text() == "<s>DEFAULT</s><u>Hello</u><a>hi!</a><u>More</u><a>ok</a>"
-    assert state.messages() == [{"role": "system", "content": "DEFAULT"}, {"role": "user", "content": "Hello"},
-                                {"role": "assistant", "content": "hi!"}, {"role": "user", "content": "More"},
-                                {"role": "assistant", "content": "ok"}]
+    assert state.messages() == [
+        {"role": "system", "content": "DEFAULT"},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "hi!"},
+        {"role": "user", "content": "More"},
+        {"role": "assistant", "content": "ok"},
+    ]
     assert backend.calls[0][1] == "<s>DEFAULT</s><u>Hello</u><a>"
 
     @sgl.function
@@ -221,8 +224,7 @@ def test_select_caches_the_prefix_then_scores_only_the_choice_tokens():
 
     @sgl.function
     def calibrated(s):
-        s += "Is it?" + sgl.gen("answer", choices=["yes", "no"],
-                                 choices_method=sgl.unconditional_likelihood_normalized)
+        s += "Is it?" + sgl.gen("answer", choices=["yes", "no"], choices_method=sgl.unconditional_likelihood_normalized)
 
     backend.calls.clear()
     calibrated.run(backend=backend).sync()
@@ -274,10 +276,13 @@ def test_gen_and_select_arguments():
     assert g.params == {"max_new_tokens": 4, "regex": r"[-+]?[0-9]+[ \n]*", "stop": [" ", "\n"]}
     assert sgl.gen("f", dtype=float, stop="x").params["stop"] == ["x", " ", "\n"]
     assert sgl.gen("j", json_schema={"type": "object"}).params == {"json_schema": '{"type": "object"}'}
-    assert sgl.gen_string("s").params == {"regex": r'\"[\w\d\s]*\"'}
+    assert sgl.gen_string("s").params == {"regex": r"\"[\w\d\s]*\""}
     assert sgl.gen("c", choices=["a", "b"]).choices == ("a", "b")
-    for bad, match in [(dict(choices=[]), "non-empty"), (dict(choices=["a", ""]), "non-empty"),
-                       (dict(choices=["a"], temperature=0.5), "temperature")]:
+    for bad, match in [
+        (dict(choices=[]), "non-empty"),
+        (dict(choices=["a", ""]), "non-empty"),
+        (dict(choices=["a"], temperature=0.5), "temperature"),
+    ]:
         with pytest.raises(ValueError, match=match):
             sgl.select("x", **bad)
     with pytest.raises(ValueError, match="at most one"):

@@ -73,7 +73,7 @@ def test_a_chat_backend_gets_image_parts_in_the_message():
     clip = np.stack([pixels(1), pixels(2), pixels(3)])
     state = describe.run(picture=pixels(7), clip=clip, backend=backend)
     assert state["what"] == "a cat"
-    (_, messages, params), = [c for c in backend.calls if c[0] == "generate"]
+    ((_, messages, params),) = [c for c in backend.calls if c[0] == "generate"]
     assert "image_data" not in params  # a chat API gets them inside the messages
     user = next(m for m in messages if m["role"] == "user")
     kinds = [p["type"] for p in user["content"]]
@@ -121,7 +121,7 @@ def test_select_and_the_fork_hint_after_an_image_carry_the_image():
     for kind in ("cache_prefix", "prompt_logprobs"):
         images = [c[-1] for c in backend.calls if c[0] == kind]
         assert images and all(isinstance(i, list) and [int(decode(d)[0, 0, 0]) for d in i] == [5] for i in images)
-    assert calls["prompt_logprobs"][1][0][:len("<image>")] == [ord(ch) for ch in "<image>"]
+    assert calls["prompt_logprobs"][1][0][: len("<image>")] == [ord(ch) for ch in "<image>"]
 
 
 def test_tracing_stops_the_batch_precache_at_the_image():
@@ -134,7 +134,7 @@ def test_tracing_stops_the_batch_precache_at_the_image():
     assert "image" in [n.kind for n in graph.nodes]
     backend = FakeBackend()
     prog.run_batch([{"q": "a"}, {"q": "b"}], backend=backend)
-    (_, prefix), = [c for c in backend.calls if c[0] == "cache_prefix"]
+    ((_, prefix),) = [c for c in backend.calls if c[0] == "cache_prefix"]
     assert prefix == "A long shared instruction that every program in the batch sends first. "
 
 
@@ -143,10 +143,19 @@ def test_the_openai_client_sends_image_parts_on_the_wire():
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(json.loads(request.content))
-        return httpx.Response(200, json={
-            "id": "x", "object": "chat.completion", "created": 0, "model": "m",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "a dog"}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}})
+        return httpx.Response(
+            200,
+            json={
+                "id": "x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "m",
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": "a dog"}, "finish_reason": "stop"}
+                ],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+            },
+        )
 
     transport = httpx.MockTransport(handler)
     backend = sgl.OpenAI("m", base_url="http://fake/v1", http_client=httpx.Client(transport=transport))
@@ -155,8 +164,9 @@ def test_the_openai_client_sends_image_parts_on_the_wire():
     user = next(m for m in seen[0]["messages"] if m["role"] == "user")
     assert [p["type"] for p in user["content"]] == ["text", "image_url", "text", "image_url", "image_url", "text"]
 
-    completion = sgl.OpenAI("m", base_url="http://fake/v1", is_chat_model=False,
-                            http_client=httpx.Client(transport=transport))
+    completion = sgl.OpenAI(
+        "m", base_url="http://fake/v1", is_chat_model=False, http_client=httpx.Client(transport=transport)
+    )
 
     @sgl.function
     def plain(s):

@@ -32,7 +32,7 @@ class ScriptedModel(Backend):
         self.calls = []
 
     def _next(self, text):
-        said = text if self.is_chat_model else (text[len(CONTEXT):] if text.startswith(CONTEXT) else None)
+        said = text if self.is_chat_model else (text[len(CONTEXT) :] if text.startswith(CONTEXT) else None)
         if said is not None and SCRIPT.startswith(said):
             return SCRIPT[len(said)] if len(said) < len(SCRIPT) else None  # None: EOS
         return OFF_SCRIPT[len(text) % len(OFF_SCRIPT)]
@@ -46,7 +46,7 @@ class ScriptedModel(Backend):
             out += ch
             hit = first_stop(out, stops)
             if hit is not None:
-                return out[:hit[0]], {"finish_reason": {"type": "stop", "matched": hit[2]}}
+                return out[: hit[0]], {"finish_reason": {"type": "stop", "matched": hit[2]}}
         return out, {"finish_reason": {"type": "length", "length": m}}
 
     def generate(self, prompt, params):
@@ -83,8 +83,9 @@ def values(state, names=("name", "job", "age")):
 
 # -- the matching rules -------------------------------------------------------------------------------------------
 def reply(text, anchor=0, ends=True, finished=False, params=None):
-    return Reply(anchor, text, tuple(range(1, len(text) + 1)) if ends else None, finished,
-                 speculative.sampling_key(params or {}))
+    return Reply(
+        anchor, text, tuple(range(1, len(text) + 1)) if ends else None, finished, speculative.sampling_key(params or {})
+    )
 
 
 def test_a_stop_within_max_tokens_ends_the_value_and_stays_for_the_fixed_text():
@@ -105,7 +106,8 @@ def test_a_stop_beyond_max_tokens_gives_max_tokens_of_text():
 def test_without_a_stop_the_value_is_max_tokens_or_what_the_model_said_before_its_end():
     assert answer(reply("abcdef"), "", {"max_new_tokens": 4}).value == "abcd"
     assert answer(reply("ab", finished=True), "", {"max_new_tokens": 4}) == Answer(
-        "ab", 2, {"type": "stop", "matched": None})
+        "ab", 2, {"type": "stop", "matched": None}
+    )
     miss = answer(reply("ab"), "", {"max_new_tokens": 4, "stop": ["\n"]})  # cut by the call's own limit
     assert isinstance(miss, str) and "ends after 'ab'" in miss
 
@@ -126,8 +128,9 @@ def test_other_sampling_parameters_do_not_match():
 
 def test_unknown_token_ends_skip_the_max_tokens_check():
     r = reply(" Alice\n", ends=False)
-    assert answer(r, "", {"stop": ["\n"], "max_new_tokens": 2}) == Answer(" Alice", None, {"type": "stop",
-                                                                                           "matched": "\n"})
+    assert answer(r, "", {"stop": ["\n"], "max_new_tokens": 2}) == Answer(
+        " Alice", None, {"type": "stop", "matched": "\n"}
+    )
     assert isinstance(answer(r, "", {"max_new_tokens": 2}), str)  # no stop, no token count: cannot tell
 
 
@@ -152,7 +155,7 @@ def test_first_stop_agrees_with_the_engines_stop_matcher():
         hit = first_stop(text, stops)
         assert (hit is None) == (matched is None), (text, stops)
         if hit is not None:
-            assert (text[:hit[0]], hit[2]) == (out, matched), (text, stops)
+            assert (text[: hit[0]], hit[2]) == (out, matched), (text, stops)
 
 
 @pytest.mark.parametrize("n", [0, -3, True, "8", 2.5])
@@ -271,8 +274,11 @@ def test_a_chat_models_reply_must_repeat_the_messages_fixed_text():
     assert messages == [{"role": "user", "content": CONTEXT + "Who is she?"}]  # finished messages only
     assert state.messages()[-1] == {"role": "assistant", "content": "Name: Alice\nJob: pilot"}
     # Without speculation the gen cannot be asked for: a chat call starts a new message.
-    with pytest.raises(ProgramError, match="must come first in theirs; this one follows 'Name:'; with "
-                                           r"@sgl.function\(num_api_spec_tokens=N\)"):
+    with pytest.raises(
+        ProgramError,
+        match="must come first in theirs; this one follows 'Name:'; with "
+        r"@sgl.function\(num_api_spec_tokens=N\)",
+    ):
         run(chat_extraction, ScriptedModel(chat=True), None).text()
     # A reply that does not begin with the message's fixed text cannot answer, and there is no call to fall back on.
     with pytest.raises(ProgramError, match=r"speculation failed: the prompt since the reply began \('Hi! Name:'\)"):

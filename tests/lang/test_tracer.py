@@ -25,9 +25,28 @@ def test_tracing_the_essay_judge_gives_its_graph():
     graph = load_essay_judge().essay_judge.trace(backend=FakeBackend(), assume={"off_topic": "no"})
     assert graph.num_streams == 4
     assert graph.kinds(0) == [
-        "constant", "argument", "constant", "argument", "constant", "select", "constant", "fork",
-        "constant", "variable", "constant", "variable", "constant", "variable",
-        "constant", "gen", "constant", "gen", "constant", "gen", "constant"]
+        "constant",
+        "argument",
+        "constant",
+        "argument",
+        "constant",
+        "select",
+        "constant",
+        "fork",
+        "constant",
+        "variable",
+        "constant",
+        "variable",
+        "constant",
+        "variable",
+        "constant",
+        "gen",
+        "constant",
+        "gen",
+        "constant",
+        "gen",
+        "constant",
+    ]
     for branch in (1, 2, 3):
         assert graph.kinds(branch) == ["get_fork_item", "constant", "gen", "constant"]
     main = graph.stream(0)
@@ -38,8 +57,9 @@ def test_tracing_the_essay_judge_gives_its_graph():
     reads = [n for n in main if n.kind == "variable"]
     inter = {(a, b) for a, b, kind in graph.edges() if kind == "inter"}
     # Branches start from the fork; the merged judgments read the three branches' gens.
-    assert inter == ({(fork.id, graph.stream(b)[0].id) for b in (1, 2, 3)}
-                     | {(g.id, r.id) for g, r in zip(judgments, reads)})
+    assert inter == (
+        {(fork.id, graph.stream(b)[0].id) for b in (1, 2, 3)} | {(g.id, r.id) for g, r in zip(judgments, reads)}
+    )
     # Every node but a stream's first follows the previous node of its stream.
     intra = {(a, b) for a, b, kind in graph.edges() if kind == "intra"}
     for s in range(4):
@@ -141,7 +161,8 @@ def test_last_node_prints_what_the_program_depends_on():
         "%0 = constant 'The following are questions with answers.\\n\\nQ: '\n"
         "%1 = %0 + argument question\n"
         "%2 = %1 + constant '\\nA:'\n"
-        "%3 = %2 + gen answer (stop=['\\n'])\n")
+        "%3 = %2 + gen answer (stop=['\\n'])\n"
+    )
 
 
 @sgl.function
@@ -201,7 +222,9 @@ def test_compile_with_a_base_backend_that_only_carries_a_template():
     backend = BaseBackend()
     backend.chat_template = get_chat_template("llama-2-chat")
     compiled = multi_turn_chat.compile(backend=backend)
-    assert [n.label for n in compiled.graph.stream(0) if n.kind == "constant"] == ["[INST] Who are you? [/INST]",
-                                                                                  " </s><s>"]
+    assert [n.label for n in compiled.graph.stream(0) if n.kind == "constant"] == [
+        "[INST] Who are you? [/INST]",
+        " </s><s>",
+    ]
     with pytest.raises(TracingError, match="off_topic"):
         load_essay_judge().essay_judge.compile(backend=FakeBackend())

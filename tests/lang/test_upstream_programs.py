@@ -68,17 +68,28 @@ def check_decode_json_regex(backend):
     from sgjax.fsm.automaton import compile_regex
 
     state = decode_json_regex.run(temperature=0, backend=backend)
-    for name, pattern, whole in (("name", REGEX_STR, REGEX_STR), ("population", REGEX_INT, r"[-+]?[0-9]+"),
-                                 ("area", REGEX_INT, r"[-+]?[0-9]+"),
-                                 ("latitude", REGEX_FLOAT, r"[-+]?[0-9]*\.?[0-9]+")):
+    for name, pattern, whole in (
+        ("name", REGEX_STR, REGEX_STR),
+        ("population", REGEX_INT, r"[-+]?[0-9]+"),
+        ("area", REGEX_INT, r"[-+]?[0-9]+"),
+        ("latitude", REGEX_FLOAT, r"[-+]?[0-9]*\.?[0-9]+"),
+    ):
         value = state[name]
         if state.get_meta_info(name)["finish_reason"]["type"] == "length":  # cut by max_tokens: a match's prefix
             assert compile_regex(pattern).step(0, value.encode()) >= 0, (name, value)
         else:  # a number ends at a stop (trimmed), a string at its closing quote
             assert re.fullmatch(whole, value, re.ASCII), (name, value)
-    assert state["json_output"] == ('{\n  "name": ' + state["name"] + ',\n  "population": ' + state["population"]
-                                    + ',\n  "area": ' + state["area"] + ',\n  "latitude": ' + state["latitude"]
-                                    + "\n}")
+    assert state["json_output"] == (
+        '{\n  "name": '
+        + state["name"]
+        + ',\n  "population": '
+        + state["population"]
+        + ',\n  "area": '
+        + state["area"]
+        + ',\n  "latitude": '
+        + state["latitude"]
+        + "\n}"
+    )
     return state
 
 
@@ -106,8 +117,9 @@ def test_dtype_gens_stop_at_the_first_space_or_newline(backend):
 # -- logprobs: gen(return_logprob, top_logprobs_num, return_text_in_logprobs) and select -----------------------------
 @sgl.function
 def logprob_gen(s):
-    s += "The capital of France is" + sgl.gen("answer", max_tokens=5, return_logprob=True, top_logprobs_num=2,
-                                              return_text_in_logprobs=True)
+    s += "The capital of France is" + sgl.gen(
+        "answer", max_tokens=5, return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True
+    )
 
 
 def check_gen_logprobs(backend):
@@ -150,10 +162,11 @@ def check_select_meta(backend):
 def test_select_meta_info_has_sglangs_keys(backend):
     check_select_meta(backend)
     greedy = sgl.select("tool", ["calculator", "search engine"], choices_method=sgl.greedy_token_selection)
-    uncond = sgl.select("tool", ["calculator", "search engine"],
-                        choices_method=sgl.unconditional_likelihood_normalized)
-    for expr, keys in ((greedy, ["greedy_logprob_matrix"]),
-                       (uncond, ["unconditional_token_logprobs", "normalized_unconditional_prompt_logprobs"])):
+    uncond = sgl.select("tool", ["calculator", "search engine"], choices_method=sgl.unconditional_likelihood_normalized)
+    for expr, keys in (
+        (greedy, ["greedy_logprob_matrix"]),
+        (uncond, ["unconditional_token_logprobs", "normalized_unconditional_prompt_logprobs"]),
+    ):
         state = sgl.function(lambda s, e=expr: s.__iadd__("I need to use a " + e)).run(backend=backend)
         meta = state.get_meta_info("tool")
         assert all(k in meta for k in keys + ["normalized_prompt_logprobs", "input_token_logprobs"])
@@ -169,8 +182,9 @@ def stream_qa(s, question):
 
 def check_stream_logprobs(backend):
     async def collect():
-        state = stream_qa.run(question="Write a line about Hawaii.", stream=True, temperature=0, max_new_tokens=8,
-                              backend=backend)
+        state = stream_qa.run(
+            question="Write a line about Hawaii.", stream=True, temperature=0, max_new_tokens=8, backend=backend
+        )
         return [c async for c in state.text_async_iter("answer", return_meta_data=True)], state
 
     chunks, state = asyncio.run(collect())
@@ -222,8 +236,9 @@ def test_parallel_sample_and_multi_stage_fork(backend):
             s += f"\n[{ticker}] " + forks[i][f"analysis_{ticker}"]
         s += "\nTop pick:" + sgl.gen("pick", max_tokens=4)
 
-    state = industry_sweep.run(context="Chipmakers.", companies={"NVDA": "GPUs.", "AMD": "CPUs and GPUs."},
-                               temperature=0, backend=backend)
+    state = industry_sweep.run(
+        context="Chipmakers.", companies={"NVDA": "GPUs.", "AMD": "CPUs and GPUs."}, temperature=0, backend=backend
+    )
     assert isinstance(state["pick"], str) and "[NVDA] " in state.text() and "[AMD] " in state.text()
 
 
@@ -252,8 +267,9 @@ def test_a_compiled_multi_function_program_runs_as_the_interpreter_does(backend)
     state = compiled.run(topic="staying healthy", temperature=0, backend=backend)
     interpreted = tip_suggestion.run(topic="staying healthy", temperature=0, backend=backend)
     assert state.text() == interpreted.text() and state["summary"] == interpreted["summary"]
-    states = compiled.run_batch([{"topic": "staying healthy"}, {"topic": "staying happy"}], temperature=0,
-                                backend=backend)
+    states = compiled.run_batch(
+        [{"topic": "staying healthy"}, {"topic": "staying happy"}], temperature=0, backend=backend
+    )
     assert [s.text() for s in states][0] == state.text() and "staying happy" in states[1].text()
 
 
@@ -272,12 +288,38 @@ def test_separate_reasoning_on_a_model_without_think_tags(backend):
 
 
 # -- the regex constants in sgjax's regex engine ---------------------------------------------------------------------
-SAMPLES = ["0", "24", "-7", "+365", "24 ", "24\n\n", "2 4", "3.14", ".5", "-0.25 \n", "1.", "1e5", "True", "False",
-           "true", '""', '"Paris"', '"New York 2"', '"a_b"', '"x"y"', "Paris", '"tab\t"', "", " 1", "٣"]
+SAMPLES = [
+    "0",
+    "24",
+    "-7",
+    "+365",
+    "24 ",
+    "24\n\n",
+    "2 4",
+    "3.14",
+    ".5",
+    "-0.25 \n",
+    "1.",
+    "1e5",
+    "True",
+    "False",
+    "true",
+    '""',
+    '"Paris"',
+    '"New York 2"',
+    '"a_b"',
+    '"x"y"',
+    "Paris",
+    '"tab\t"',
+    "",
+    " 1",
+    "٣",
+]
 
 
-@pytest.mark.parametrize("pattern", [REGEX_INT, REGEX_FLOAT, REGEX_BOOL, REGEX_STR],
-                         ids=["int", "float", "bool", "str"])
+@pytest.mark.parametrize(
+    "pattern", [REGEX_INT, REGEX_FLOAT, REGEX_BOOL, REGEX_STR], ids=["int", "float", "bool", "str"]
+)
 def test_sglangs_regex_constants_compile_and_match_what_python_matches(pattern):
     from sgjax.fsm.automaton import compile_regex
 

@@ -29,6 +29,7 @@ def make_packed_step(cfg: ModelConfig, attention):
 
     `buffer` is `batch.pack(host_batch)` (one int32 transfer per step) and `shape` its static BatchShape.
     """
+
     def step(weights, pool, buffer, shape: BatchShape):
         return forward(weights, pool, unpack(buffer, shape), cfg=cfg, attention=attention)
 
@@ -44,26 +45,42 @@ class GenerateResult:
 
 
 class GreedyGenerator:
-    def __init__(self, cfg: ModelConfig, weights: Weights, *, page_size: int = 16, max_context: int = 2048,
-                 max_batch: int = 16, attention: str | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        *,
+        page_size: int = 16,
+        max_context: int = 2048,
+        max_batch: int = 16,
+        attention: str | None = None,
+    ):
         self.cfg, self.page_size = cfg, page_size
         self.weights = weights if jax.devices()[0].platform == "cpu" else unstack_layers(weights)
         self.pages_per_req = -(-max_context // page_size)
         self.max_batch = max_batch
         self.num_pages = 1 + max_batch * self.pages_per_req  # + the null page
         self.step = make_packed_step(cfg, get_backend(attention or default_backend(jax.devices()[0].platform)))
-        self.pool = allocate_pool(cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                                  dtype=jnp.dtype(cfg.dtype))
+        self.pool = allocate_pool(
+            cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype)
+        )
 
     def _run(self, chunks, kv_lens, tables):
         num_reqs = bucket(len(chunks), 4)
         # The page-table width is bucketed too: attention work follows the longest live context, not the
         # generator's maximum (the ref backend reads every page-table entry).
         width = min(bucket(-(-max(kv_lens) // self.page_size), 4), self.pages_per_req)
-        batch = build_batch(chunks, kv_lens, [t[:width] for t in tables], self.page_size,
-                            bucket(sum(map(len, chunks)), 16), num_reqs, width)
+        batch = build_batch(
+            chunks,
+            kv_lens,
+            [t[:width] for t in tables],
+            self.page_size,
+            bucket(sum(map(len, chunks)), 16),
+            num_reqs,
+            width,
+        )
         logits, self.pool = self.step(self.weights, self.pool, jnp.asarray(pack(batch)), BatchShape.of(batch))
-        return np.asarray(jnp.argmax(logits[:len(chunks)], axis=-1))
+        return np.asarray(jnp.argmax(logits[: len(chunks)], axis=-1))
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> GenerateResult:
         if len(prompts) > self.max_batch:
@@ -74,8 +91,9 @@ class GreedyGenerator:
                 raise ValueError("empty prompt")
             if len(p) + max_new_tokens > limit:
                 raise ValueError(f"prompt of {len(p)} tokens + {max_new_tokens} new tokens exceeds the context {limit}")
-        tables = [list(range(1 + i * self.pages_per_req, 1 + (i + 1) * self.pages_per_req))
-                  for i in range(len(prompts))]
+        tables = [
+            list(range(1 + i * self.pages_per_req, 1 + (i + 1) * self.pages_per_req)) for i in range(len(prompts))
+        ]
         t0 = time.perf_counter()
         nxt = self._run([list(p) for p in prompts], [len(p) for p in prompts], tables)
         prefill = time.perf_counter() - t0
@@ -85,8 +103,9 @@ class GreedyGenerator:
         t0 = time.perf_counter()
         while not all(done):
             live = [i for i, d in enumerate(done) if not d]
-            nxt = self._run([[outs[i][-1]] for i in live], [len(prompts[i]) + len(outs[i]) for i in live],
-                            [tables[i] for i in live])
+            nxt = self._run(
+                [[outs[i][-1]] for i in live], [len(prompts[i]) + len(outs[i]) for i in live], [tables[i] for i in live]
+            )
             steps += 1
             for i, t in zip(live, nxt):
                 outs[i].append(int(t))

@@ -13,14 +13,14 @@ def _loop(chunks, kv_lens, tables, page_size, num_tokens, num_reqs, pages_per_re
     t = 0
     for r, (chunk, kv_len, pages) in enumerate(zip(chunks, kv_lens, tables)):
         p = np.arange(kv_len - len(chunk), kv_len)
-        ids[t:t + len(chunk)] = chunk
-        pos[t:t + len(chunk)] = p
-        slots[t:t + len(chunk)] = np.asarray(pages)[p // page_size] * page_size + p % page_size
-        table[r, :len(pages)] = pages
+        ids[t : t + len(chunk)] = chunk
+        pos[t : t + len(chunk)] = p
+        slots[t : t + len(chunk)] = np.asarray(pages)[p // page_size] * page_size + p % page_size
+        table[r, : len(pages)] = pages
         lens[r] = kv_len
         t += len(chunk)
         cu[r + 1] = t
-    cu[len(chunks) + 1:] = t
+    cu[len(chunks) + 1 :] = t
     return ids, pos, slots, cu, lens, table
 
 
@@ -36,7 +36,7 @@ def test_matches_the_per_request_layout(seed):
     for kv in kv_lens:
         k = -(-kv // page_size) + int(rng.integers(0, 2))  # sometimes a spare page past the last token
         k = min(k, pages_per_req)
-        tables.append([int(x) for x in pages[used:used + k]])
+        tables.append([int(x) for x in pages[used : used + k]])
         used += k
     chunks = [list(rng.integers(0, 1000, q)) for q in q_lens]
     num_tokens = int(sum(q_lens)) + int(rng.integers(0, 5))
@@ -48,9 +48,11 @@ def test_matches_the_per_request_layout(seed):
     np.testing.assert_array_equal(batch.attn.cu_q_lens, cu)
     np.testing.assert_array_equal(batch.attn.kv_lens, lens)
     np.testing.assert_array_equal(batch.attn.page_table, table)
-    np.testing.assert_array_equal(batch.logits_idx[:n], cu[1:n + 1] - 1)
-    assert all(a.dtype == np.int32 for a in (batch.input_ids, batch.positions, batch.attn.slot_mapping,
-                                             batch.attn.page_table, batch.logits_idx))
+    np.testing.assert_array_equal(batch.logits_idx[:n], cu[1 : n + 1] - 1)
+    assert all(
+        a.dtype == np.int32
+        for a in (batch.input_ids, batch.positions, batch.attn.slot_mapping, batch.attn.page_table, batch.logits_idx)
+    )
 
 
 def test_short_page_table_names_the_request():

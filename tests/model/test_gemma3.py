@@ -31,15 +31,30 @@ def hf(path):
 
     d, f = os.path.split(path)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
+    model = AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=f, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
     return tok, model.eval()
 
 
 def strings():
-    fixed = ["Hello world", "  two spaces", "   ", "", "tabs\tand\nnewlines\n\n", "digits 12345 and 3.14159",
-             "émigré café naïve", "🙂 emoji 👍🏽", "<start_of_turn>user\nhi<end_of_turn>", "a" * 50,
-             "def f(x):\n    return x**2", "Ünïcödé ÅÄÖ", "\u00a0nbsp", "x\u200by", "中文 日本語 한국어"]
+    fixed = [
+        "Hello world",
+        "  two spaces",
+        "   ",
+        "",
+        "tabs\tand\nnewlines\n\n",
+        "digits 12345 and 3.14159",
+        "émigré café naïve",
+        "🙂 emoji 👍🏽",
+        "<start_of_turn>user\nhi<end_of_turn>",
+        "a" * 50,
+        "def f(x):\n    return x**2",
+        "Ünïcödé ÅÄÖ",
+        "\u00a0nbsp",
+        "x\u200by",
+        "中文 日本語 한국어",
+    ]
     rng = random.Random(0)
     alphabet = "abc XYZ  \t\n0123456789.,;!?'\"()[]{}<>éüñ中文日本語한국어😀\u0301"
     return fixed + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(190)]
@@ -74,7 +89,7 @@ def test_greedy_tokens_equal_hfs_past_the_sliding_window(path, hf, engine):
             assert out["meta_info"]["prompt_tokens"] == len(ids)
             with torch.no_grad():
                 want = model.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-            assert out["output_ids"] == want[0, len(ids):].tolist(), prompt[-40:]
+            assert out["output_ids"] == want[0, len(ids) :].tolist(), prompt[-40:]
         assert len(tok.encode(long)) > 512
 
         @sgl.function
@@ -101,8 +116,9 @@ def test_served_to_the_openai_client(engine):
     # The GGUF carries no chat template: the family's built-in one, and its turn end stops a generation.
     messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "A primary colour?"}]
     text = engine.tokenizer.apply_chat_template(messages)
-    assert text == ("<bos><start_of_turn>user\nAnswer in one word.\n\nA primary colour?<end_of_turn>\n"
-                    "<start_of_turn>model\n")
+    assert text == (
+        "<bos><start_of_turn>user\nAnswer in one word.\n\nA primary colour?<end_of_turn>\n<start_of_turn>model\n"
+    )
     assert engine.tokenizer.eos_token_ids == (1, engine.tokenizer.token_to_id("<end_of_turn>"))
     want = engine.generate(text, {"max_new_tokens": 8, "temperature": 0})["text"]
     with TestClient(build_app(Serving(engine, HttpArgs()))) as http:
@@ -111,15 +127,27 @@ def test_served_to_the_openai_client(engine):
         assert "gemma" in model.lower()
         out = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
         assert out.choices[0].message.content == want and out.usage.completion_tokens <= 8
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=model, messages=messages, max_tokens=8, temperature=0, stream=True) if c.choices)
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model=model, messages=messages, max_tokens=8, temperature=0, stream=True
+            )
+            if c.choices
+        )
         assert streamed == want
         # constrained decoding over Gemma's SentencePiece vocabulary (U+2581 spaces, <0xNN> byte pieces)
-        schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue", "yellow"]}},
-                  "required": ["colour"]}
-        out = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
-                                             response_format={"type": "json_schema",
-                                                              "json_schema": {"name": "c", "schema": schema}})
+        schema = {
+            "type": "object",
+            "properties": {"colour": {"enum": ["red", "blue", "yellow"]}},
+            "required": ["colour"],
+        }
+        out = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        )
         assert json.loads(out.choices[0].message.content)["colour"] in ("red", "blue", "yellow")
 
 

@@ -121,17 +121,33 @@ def test_gguf_written_again_and_blocks_kept_only_when_each_matrix_is_alike(smoll
     assert kept.layers.w_up.q.shape[0] == cfg.num_layers
 
 
-@pytest.mark.parametrize("config, named", [
-    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}},
-     "longrope"),
-    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "partial_rotary_factor"),
-    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
-    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "Gemma3ForConditionalGeneration"),
-    ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-])
+@pytest.mark.parametrize(
+    "config, named",
+    [
+        (
+            {"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}},
+            "longrope",
+        ),
+        ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+        (
+            {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64},
+            "use_sliding_window",
+        ),
+        (
+            {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"},
+            "Gemma3ForConditionalGeneration",
+        ),
+        ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ],
+)
 def test_an_unsupported_family_or_rope_fails_at_load_with_one_line_naming_it(config, named):
-    base = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-            "num_attention_heads": 2}
+    base = {
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     with pytest.raises(UnsupportedModelError, match=named) as e:
         config_from_hf({**base, **config})
     assert "\n" not in str(e.value)
@@ -140,13 +156,22 @@ def test_an_unsupported_family_or_rope_fails_at_load_with_one_line_naming_it(con
 def test_gemma3_gguf_metadata_maps_to_the_families_fields():
     from sgjax.model.checkpoint import config_from_gguf
 
-    meta = {"general.architecture": "gemma3", "gemma3.attention.head_count": 4, "gemma3.embedding_length": 640,
-            "gemma3.attention.key_length": 256, "gemma3.feed_forward_length": 2048, "gemma3.block_count": 18,
-            "gemma3.attention.head_count_kv": 1, "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
-            "gemma3.rope.freq_base": 1e6, "gemma3.context_length": 32768, "gemma3.attention.sliding_window": 512,
-            "gemma3.vocab_size": 262144}
+    meta = {
+        "general.architecture": "gemma3",
+        "gemma3.attention.head_count": 4,
+        "gemma3.embedding_length": 640,
+        "gemma3.attention.key_length": 256,
+        "gemma3.feed_forward_length": 2048,
+        "gemma3.block_count": 18,
+        "gemma3.attention.head_count_kv": 1,
+        "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+        "gemma3.rope.freq_base": 1e6,
+        "gemma3.context_length": 32768,
+        "gemma3.attention.sliding_window": 512,
+        "gemma3.vocab_size": 262144,
+    }
     cfg = config_from_gguf(meta, {"token_embd.weight", "blk.0.attn_q.weight"})
-    assert (cfg.architecture, cfg.head_dim, cfg.sm_scale, cfg.sliding_window) == ("gemma3", 256, 256 ** -0.5, 512)
+    assert (cfg.architecture, cfg.head_dim, cfg.sm_scale, cfg.sliding_window) == ("gemma3", 256, 256**-0.5, 512)
     assert cfg.qk_norm and cfg.sandwich_norms and cfg.embed_scale and cfg.tie_word_embeddings and not cfg.qkv_bias
     assert [cfg.window(i) for i in range(6)] == [512] * 5 + [0] and cfg.rope_local_theta == 10000.0
     with pytest.raises(UnsupportedModelError, match="'falcon'"):
@@ -168,6 +193,14 @@ def test_hf_config_round_trip(variant, tmp_path):
     assert config_from_hf(d) == cfg
     saved = AutoConfig.from_pretrained(str(tmp_path))
     hf = AutoConfig.for_model(d["model_type"], **{k: v for k, v in d.items() if k != "model_type"})
-    for key in ("hidden_size", "num_key_value_heads", "head_dim", "sliding_window", "layer_types",
-                "query_pre_attn_scalar", "attn_logit_softcapping", "tie_word_embeddings"):
+    for key in (
+        "hidden_size",
+        "num_key_value_heads",
+        "head_dim",
+        "sliding_window",
+        "layer_types",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "tie_word_embeddings",
+    ):
         assert not hasattr(saved, key) or getattr(hf, key, None) == getattr(saved, key), key

@@ -1,8 +1,8 @@
 """The mixture-of-experts block (model/moe.py) against a dense numpy reference, and the MoE families' configs."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
 
 from sgjax.model.checkpoint import config_from_hf
 from sgjax.model.config import ModelConfig, UnsupportedModelError
@@ -46,15 +46,36 @@ def test_expert_shards_sum_to_the_whole(arrays, shards):
     """Expert parallelism's local step: each shard computes only its experts (`first` ..), the shards add up."""
     h, top_w, top_i, wg, wu, wd = arrays
     per = E // shards
-    parts = [experts(jnp.asarray(h), jnp.asarray(top_w), jnp.asarray(top_i), jnp.asarray(wg[s * per:(s + 1) * per]),
-                     jnp.asarray(wu[s * per:(s + 1) * per]), jnp.asarray(wd[s * per:(s + 1) * per]), first=s * per)
-             for s in range(shards)]
+    parts = [
+        experts(
+            jnp.asarray(h),
+            jnp.asarray(top_w),
+            jnp.asarray(top_i),
+            jnp.asarray(wg[s * per : (s + 1) * per]),
+            jnp.asarray(wu[s * per : (s + 1) * per]),
+            jnp.asarray(wd[s * per : (s + 1) * per]),
+            first=s * per,
+        )
+        for s in range(shards)
+    ]
     np.testing.assert_allclose(np.asarray(sum(parts)), _reference(*arrays), rtol=1e-5, atol=1e-5)
 
 
 def test_route_top_k_and_renormalisation():
-    cfg = ModelConfig("qwen3_moe", 16, 8, 8, 1, 2, 2, 4, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=4, norm_topk_prob=True)
+    cfg = ModelConfig(
+        "qwen3_moe",
+        16,
+        8,
+        8,
+        1,
+        2,
+        2,
+        4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=4,
+        norm_topk_prob=True,
+    )
     h = jnp.eye(8)[:3]
     router = jnp.asarray(np.random.default_rng(1).standard_normal((8, 4)), jnp.float32)
     w, i = route(h, router, cfg)
@@ -74,21 +95,50 @@ def test_expert_counts_leave_out_padding():
 
 
 def test_moe_configs_from_hf():
-    base = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2}
-    q = config_from_hf({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_local_experts": 8,
-                        "num_experts_per_tok": 2, "moe_intermediate_size": 12, "norm_topk_prob": True})
-    assert (q.num_experts, q.num_experts_per_tok, q.moe_intermediate_size, q.norm_topk_prob, q.qk_norm) == \
-        (8, 2, 12, True, True)
-    m = config_from_hf({**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
-                        "num_experts_per_tok": 2})
+    base = {
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    q = config_from_hf(
+        {
+            **base,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 12,
+            "norm_topk_prob": True,
+        }
+    )
+    assert (q.num_experts, q.num_experts_per_tok, q.moe_intermediate_size, q.norm_topk_prob, q.qk_norm) == (
+        8,
+        2,
+        12,
+        True,
+        True,
+    )
+    m = config_from_hf(
+        {**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
+    )
     assert (m.num_experts, m.moe_intermediate_size, m.norm_topk_prob) == (4, 64, True)
-    o = config_from_hf({**base, "architectures": ["OlmoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2,
-                        "clip_qkv": 3.0})
+    o = config_from_hf(
+        {**base, "architectures": ["OlmoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 3.0}
+    )
     assert (o.qk_norm, o.qk_norm_per_head, o.qkv_clip, o.norm_topk_prob) == (True, False, 3.0, False)
     for cfg in (q, m, o):  # benchmarks hand HF our config back
         assert config_from_hf(hf_config_dict(cfg)) == cfg
     with pytest.raises(UnsupportedModelError, match="mlp_only_layers"):
-        config_from_hf({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2,
-                        "moe_intermediate_size": 12, "mlp_only_layers": [0]})
+        config_from_hf(
+            {
+                **base,
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 12,
+                "mlp_only_layers": [0],
+            }
+        )
     assert q.num_params(active=True) < q.num_params()

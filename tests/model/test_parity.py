@@ -7,10 +7,10 @@ import pytest
 
 from sgjax.kernels import allocate_pool, ref_attention
 from sgjax.model.batch import build_batch
-from tests.model.steps import make_step
 from sgjax.model.loader import load_hf_dir
 from sgjax.model.weights import unstack_layers
 from tests.model.hf_tiny import VARIANTS, hf_logits, write_tiny
+from tests.model.steps import make_step
 
 PAGE = 4
 PAGES_PER_REQ = 8
@@ -31,10 +31,11 @@ class Runner:
     def __init__(self, cfg, weights, seed=0):
         self.cfg, self.weights = cfg, weights
         self.step = make_step(cfg, ref_attention)
-        self.pool = allocate_pool(cfg.num_layers, NUM_PAGES, PAGE, cfg.num_kv_heads, cfg.head_dim,
-                                  dtype=jnp.dtype(cfg.dtype))
+        self.pool = allocate_pool(
+            cfg.num_layers, NUM_PAGES, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype)
+        )
         pages = np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES))
-        self.tables = [list(pages[i * PAGES_PER_REQ:(i + 1) * PAGES_PER_REQ]) for i in range(4)]
+        self.tables = [list(pages[i * PAGES_PER_REQ : (i + 1) * PAGES_PER_REQ]) for i in range(4)]
 
     def run(self, chunks, kv_lens, all_rows=False, num_tokens=32):
         rows = None
@@ -43,8 +44,17 @@ class Runner:
             for c in chunks:
                 rows += list(range(t, t + len(c)))
                 t += len(c)
-        batch = build_batch(chunks, kv_lens, self.tables[:len(chunks)], PAGE, num_tokens, 4, PAGES_PER_REQ,
-                            logits_rows=rows, num_logits=num_tokens if all_rows else None)
+        batch = build_batch(
+            chunks,
+            kv_lens,
+            self.tables[: len(chunks)],
+            PAGE,
+            num_tokens,
+            4,
+            PAGES_PER_REQ,
+            logits_rows=rows,
+            num_logits=num_tokens if all_rows else None,
+        )
         logits, self.pool = self.step(self.weights, self.pool, jax.tree.map(jnp.asarray, batch))
         return np.asarray(logits)
 
@@ -60,7 +70,7 @@ def test_ragged_prefill(tiny):
     out = Runner(cfg, weights).run(seqs, [len(s) for s in seqs], all_rows=True)
     t = 0
     for s in seqs:
-        np.testing.assert_allclose(out[t:t + len(s)], hf_logits(hf, s), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(out[t : t + len(s)], hf_logits(hf, s), atol=1e-4, rtol=0)
         t += len(s)
 
 
@@ -74,7 +84,7 @@ def test_extend_after_cached_prefix(tiny):
     t = 0
     for s, p in zip(seqs, split):
         n = len(s) - p
-        np.testing.assert_allclose(out[t:t + n], hf_logits(hf, s)[p:], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(out[t : t + n], hf_logits(hf, s)[p:], atol=1e-4, rtol=0)
         t += n
 
 
@@ -116,5 +126,5 @@ def test_unrolled_layers_match_hf(tiny):
     out = runner.run([s[4:] for s in seqs], [len(s) for s in seqs], all_rows=True)
     t = 0
     for s in seqs:
-        np.testing.assert_allclose(out[t:t + len(s) - 4], hf_logits(hf, s)[4:], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(out[t : t + len(s) - 4], hf_logits(hf, s)[4:], atol=1e-4, rtol=0)
         t += len(s) - 4

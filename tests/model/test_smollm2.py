@@ -20,12 +20,21 @@ def test_logits_match_hf(smollm2, hf_smollm2):
     cfg, weights, tok = smollm2
     ids = tok.encode(PROMPTS[2])
     gen = GreedyGenerator(cfg, weights, page_size=16, max_context=64, max_batch=4)
-    batch = build_batch([ids], [len(ids)], [list(range(1, 5))], 16, 32, 4, gen.pages_per_req,
-                        logits_rows=list(range(len(ids))), num_logits=32)
+    batch = build_batch(
+        [ids],
+        [len(ids)],
+        [list(range(1, 5))],
+        16,
+        32,
+        4,
+        gen.pages_per_req,
+        logits_rows=list(range(len(ids))),
+        num_logits=32,
+    )
     logits, gen.pool = gen.step(weights, gen.pool, jnp.asarray(pack(batch)), BatchShape.of(batch))
     with torch.no_grad():
         ref = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(np.asarray(logits)[:len(ids)], ref, atol=2e-3, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits)[: len(ids)], ref, atol=2e-3, rtol=0)
 
 
 def test_greedy_32_tokens_identical_to_hf(smollm2, hf_smollm2):
@@ -34,7 +43,12 @@ def test_greedy_32_tokens_identical_to_hf(smollm2, hf_smollm2):
     ours = GreedyGenerator(cfg, weights, page_size=16, max_context=128, max_batch=8).generate(ids, 32)
     for prompt_ids, out in zip(ids, ours.output_ids):
         with torch.no_grad():
-            ref = hf_smollm2.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
-                                      attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                                      eos_token_id=None, pad_token_id=tok.eos_token_id)
-        assert out == ref[0, len(prompt_ids):].tolist(), tok.decode(out)
+            ref = hf_smollm2.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=32,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                eos_token_id=None,
+                pad_token_id=tok.eos_token_id,
+            )
+        assert out == ref[0, len(prompt_ids) :].tolist(), tok.decode(out)

@@ -14,8 +14,8 @@ from sgjax.kernels import allocate_pool, ref_attention
 from sgjax.model.batch import BatchShape, build_batch, pack, unpack
 from sgjax.model.llama import forward
 from sgjax.model.presets import TINY_LLAMA as CFG
-from tests.model.steps import make_packed_step, make_step
 from sgjax.model.weights import dummy_weights
+from tests.model.steps import make_packed_step, make_step
 
 
 def test_twenty_ragged_steps_in_one_bucket_compile_once():
@@ -31,9 +31,16 @@ def test_twenty_ragged_steps_in_one_bucket_compile_once():
         n = int(rng.integers(1, 5))
         lens = [int(x) for x in rng.integers(1, 6, size=n)]
         ctx = [int(x) for x in rng.integers(0, 8, size=n)]
-        pages = rng.permutation(np.arange(1, 33))[:n * 4].reshape(n, 4)
-        batch = build_batch([list(rng.integers(0, 128, size=q)) for q in lens], [c + q for c, q in zip(ctx, lens)],
-                            [list(p) for p in pages], 4, 32, 4, 4)
+        pages = rng.permutation(np.arange(1, 33))[: n * 4].reshape(n, 4)
+        batch = build_batch(
+            [list(rng.integers(0, 128, size=q)) for q in lens],
+            [c + q for c, q in zip(ctx, lens)],
+            [list(p) for p in pages],
+            4,
+            32,
+            4,
+            4,
+        )
         old = pool
         logits, pool = step(weights, pool, jax.tree.map(jnp.asarray, batch))
         assert old.is_deleted()  # donated: updated in place, never copied
@@ -60,8 +67,9 @@ def test_tensor_parallel_sharding_by_logical_axes():
 
 def test_packed_batch_is_one_transfer_with_the_same_result():
     rng = np.random.default_rng(1)
-    batch = build_batch([list(rng.integers(0, 128, size=n)) for n in (3, 1, 6)], [5, 9, 6],
-                        [[1, 2], [3, 4, 5], [6, 7]], 4, 16, 4, 4)
+    batch = build_batch(
+        [list(rng.integers(0, 128, size=n)) for n in (3, 1, 6)], [5, 9, 6], [[1, 2], [3, 4, 5], [6, 7]], 4, 16, 4, 4
+    )
     shape = BatchShape.of(batch)
     buffer = pack(batch)
     assert buffer.dtype == np.int32 and buffer.ndim == 1

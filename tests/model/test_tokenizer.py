@@ -27,9 +27,12 @@ def reference(smollm2_path):
     # transformers' GGUF converter drops SmolLM2's digit split; the model's own tokenizer.json (and
     # llama.cpp's `smollm` pre-tokenizer) split digits first: put that pre-tokenizer back.
     fixed = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    fixed.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    fixed.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
     return hf, fixed
 
 

@@ -14,8 +14,8 @@ from transformers import LlavaConfig
 from sgjax.kernels import allocate_pool, ref_attention
 from sgjax.model import vision as V
 from sgjax.model.batch import build_batch
-from tests.model.steps import make_step
 from tests.llava_tiny import IMAGE_TOKEN
+from tests.model.steps import make_step
 
 PAGE, PAGES_PER_REQ, NUM_PAGES = 4, 16, 40
 
@@ -23,8 +23,9 @@ PAGE, PAGES_PER_REQ, NUM_PAGES = 4, 16, 40
 def _images(vcfg, n, seed=0):
     rng = np.random.default_rng(seed)
     shapes = [(41, 57), (64, 37), (32, 32)]
-    return np.stack([V.preprocess(rng.integers(0, 256, size=(*shapes[i % 3], 3), dtype=np.uint8), vcfg)
-                     for i in range(n)])
+    return np.stack(
+        [V.preprocess(rng.integers(0, 256, size=(*shapes[i % 3], 3), dtype=np.uint8), vcfg) for i in range(n)]
+    )
 
 
 def test_config_and_names(llava):
@@ -33,14 +34,16 @@ def test_config_and_names(llava):
     assert (vcfg.hidden_act, vcfg.projector_act, vcfg.image_token_index) == ("quick_gelu", "gelu", IMAGE_TOKEN)
     assert vcfg.num_image_tokens == 16 and tcfg.hidden_size == vcfg.text_hidden_size == 64
     assert vw.layers.wq.shape == (2, 32, 32)  # the last layer is past the feature layer: not loaded
-    for old, new in [("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
-                      "vision_tower.encoder.layers.0.mlp.fc1.weight"),
-                     ("model.vision_tower.vision_model.pre_layrnorm.bias", "vision_tower.pre_layrnorm.bias"),
-                     ("model.multi_modal_projector.linear_1.weight", "multi_modal_projector.linear_1.weight"),
-                     ("language_model.model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"),
-                     ("model.language_model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"),
-                     ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight"),
-                     ("language_model.lm_head.weight", "lm_head.weight"), ("lm_head.weight", "lm_head.weight")]:
+    for old, new in [
+        ("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight", "vision_tower.encoder.layers.0.mlp.fc1.weight"),
+        ("model.vision_tower.vision_model.pre_layrnorm.bias", "vision_tower.pre_layrnorm.bias"),
+        ("model.multi_modal_projector.linear_1.weight", "multi_modal_projector.linear_1.weight"),
+        ("language_model.model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"),
+        ("model.language_model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"),
+        ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("language_model.lm_head.weight", "lm_head.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+    ]:
         assert V.canonical_name(old) == new
 
 
@@ -60,8 +63,8 @@ def test_loads_other_tensor_name_styles(llava, tmp_path, style):
         if style == "llava-hf":
             return k.replace("vision_tower.", "vision_tower.vision_model.", 1)
         if k.startswith("language_model.model."):
-            return "model.language_model." + k[len("language_model.model."):]
-        return k[len("language_model."):] if k.startswith("language_model.lm_head") else "model." + k
+            return "model.language_model." + k[len("language_model.model.") :]
+        return k[len("language_model.") :] if k.startswith("language_model.lm_head") else "model." + k
 
     renamed = {rename(k): v for k, v in tensors.items()}
     assert len(renamed) == len(tensors) and set(renamed) != set(tensors)
@@ -82,8 +85,9 @@ def test_image_features_match_hf(llava, layer, strategy):
     pixels = _images(cfg, 2)
     ours = np.asarray(jax.jit(V.encode_images, static_argnums=1)(vw, cfg, jnp.asarray(pixels)))
     with torch.no_grad():
-        out = hf.model.get_image_features(torch.from_numpy(pixels), vision_feature_layer=layer,
-                                          vision_feature_select_strategy=strategy)
+        out = hf.model.get_image_features(
+            torch.from_numpy(pixels), vision_feature_layer=layer, vision_feature_select_strategy=strategy
+        )
     ref = torch.stack(list(out.pooler_output)).numpy()
     assert ours.shape == ref.shape == (2, cfg.num_image_tokens, 64)
     err = np.abs(ours - ref).max()
@@ -117,15 +121,18 @@ def test_end_to_end_logits_match_hf(llava, n_images):
     for lo, hi in ((0, split), (split, len(ids))):
         rows = list(range(hi - lo))
         batch = build_batch([ids[lo:hi]], [hi], table, PAGE, T, 1, PAGES_PER_REQ, logits_rows=rows, num_logits=T)
-        x = jnp.zeros((T, tcfg.hidden_size), jnp.float32).at[:hi - lo].set(embeds[lo:hi])
+        x = jnp.zeros((T, tcfg.hidden_size), jnp.float32).at[: hi - lo].set(embeds[lo:hi])
         logits, pool = step(tw, pool, jax.tree.map(jnp.asarray, batch), input_embeds=x)
-        outs.append(np.asarray(logits)[:hi - lo])
+        outs.append(np.asarray(logits)[: hi - lo])
     ours = np.concatenate(outs)
 
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(pixels)).logits[0].numpy()
-        other = hf(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(pixels[::-1].copy() * 0.5)
-                   ).logits[0].numpy()
+        other = (
+            hf(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(pixels[::-1].copy() * 0.5))
+            .logits[0]
+            .numpy()
+        )
     assert np.abs(other[-1] - ref[-1]).max() > 0.1  # the image changes the prediction, so the test can fail
     err = np.abs(ours - ref).max()
     print(f"end-to-end max abs logit error {err:.2e} (logits up to {np.abs(ref).max():.1f})")
@@ -169,20 +176,44 @@ def test_merge_image_features_two_images():
 
 def test_llava15_style_config_reads_transformers_defaults():
     """llava-1.5's config.json leaves most fields at the transformers defaults; we read what transformers reads."""
-    d = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
-         "projector_hidden_act": "gelu", "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
-         "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
-                           "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
-                           "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
-         "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
-                         "model_type": "llama", "rms_norm_eps": 1e-05, "vocab_size": 32064}}
+    d = {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "image_token_index": 32000,
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "vision_config": {
+            "hidden_size": 1024,
+            "image_size": 336,
+            "intermediate_size": 4096,
+            "model_type": "clip_vision_model",
+            "num_attention_heads": 16,
+            "num_hidden_layers": 24,
+            "patch_size": 14,
+            "projection_dim": 768,
+            "vocab_size": 32000,
+        },
+        "text_config": {
+            "architectures": ["LlamaForCausalLM"],
+            "max_position_embeddings": 4096,
+            "model_type": "llama",
+            "rms_norm_eps": 1e-05,
+            "vocab_size": 32064,
+        },
+    }
     vcfg, tcfg = V.vision_config_from_hf(d), V.text_config_from_llava(d)
     hf = LlavaConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
     assert (vcfg.num_image_tokens, vcfg.layers_used, vcfg.hidden_act) == (576, 23, hf.vision_config.hidden_act)
     assert vcfg.layer_norm_eps == hf.vision_config.layer_norm_eps
     t = hf.text_config
-    assert (tcfg.hidden_size, tcfg.num_layers, tcfg.num_heads, tcfg.num_kv_heads, tcfg.intermediate_size,
-            tcfg.vocab_size) == (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads,
-                                 t.intermediate_size, 32064)
+    assert (
+        tcfg.hidden_size,
+        tcfg.num_layers,
+        tcfg.num_heads,
+        tcfg.num_kv_heads,
+        tcfg.intermediate_size,
+        tcfg.vocab_size,
+    ) == (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.intermediate_size, 32064)
     with pytest.raises(V.UnsupportedModelError):
         V.vision_config_from_hf({**d, "vision_feature_layer": [-2, -5]})

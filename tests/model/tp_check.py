@@ -7,13 +7,14 @@ jax.config.update("jax_num_cpu_devices", 2)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from sgjax.kernels import allocate_pool, ref_attention  # noqa: E402
 from sgjax.model.batch import build_batch  # noqa: E402
 from sgjax.model.presets import TINY_QWEN2  # noqa: E402
-from tests.model.steps import make_step  # noqa: E402
 from sgjax.model.weights import dummy_weights, shardings  # noqa: E402
+from tests.model.steps import make_step  # noqa: E402
 
 RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
 

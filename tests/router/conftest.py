@@ -12,9 +12,14 @@ from tests.server.conftest import REPO, SMALL_FLAGS
 
 def _env() -> dict:
     # As tests/server/conftest.py's start_server: CPU, offline, every compile kept in the tests' cache.
-    return {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return {
+        "JAX_PLATFORMS": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 def start(command: str, *flags: str) -> RouterProcess:

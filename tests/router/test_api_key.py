@@ -22,12 +22,18 @@ def test_router_requires_the_key_and_passes_it_on():
             return httpx.Response(200, json={"success": True})
         return httpx.Response(200, json={"text": "ok", "meta_info": {}})
 
-    router = Router([A, B], make_policy("round_robin"), health_interval=0, transport=httpx.MockTransport(handler),
-                    api_key="k")
+    router = Router(
+        [A, B], make_policy("round_robin"), health_interval=0, transport=httpx.MockTransport(handler), api_key="k"
+    )
     with TestClient(build_router_app(router)) as client:
         assert client.get("/health").status_code == 200  # a probe
-        for method, path in (("POST", "/generate"), ("GET", "/get_server_info"), ("POST", "/flush_cache"),
-                             ("POST", "/v1/completions"), ("POST", "/abort_request")):
+        for method, path in (
+            ("POST", "/generate"),
+            ("GET", "/get_server_info"),
+            ("POST", "/flush_cache"),
+            ("POST", "/v1/completions"),
+            ("POST", "/abort_request"),
+        ):
             r = client.request(method, path, json={"text": "hi"})
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
         r = client.post("/generate", json={"text": "hi"}, headers={"Authorization": "Bearer k"})

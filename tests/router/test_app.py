@@ -33,18 +33,29 @@ class FakeWorker:
         if path == "/health":
             return httpx.Response(200)
         if path == "/get_server_info":
-            return httpx.Response(200, json={"max_total_tokens": 1000, "prompt_tokens": self.prompt_tokens,
-                                             "cached_tokens": self.cached_tokens, "running_requests": 0,
-                                             "waiting_requests": 0, "name": self.name, "tp_size": self.tp_size,
-                                             "nnodes": 1, "mesh_shape": {"data": 1, "tensor": self.tp_size}})
+            return httpx.Response(
+                200,
+                json={
+                    "max_total_tokens": 1000,
+                    "prompt_tokens": self.prompt_tokens,
+                    "cached_tokens": self.cached_tokens,
+                    "running_requests": 0,
+                    "waiting_requests": 0,
+                    "name": self.name,
+                    "tp_size": self.tp_size,
+                    "nnodes": 1,
+                    "mesh_shape": {"data": 1, "tensor": self.tp_size},
+                },
+            )
         if path == "/get_model_info":
             return httpx.Response(200, json={"model_path": "m"})
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]})
         if path == "/flush_cache":
             if self.mode == "busy":
-                return httpx.Response(400, json={"error": {"message": "flush_cache: refused while requests "
-                                                                      "are running", "code": 400}})
+                return httpx.Response(
+                    400, json={"error": {"message": "flush_cache: refused while requests are running", "code": 400}}
+                )
             self.flushes += 1
             return httpx.Response(200, json={"success": True})
         if self.mode == "shutting_down":
@@ -52,9 +63,17 @@ class FakeWorker:
         body = json.loads(request.content)
         self.requests.append(body)
         if (body.get("sampling_params") or {}).get("temperature", 0) < 0:
-            return httpx.Response(400, json={"error": {"message": "sampling_params.temperature: must be >= 0, "
-                                                                  "got -1", "param": "sampling_params.temperature",
-                                                       "type": "invalid_request_error", "code": 400}})
+            return httpx.Response(
+                400,
+                json={
+                    "error": {
+                        "message": "sampling_params.temperature: must be >= 0, got -1",
+                        "param": "sampling_params.temperature",
+                        "type": "invalid_request_error",
+                        "code": 400,
+                    }
+                },
+            )
         tokens = len(body.get("text", "")) // 2
         self.prompt_tokens += tokens
         if body.get("stream"):
@@ -105,8 +124,14 @@ def test_answers_and_worker_errors_pass_through(fleet):
         assert r.status_code == 200 and r.json()["text"] == "from worker-a" and r.headers[WORKER_HEADER] == A
         r = client.post("/generate", json={"text": "hello"})
         assert r.json()["text"] == "from worker-b"
-        direct = {"error": {"message": "sampling_params.temperature: must be >= 0, got -1",
-                            "param": "sampling_params.temperature", "type": "invalid_request_error", "code": 400}}
+        direct = {
+            "error": {
+                "message": "sampling_params.temperature: must be >= 0, got -1",
+                "param": "sampling_params.temperature",
+                "type": "invalid_request_error",
+                "code": 400,
+            }
+        }
         r = client.post("/generate", json={"text": "x", "sampling_params": {"temperature": -1}})
         assert r.status_code == 400 and r.json() == direct
         assert client.get("/v1/models").json()["data"][0]["id"] == "m"
@@ -165,7 +190,11 @@ def test_streams_pass_through_whole_events(fleet):
             chunks = [c for c in r.iter_raw()]
         body = b"".join(chunks).decode()
         assert events(type("R", (), {"text": body})) == [
-            '{"text": "worker-a 0"}', '{"text": "worker-a 1"}', '{"text": "worker-a 2"}', "[DONE]"]
+            '{"text": "worker-a 0"}',
+            '{"text": "worker-a 1"}',
+            '{"text": "worker-a 2"}',
+            "[DONE]",
+        ]
         assert all(c.endswith(b"\n\n") for c in chunks)  # never half an event
         assert router.workers[A].in_flight == 0
 
@@ -227,8 +256,12 @@ def test_server_info_adds_up_the_workers(fleet):
         info = client.get("/get_server_info").json()
         assert info["prompt_tokens"] == 400 and info["cached_tokens"] == 100 and info["cache_hit_rate"] == 0.25
         assert info["max_total_tokens"] == 2000 and info["num_workers"] == 2
-        assert (info["dp_size"], info["tp_size"], info["nnodes"], info["mesh_shape"]) == (2, 2, 1, {"data": 1,
-                                                                                                   "tensor": 2})
+        assert (info["dp_size"], info["tp_size"], info["nnodes"], info["mesh_shape"]) == (
+            2,
+            2,
+            1,
+            {"data": 1, "tensor": 2},
+        )
         workers[B].tp_size = 4  # unlike workers: no one layout to report
         info = client.get("/get_server_info").json()
         assert (info["dp_size"], info["tp_size"], info["nnodes"], info["mesh_shape"]) == (2, None, 1, None)
@@ -242,8 +275,7 @@ def test_cache_aware_keeps_a_prefix_on_one_worker_and_learns_token_sizes(fleet):
     client, router = make("cache_aware")
     with client:
         prefix = "The following are questions with answers. " * 10
-        served = [client.post("/generate", json={"text": prefix + f"Q{i}?"}).headers[WORKER_HEADER]
-                  for i in range(4)]
+        served = [client.post("/generate", json={"text": prefix + f"Q{i}?"}).headers[WORKER_HEADER] for i in range(4)]
         other = client.post("/generate", json={"text": "another few-shot prefix entirely " * 10})
         assert len(set(served)) == 1 and other.headers[WORKER_HEADER] != served[0]
         assert router.policy.tree.capacity == {A: 1000, B: 1000}  # from each worker's server info

@@ -19,11 +19,11 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
 def few_shot(group: str, question: int) -> str:
     """Two few-shot groups with distinct long prefixes (~350 tokens) and a short question each."""
     if group == "A":
-        prefix = "Astronomy notes. " + ". ".join(f"Fact {i}: star {i} is {i * 7} light years away"
-                                                  for i in range(25))
+        prefix = "Astronomy notes. " + ". ".join(f"Fact {i}: star {i} is {i * 7} light years away" for i in range(25))
     else:
-        prefix = "Kitchen diary. " + ". ".join(f"Recipe {i}: bake loaf {i} for {i * 3} minutes at {150 + i} degrees"
-                                               for i in range(22))
+        prefix = "Kitchen diary. " + ". ".join(
+            f"Recipe {i}: bake loaf {i} for {i * 3} minutes at {150 + i} degrees" for i in range(22)
+        )
     return f"{prefix}.\nQuestion {question}: what does entry {question} say?\nAnswer:"
 
 
@@ -39,8 +39,9 @@ def test_generate_through_the_router_equals_a_workers_own_answer(ca, workers):
     served = r.headers[WORKER_HEADER]
     assert served in [w["url"] for w in workers]
     for w in workers:  # the worker that served it, and the other one
-        direct = httpx.post(w["url"] + "/generate", json={"text": prompt, "sampling_params": GREEDY},
-                            timeout=300).json()
+        direct = httpx.post(
+            w["url"] + "/generate", json={"text": prompt, "sampling_params": GREEDY}, timeout=300
+        ).json()
         assert direct["text"] == r.json()["text"] and direct["output_ids"] == r.json()["output_ids"]
         assert direct["meta_info"]["prompt_tokens"] == r.json()["meta_info"]["prompt_tokens"]
     ids = r.json()["output_ids"]
@@ -67,9 +68,11 @@ def test_streams_pass_through(ca, launcher):
 
 
 def test_a_workers_400_passes_through_unchanged(ca, workers):
-    for body in ({"text": "hi", "sampling_params": {"temperature": -1}},
-                 {"text": "hi", "sampling_params": {"nucleus": 0.5}},
-                 {"input_ids": "not ids"}):
+    for body in (
+        {"text": "hi", "sampling_params": {"temperature": -1}},
+        {"text": "hi", "sampling_params": {"nucleus": 0.5}},
+        {"input_ids": "not ids"},
+    ):
         via = ca.post("/generate", json=body)
         direct = httpx.post(workers[0]["url"] + "/generate", json=body, timeout=60)
         assert via.status_code == direct.status_code == 400
@@ -145,8 +148,10 @@ def test_a_client_that_leaves_a_stream_aborts_it_on_the_worker(ca, workers):
         info = wait_idle(worker, timeout=60)  # the worker saw the disconnect and aborted the request
     assert info["running_requests"] == info["waiting_requests"] == 0
     deadline = time.monotonic() + 30
-    while any(w["in_flight"] for w in ca.get("/get_server_info").json()["router"]["workers"]) \
-            and time.monotonic() < deadline:
+    while (
+        any(w["in_flight"] for w in ca.get("/get_server_info").json()["router"]["workers"])
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     assert all(w["in_flight"] == 0 for w in ca.get("/get_server_info").json()["router"]["workers"])
 

@@ -36,8 +36,14 @@ def fleet(frozen: set):
 def test_requests_to_a_frozen_worker_fail_over():
     frozen = set()
     handler, seen = fleet(frozen)
-    router = Router([A, B], make_policy("round_robin"), health_interval=0, probe_timeout=0.2,
-                    transport=httpx.MockTransport(handler), first_byte_timeout=1.0)
+    router = Router(
+        [A, B],
+        make_policy("round_robin"),
+        health_interval=0,
+        probe_timeout=0.2,
+        transport=httpx.MockTransport(handler),
+        first_byte_timeout=1.0,
+    )
     with TestClient(build_router_app(router)) as client:
         assert router.workers[A].healthy and router.workers[B].healthy
         frozen.add(A)
@@ -51,8 +57,9 @@ def test_requests_to_a_frozen_worker_fail_over():
 def test_health_probes_eject_a_frozen_worker_and_take_it_back():
     frozen = set()
     handler, _ = fleet(frozen)
-    router = Router([A, B], make_policy("round_robin"), health_interval=0, probe_timeout=0.2,
-                    transport=httpx.MockTransport(handler))
+    router = Router(
+        [A, B], make_policy("round_robin"), health_interval=0, probe_timeout=0.2, transport=httpx.MockTransport(handler)
+    )
     with TestClient(build_router_app(router)) as client:
         frozen.add(A)
         for i in range(FROZEN_PROBES):

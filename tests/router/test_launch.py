@@ -10,9 +10,28 @@ from sgjax.router.launch import visible_gpus, worker_flags
 
 
 def test_worker_flags_round_trip_to_the_same_settings():
-    argv = ["serve", "--max-total-tokens", "4096", "--chunked-prefill-size", "96", "--disable-radix-cache",
-            "--no-precompile", "--schedule-policy", "fcfs", "--enable-metrics", "--served-model-name", "tiny",
-            "--dp-size", "2", "--router-policy", "round_robin", "--port", "9000", "--host", "0.0.0.0"]
+    argv = [
+        "serve",
+        "--max-total-tokens",
+        "4096",
+        "--chunked-prefill-size",
+        "96",
+        "--disable-radix-cache",
+        "--no-precompile",
+        "--schedule-policy",
+        "fcfs",
+        "--enable-metrics",
+        "--served-model-name",
+        "tiny",
+        "--dp-size",
+        "2",
+        "--router-policy",
+        "round_robin",
+        "--port",
+        "9000",
+        "--host",
+        "0.0.0.0",
+    ]
     ns = build_parser().parse_args(argv)
     flags = worker_flags(ns)
     # host, port and the data-parallel flags are the launcher's own; everything else reaches each worker
@@ -32,21 +51,43 @@ def test_dp_defaults_keep_the_plain_server():
 
 
 def test_router_command_flags():
-    ns = build_parser().parse_args(["router", "--worker-urls", "http://a:1", "http://b:2", "--policy",
-                                    "shortest_queue", "--cache-threshold", "0.7", "--port", "8001"])
+    ns = build_parser().parse_args(
+        [
+            "router",
+            "--worker-urls",
+            "http://a:1",
+            "http://b:2",
+            "--policy",
+            "shortest_queue",
+            "--cache-threshold",
+            "0.7",
+            "--port",
+            "8001",
+        ]
+    )
     assert ns.worker_urls == ["http://a:1", "http://b:2"] and ns.router_policy == "shortest_queue"
     assert (ns.cache_threshold, ns.balance_abs_threshold, ns.balance_rel_threshold) == (0.7, 32, 1.0001)
-    assert build_parser().parse_args(["router", "--worker-urls", "u", "--router-policy", "random"]).router_policy \
+    assert (
+        build_parser().parse_args(["router", "--worker-urls", "u", "--router-policy", "random"]).router_policy
         == "random"
+    )
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router"])  # --worker-urls is required
-    out = subprocess.run([sys.executable, "-m", "sgjax.cli", "router", "--help"], capture_output=True, text=True,
-                         check=True).stdout
-    for flag in ("--worker-urls", "--policy", "--cache-threshold", "--balance-abs-threshold",
-                 "--balance-rel-threshold", "--health-check-interval"):
+    out = subprocess.run(
+        [sys.executable, "-m", "sgjax.cli", "router", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for flag in (
+        "--worker-urls",
+        "--policy",
+        "--cache-threshold",
+        "--balance-abs-threshold",
+        "--balance-rel-threshold",
+        "--health-check-interval",
+    ):
         assert flag in out
-    out = subprocess.run([sys.executable, "-m", "sgjax.cli", "serve", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "sgjax.cli", "serve", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "--dp-size" in out and "--router-policy" in out
 
 
@@ -67,8 +108,12 @@ def test_a_taken_port_fails_before_any_worker_starts():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "sgjax.cli", "serve", "--dp-size", "2", "--port", str(port)],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "sgjax.cli", "serve", "--dp-size", "2", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert r.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
 
 
@@ -79,10 +124,12 @@ def test_a_worker_dies_with_its_launcher():
     import signal
     import time
 
-    parent_code = ("import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
-                   "'from sgjax.router.worker import watch_parent; import time; watch_parent(interval=0.1); "
-                   "time.sleep(120)'], env={**os.environ, 'SGJAX_LAUNCHER_PID': str(os.getpid())}); "
-                   "print(p.pid, flush=True); time.sleep(120)")
+    parent_code = (
+        "import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+        "'from sgjax.router.worker import watch_parent; import time; watch_parent(interval=0.1); "
+        "time.sleep(120)'], env={**os.environ, 'SGJAX_LAUNCHER_PID': str(os.getpid())}); "
+        "print(p.pid, flush=True); time.sleep(120)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)
@@ -144,9 +191,25 @@ def test_dp_workers_are_tensor_parallel_engines(tiny_checkpoint, smollm2_path):
 
     prompt, params = "The capital of France is", {"max_new_tokens": 8, "temperature": 0.0}
     flags = [x for name, value in TINY_SERVE.items() for x in ("--" + name.replace("_", "-"), str(value))]
-    proc = RouterProcess("serve", *flags, "--model-path", tiny_checkpoint, "--tokenizer-path", smollm2_path,
-                         "--load-format", "dummy", "--skip-server-warmup", "--tp-size", "2", "--dp-size", "2",
-                         "--router-policy", "round_robin", env=_env(), cwd=REPO)
+    proc = RouterProcess(
+        "serve",
+        *flags,
+        "--model-path",
+        tiny_checkpoint,
+        "--tokenizer-path",
+        smollm2_path,
+        "--load-format",
+        "dummy",
+        "--skip-server-warmup",
+        "--tp-size",
+        "2",
+        "--dp-size",
+        "2",
+        "--router-policy",
+        "round_robin",
+        env=_env(),
+        cwd=REPO,
+    )
     try:
         proc.wait_ready(timeout=600)
         with httpx.Client(base_url=proc.url, timeout=300) as c:

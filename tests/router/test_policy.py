@@ -5,14 +5,22 @@ import json
 import pytest
 
 from sgjax.router.keys import prompt_key
-from sgjax.router.policy import (CacheAware, Random, RoundRobin, ShortestQueue, WorkerView, imbalanced,
-                                 least_loaded, make_policy)
+from sgjax.router.policy import (
+    CacheAware,
+    Random,
+    RoundRobin,
+    ShortestQueue,
+    WorkerView,
+    imbalanced,
+    least_loaded,
+    make_policy,
+)
 
 A, B, C = "http://a", "http://b", "http://c"
 
 
 def views(*loads, dispatched=None):
-    urls = [A, B, C][:len(loads)]
+    urls = [A, B, C][: len(loads)]
     return [WorkerView(u, n, (dispatched or [0] * len(loads))[i]) for i, (u, n) in enumerate(zip(urls, loads))]
 
 
@@ -122,29 +130,38 @@ def test_cache_aware_capacity_and_stats():
 
 
 def test_make_policy():
-    assert [make_policy(n).name for n in ("cache_aware", "round_robin", "shortest_queue", "random")] == \
-        ["cache_aware", "round_robin", "shortest_queue", "random"]
+    assert [make_policy(n).name for n in ("cache_aware", "round_robin", "shortest_queue", "random")] == [
+        "cache_aware",
+        "round_robin",
+        "shortest_queue",
+        "random",
+    ]
     with pytest.raises(ValueError, match="unknown router policy 'nope'"):
         make_policy("nope")
     with pytest.raises(ValueError, match="cache_threshold"):
         CacheAware(cache_threshold=2)
 
 
-@pytest.mark.parametrize("path,body,key", [
-    ("/generate", {"text": "hi there"}, ("text", "hi there")),
-    ("/generate", {"text": ["first", "second"]}, ("text", "first")),
-    ("/generate", {"input_ids": [1, 2, 3]}, ("ids", (1, 2, 3))),
-    ("/generate", {"input_ids": [[4, 5], [6]]}, ("ids", (4, 5))),
-    ("/generate", {"input_ids": [1, "x"]}, None),
-    ("/generate", {"text": ""}, None),
-    ("/v1/completions", {"prompt": "once"}, ("text", "once")),
-    ("/v1/completions", {"prompt": [[7, 8]]}, ("ids", (7, 8))),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, ("text", "<user>hi\x1e")),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                         {"type": "text", "text": "b"}]}]},
-     ("text", "<user>ab\x1e")),
-    ("/v1/chat/completions", {"messages": "nope"}, None),
-])
+@pytest.mark.parametrize(
+    "path,body,key",
+    [
+        ("/generate", {"text": "hi there"}, ("text", "hi there")),
+        ("/generate", {"text": ["first", "second"]}, ("text", "first")),
+        ("/generate", {"input_ids": [1, 2, 3]}, ("ids", (1, 2, 3))),
+        ("/generate", {"input_ids": [[4, 5], [6]]}, ("ids", (4, 5))),
+        ("/generate", {"input_ids": [1, "x"]}, None),
+        ("/generate", {"text": ""}, None),
+        ("/v1/completions", {"prompt": "once"}, ("text", "once")),
+        ("/v1/completions", {"prompt": [[7, 8]]}, ("ids", (7, 8))),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, ("text", "<user>hi\x1e")),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+            ("text", "<user>ab\x1e"),
+        ),
+        ("/v1/chat/completions", {"messages": "nope"}, None),
+    ],
+)
 def test_prompt_keys(path, body, key):
     assert prompt_key(path, json.dumps(body).encode()) == key
 

@@ -22,10 +22,15 @@ def start_server(*flags: str, env: dict | None = None) -> ServerProcess:
     to its environment (e.g. JAX_NUM_CPU_DEVICES for --tp-size)."""
     import jax
 
-    env = {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-           **(env or {})}
+    env = {
+        "JAX_PLATFORMS": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        **(env or {}),
+    }
     return ServerProcess(*flags, env=env, cwd=REPO).wait_ready()
 
 
@@ -43,7 +48,7 @@ def sse_events(lines) -> list:
     events = []
     for line in lines:
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
         else:
             assert line == "", f"unexpected SSE line {line!r}"

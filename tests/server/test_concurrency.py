@@ -43,7 +43,7 @@ async def stream_generate(http, prompt, leave_after):
             if events:
                 assert events[-1]["meta_info"]["finish_reason"] is None, "an event after the final one"
                 assert event["text"].startswith(events[-1]["text"])
-                assert event["output_ids"][:len(events[-1]["output_ids"])] == events[-1]["output_ids"]
+                assert event["output_ids"][: len(events[-1]["output_ids"])] == events[-1]["output_ids"]
             events.append(event)
             if len(events) == leave_after:
                 return None
@@ -77,8 +77,12 @@ async def poll_health(url, stop: asyncio.Event, latencies: list):
 
 
 def test_32_streaming_clients_some_leaving(client, url):
-    reference = [r["text"] for r in client.post("/generate", json={
-        "text": DISTINCT, "sampling_params": {"max_new_tokens": NEW, "temperature": 0}}).json()]
+    reference = [
+        r["text"]
+        for r in client.post(
+            "/generate", json={"text": DISTINCT, "sampling_params": {"max_new_tokens": NEW, "temperature": 0}}
+        ).json()
+    ]
 
     async def main():
         stop, latencies = asyncio.Event(), []
@@ -108,8 +112,11 @@ def test_32_streaming_clients_some_leaving(client, url):
 
 
 def long_request(stream: bool) -> dict:
-    return {"text": "Once upon a time", "stream": stream,
-            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    return {
+        "text": "Once upon a time",
+        "stream": stream,
+        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+    }
 
 
 def wait_running(client, n: int, timeout: float = 30.0) -> float:

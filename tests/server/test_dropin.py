@@ -36,8 +36,7 @@ def oai(url):
 
 
 @pytest.mark.parametrize("route, table", [("chat", fields.CHAT), ("completions", fields.COMPLETIONS)])
-def test_openai_client_unsupported_fields_at_their_defaults_pass_and_real_values_are_refused_by_name(oai, route,
-                                                                                                     table):
+def test_openai_client_unsupported_fields_at_their_defaults_pass_and_real_values_are_refused_by_name(oai, route, table):
     create = oai.chat.completions.create if route == "chat" else oai.completions.create
     base = dict(model="m", max_tokens=1, temperature=0, **({"messages": CHAT} if route == "chat" else {"prompt": "Hi"}))
     unset = {name: None for name in table}
@@ -49,15 +48,32 @@ def test_openai_client_unsupported_fields_at_their_defaults_pass_and_real_values
             with pytest.raises(openai.BadRequestError) as e:
                 create(**base, extra_body={name: real_value(name, policy)})
             err = e.value.body
-            assert err["param"] == name and err["message"].startswith(f"{name}: ") and err["code"] == \
-                "unsupported_parameter", err
+            assert (
+                err["param"] == name
+                and err["message"].startswith(f"{name}: ")
+                and err["code"] == "unsupported_parameter"
+            ), err
 
 
 def test_generate_fields_and_sampling_params(client):
-    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 1, "temperature": 0, "stop_regex": [], "ebnf": None,
-                                              "custom_params": None, "stream_interval": 3},
-            "lora_path": None, "return_hidden_states": False, "rid": "r-1", "priority": 3, "extra_key": "k",
-            "log_metrics": True, "no_such_field": {"a": 1}}
+    body = {
+        "text": "Hi",
+        "sampling_params": {
+            "max_new_tokens": 1,
+            "temperature": 0,
+            "stop_regex": [],
+            "ebnf": None,
+            "custom_params": None,
+            "stream_interval": 3,
+        },
+        "lora_path": None,
+        "return_hidden_states": False,
+        "rid": "r-1",
+        "priority": 3,
+        "extra_key": "k",
+        "log_metrics": True,
+        "no_such_field": {"a": 1},
+    }
     r = client.post("/generate", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["id"] == "r-1"
@@ -73,15 +89,22 @@ def test_generate_fields_and_sampling_params(client):
 
 
 def test_stop_regex_over_http_and_through_extra_body(client, oai):
-    free = client.post("/generate", json={"text": "Count: 1, 2, 3,", "sampling_params": {"max_new_tokens": 16,
-                                                                                          "temperature": 0}}).json()
+    free = client.post(
+        "/generate", json={"text": "Count: 1, 2, 3,", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    ).json()
     pattern = re.escape(free["text"][4:7])  # a literal piece of the output
-    out = client.post("/generate", json={"text": "Count: 1, 2, 3,", "sampling_params": {
-        "max_new_tokens": 16, "temperature": 0, "stop_regex": pattern}}).json()
+    out = client.post(
+        "/generate",
+        json={
+            "text": "Count: 1, 2, 3,",
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "stop_regex": pattern},
+        },
+    ).json()
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
     assert free["text"].startswith(out["text"]) and re.search(pattern, out["text"])
-    done = oai.completions.create(model="m", prompt="Count: 1, 2, 3,", max_tokens=16, temperature=0,
-                                  extra_body={"stop_regex": [pattern]})
+    done = oai.completions.create(
+        model="m", prompt="Count: 1, 2, 3,", max_tokens=16, temperature=0, extra_body={"stop_regex": [pattern]}
+    )
     assert done.choices[0].text == out["text"] and done.choices[0].finish_reason == "stop"
 
 
@@ -109,7 +132,7 @@ def test_tokenize_and_detokenize_in_sglangs_and_vllms_shapes(client, smollm2):
     assert chat["tokens"] == tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True))
     back = client.post("/detokenize", json={"tokens": one["tokens"]}).json()
     assert back["text"] == back["prompt"] == tok.decode(one["tokens"], skip_special_tokens=False)
-    r = client.post("/detokenize", json={"tokens": [10 ** 9]})
+    r = client.post("/detokenize", json={"tokens": [10**9]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     r = client.post("/tokenize", json={"prompt": "a", "text": "b"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
@@ -149,33 +172,56 @@ def test_score_is_the_engines_next_token_probability_of_each_label(client, engin
     expected = engine.score(query, items, labels)
     np.testing.assert_allclose(got["scores"], expected, rtol=1e-5, atol=1e-7)
     # a softmax over the labels only, with a temperature; ids give what the same text gives; item_first
-    soft = client.post("/v1/score", json={"query": query, "items": items, "label_token_ids": labels,
-                                          "apply_softmax": True, "temperature": 0.5}).json()["scores"]
+    soft = client.post(
+        "/v1/score",
+        json={"query": query, "items": items, "label_token_ids": labels, "apply_softmax": True, "temperature": 0.5},
+    ).json()["scores"]
     e = np.log(np.asarray(expected)) / 0.5
     np.testing.assert_allclose(soft, np.exp(e) / np.exp(e).sum(-1, keepdims=True), rtol=2e-3)
-    ids = client.post("/v1/score", json={"query": tok.encode(query), "items": [tok.encode(" Paris")],
-                                         "label_token_ids": labels, "return_token_logprobs": True}).json()
+    ids = client.post(
+        "/v1/score",
+        json={
+            "query": tok.encode(query),
+            "items": [tok.encode(" Paris")],
+            "label_token_ids": labels,
+            "return_token_logprobs": True,
+        },
+    ).json()
     np.testing.assert_allclose(ids["scores"][0], got["scores"][0], rtol=1e-4)
     np.testing.assert_allclose(np.exp(ids["token_logprobs"][0]), ids["scores"][0], rtol=1e-6)
-    first = client.post("/v1/score", json={"query": " is big.", "items": "Paris", "item_first": True,
-                                           "label_token_ids": [labels]}).json()["scores"]
-    np.testing.assert_allclose(first[0], engine.score(" is big.", ["Paris"], [labels], item_first=True)[0],
-                               rtol=2e-3, atol=1e-6)
+    first = client.post(
+        "/v1/score", json={"query": " is big.", "items": "Paris", "item_first": True, "label_token_ids": [labels]}
+    ).json()["scores"]
+    np.testing.assert_allclose(
+        first[0], engine.score(" is big.", ["Paris"], [labels], item_first=True)[0], rtol=2e-3, atol=1e-6
+    )
     assert client.post("/v1/score", json={"query": "q", "items": [], "label_token_ids": labels}).json()["scores"] == []
-    for body, field in [({"query": "q", "items": ["a"]}, "label_token_ids"),
-                        ({"query": "q", "items": ["a"], "label_token_ids": [1, 1]}, "label_token_ids"),
-                        ({"query": "q", "items": ["a"], "label_token_ids": [10 ** 9]}, "label_token_ids"),
-                        ({"query": "q", "items": ["a", "b"], "label_token_ids": [[1], [2], [3]]}, "label_token_ids"),
-                        ({"query": "q", "items": ["a"], "label_token_ids": [1], "temperature": 2}, "temperature"),
-                        ({"query": [1, 2], "items": ["a"], "label_token_ids": [1]}, "items"),
-                        ({"query": "q", "label_token_ids": [1]}, "items"),
-                        ({"query": "", "items": [""], "label_token_ids": [1]}, "items"),
-                        ({"query": "q", "items": ["a"], "label_token_ids": [1], "score_extraction_token": "<s>"},
-                         "score_extraction_token")]:
+    for body, field in [
+        ({"query": "q", "items": ["a"]}, "label_token_ids"),
+        ({"query": "q", "items": ["a"], "label_token_ids": [1, 1]}, "label_token_ids"),
+        ({"query": "q", "items": ["a"], "label_token_ids": [10**9]}, "label_token_ids"),
+        ({"query": "q", "items": ["a", "b"], "label_token_ids": [[1], [2], [3]]}, "label_token_ids"),
+        ({"query": "q", "items": ["a"], "label_token_ids": [1], "temperature": 2}, "temperature"),
+        ({"query": [1, 2], "items": ["a"], "label_token_ids": [1]}, "items"),
+        ({"query": "q", "label_token_ids": [1]}, "items"),
+        ({"query": "", "items": [""], "label_token_ids": [1]}, "items"),
+        (
+            {"query": "q", "items": ["a"], "label_token_ids": [1], "score_extraction_token": "<s>"},
+            "score_extraction_token",
+        ),
+    ]:
         r = client.post("/v1/score", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
-    ok = client.post("/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": [1],
-                                        "return_pooled_hidden_states": False, "embed_override_token_id": None})
+    ok = client.post(
+        "/v1/score",
+        json={
+            "query": "q",
+            "items": ["a"],
+            "label_token_ids": [1],
+            "return_pooled_hidden_states": False,
+            "embed_override_token_id": None,
+        },
+    )
     assert ok.status_code == 200
 
 
@@ -184,8 +230,15 @@ def test_abort_all_ends_every_running_request(client, url):
 
     def stream():
         with httpx.Client(base_url=url, timeout=120) as c:
-            with c.stream("POST", "/generate", json={"text": "Tell a long story.", "stream": True, "sampling_params": {
-                    "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}) as r:
+            with c.stream(
+                "POST",
+                "/generate",
+                json={
+                    "text": "Tell a long story.",
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+                },
+            ) as r:
                 results.append(sse_events(r.iter_lines()))
 
     threads = [threading.Thread(target=stream) for _ in range(2)]
@@ -207,13 +260,31 @@ def locked():
     """A server with --api-key, one running request at most, one waiting at most, and chunks of 4 tokens. Its step
     shapes are compiled before the tests, and --request-timeout is 20 s: on a slow 2-core CPU (4-5 tokens/s for one
     SmolLM2 stream beside another test worker) the streaming test's 30 tokens passed an 8 s timeout."""
-    for server in serving(*SMALL_FLAGS[:4], "--max-running-requests", "1", "--api-key", "sekret",
-                          "--max-queued-requests", "1", "--stream-interval", "4", "--enable-metrics",
-                          "--request-timeout", "20", "--header-timeout", "1"):
+    for server in serving(
+        *SMALL_FLAGS[:4],
+        "--max-running-requests",
+        "1",
+        "--api-key",
+        "sekret",
+        "--max-queued-requests",
+        "1",
+        "--stream-interval",
+        "4",
+        "--enable-metrics",
+        "--request-timeout",
+        "20",
+        "--header-timeout",
+        "1",
+    ):
         with httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": "Bearer sekret"}) as c:
             for _ in range(3):  # a timed-out warm-up still leaves its compiled shapes behind
-                r = c.post("/generate", json={"text": "Tell a long story.", "sampling_params": {
-                    "max_new_tokens": 30, "temperature": 0, "ignore_eos": True}})
+                r = c.post(
+                    "/generate",
+                    json={
+                        "text": "Tell a long story.",
+                        "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True},
+                    },
+                )
                 wait_idle(c)
                 if r.status_code == 200:
                     break
@@ -223,9 +294,22 @@ def locked():
 def test_api_key_guards_every_route_but_the_probes(locked):
     with httpx.Client(base_url=locked.url, timeout=60) as c:
         for route in ROUTES:
-            method = "GET" if route in ("/v1/models", "/health", "/health_generate", "/get_model_info",
-                                        "/get_server_info", "/model_info", "/server_info", "/ready",
-                                        "/metrics") else "POST"
+            method = (
+                "GET"
+                if route
+                in (
+                    "/v1/models",
+                    "/health",
+                    "/health_generate",
+                    "/get_model_info",
+                    "/get_server_info",
+                    "/model_info",
+                    "/server_info",
+                    "/ready",
+                    "/metrics",
+                )
+                else "POST"
+            )
             r = c.request(method, route, json={})
             if route in OPEN_ROUTES:
                 assert r.status_code == 200, route
@@ -240,8 +324,11 @@ def test_api_key_guards_every_route_but_the_probes(locked):
 
 def test_max_queued_requests_and_stream_interval(locked):
     auth = {"Authorization": "Bearer sekret"}
-    body = {"text": "Tell a long story.", "stream": True,
-            "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "text": "Tell a long story.",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True},
+    }
     with httpx.Client(base_url=locked.url, timeout=120, headers=auth) as c:
         chunks = sse_events(c.post("/generate", json=body).iter_lines())[:-1]
         counts = [e["meta_info"]["completion_tokens"] for e in chunks]
@@ -251,8 +338,14 @@ def test_max_queued_requests_and_stream_interval(locked):
 
         def one():
             with httpx.Client(base_url=locked.url, timeout=120, headers=auth) as cc:
-                r = cc.post("/generate", json={**body, "stream": False,
-                                               "sampling_params": {**body["sampling_params"], "max_new_tokens": 16}})
+                r = cc.post(
+                    "/generate",
+                    json={
+                        **body,
+                        "stream": False,
+                        "sampling_params": {**body["sampling_params"], "max_new_tokens": 16},
+                    },
+                )
                 with lock:
                     statuses.append((r.status_code, r.headers.get("retry-after")))
 
@@ -269,8 +362,13 @@ def test_request_timeout_aborts_and_a_stalled_header_closes_the_connection(locke
     with httpx.Client(base_url=locked.url, timeout=120, headers=auth) as c:
         wait_idle(c)  # the queue test's requests have all left (a timed-out one is aborted a moment later)
         t0 = time.monotonic()
-        r = c.post("/generate", json={"text": "Tell a long story.", "sampling_params": {
-            "max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}})
+        r = c.post(
+            "/generate",
+            json={
+                "text": "Tell a long story.",
+                "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True},
+            },
+        )
         assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
         assert 19 < time.monotonic() - t0 < 45
         deadline = time.monotonic() + 30

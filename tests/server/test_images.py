@@ -16,8 +16,18 @@ from tests.server.conftest import assert_no_leak, serving, sse_events
 
 # The engine test's settings (tests/engine/test_vision_engine.py), so the step shapes it compiled are reused from
 # the persistent cache; chunks of 16 tokens cut an image's 16 rows across prefill steps.
-FLAGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--chunked-prefill-size", "16",
-         "--max-running-requests", "4", "--context-length", "256")
+FLAGS = (
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    "2048",
+    "--chunked-prefill-size",
+    "16",
+    "--max-running-requests",
+    "4",
+    "--context-length",
+    "256",
+)
 NEW = 8
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}  # HF's reference ignores EOS too
 ASK = "What is in <image>?"
@@ -75,8 +85,9 @@ def test_generate_with_image_data_gives_hf_greedy_tokens(client, tok, llava):
     assert generate(client, text=two, image_data=[png(b), png(a)], sampling_params=GREEDY)["output_ids"] != want
 
     # a stream carries its image too: the last event is the whole answer
-    with client.stream("POST", "/generate", json={"text": text, "image_data": png(a), "sampling_params": GREEDY,
-                                                  "stream": True}) as r:
+    with client.stream(
+        "POST", "/generate", json={"text": text, "image_data": png(a), "sampling_params": GREEDY, "stream": True}
+    ) as r:
         assert r.status_code == 200
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and events[-2]["output_ids"] == want_a
@@ -85,11 +96,21 @@ def test_generate_with_image_data_gives_hf_greedy_tokens(client, tok, llava):
 
 def test_chat_image_url_part_equals_the_template_built_by_hand(client, tok, llava):
     a = picture(3)
-    content = [{"type": "text", "text": "What is in "},
-               {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png(a)}", "detail": "low"}},
-               {"type": "text", "text": "?"}]
-    r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": content}],
-                                                  "max_tokens": NEW, "temperature": 0, "ignore_eos": True})
+    content = [
+        {"type": "text", "text": "What is in "},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png(a)}", "detail": "low"}},
+        {"type": "text", "text": "?"},
+    ]
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": NEW,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     chat = r.json()
 
@@ -101,9 +122,16 @@ def test_chat_image_url_part_equals_the_template_built_by_hand(client, tok, llav
     assert chat["usage"]["completion_tokens"] == NEW
 
     other = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png(picture(4))}"}}
-    r = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": NEW, "temperature": 0,
-                                                  "ignore_eos": True, "messages": [
-                                                      {"role": "user", "content": [content[0], other, content[2]]}]})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "m",
+            "max_tokens": NEW,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": [content[0], other, content[2]]}],
+        },
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] != by_hand["text"]
 
 
@@ -112,12 +140,19 @@ def test_bad_images_are_400s_naming_the_field_and_the_server_keeps_serving(clien
     not_image = base64.b64encode(b"hello, not a picture").decode()
     gen = "/generate"
     refused(client, gen, {"text": text, "image_data": "%%%"}, "image_data", "not valid base64")
-    refused(client, gen, {"text": text + " <image>", "image_data": [good, not_image]}, "image_data.1",
-            "not an image file")
-    refused(client, gen, {"text": text, "image_data": [good, good]}, "image_data",
-            "2 image(s) but the prompt has 1 image tokens")
-    refused(client, gen, {"text": text, "image_data": "https://example.com/cat.png"}, "image_data",
-            "URLs are not fetched")
+    refused(
+        client, gen, {"text": text + " <image>", "image_data": [good, not_image]}, "image_data.1", "not an image file"
+    )
+    refused(
+        client,
+        gen,
+        {"text": text, "image_data": [good, good]},
+        "image_data",
+        "2 image(s) but the prompt has 1 image tokens",
+    )
+    refused(
+        client, gen, {"text": text, "image_data": "https://example.com/cat.png"}, "image_data", "URLs are not fetched"
+    )
     refused(client, gen, {"text": text, "image_data": []}, "image_data", "an empty list")
     refused(client, gen, {"text": text, "image_data": [[good]]}, "image_data", "one prompt takes a string")
     refused(client, gen, {"text": [text, text], "image_data": [good]}, "image_data", "a batch of 2 prompts")
@@ -126,12 +161,23 @@ def test_bad_images_are_400s_naming_the_field_and_the_server_keeps_serving(clien
     refused(client, gen, {"text": text, "image_data": "%%%", "stream": True}, "image_data", "not valid base64")
 
     def chat(url):
-        return {"model": "m", "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "What is in "}, {"type": "image_url", "image_url": {"url": url}}]}]}
+        return {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in "},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                }
+            ],
+        }
 
     part = "messages.0.content.1.image_url.url"
-    refused(client, "/v1/chat/completions", chat("https://example.com/cat.png"), part,
-            "http(s) image URLs are not fetched")
+    refused(
+        client, "/v1/chat/completions", chat("https://example.com/cat.png"), part, "http(s) image URLs are not fetched"
+    )
     refused(client, "/v1/chat/completions", chat(good), part, "expected a base64 data URL")
     refused(client, "/v1/chat/completions", chat("data:image/png;base64,%%%"), part, "not valid base64")
     refused(client, "/v1/chat/completions", chat(f"data:image/png;base64,{not_image}"), part, "not an image file")

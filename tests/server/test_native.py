@@ -34,18 +34,37 @@ def same(http_result, engine_result):
     return a == b
 
 
-@pytest.mark.parametrize("body, call", [
-    ({"text": PROMPTS[0], "sampling_params": GREEDY}, lambda e: e.generate(PROMPTS[0], GREEDY)),
-    ({"text": PROMPTS[5:8], "sampling_params": GREEDY}, lambda e: e.generate(PROMPTS[5:8], GREEDY)),
-    ({"text": PROMPTS[9], "sampling_params": SAMPLED}, lambda e: e.generate(PROMPTS[9], SAMPLED)),
-    ({"input_ids": [[1, 2, 3, 4], [5, 6, 7]], "sampling_params": [GREEDY, {**GREEDY, "max_new_tokens": 3}]},
-     lambda e: e.generate(input_ids=[[1, 2, 3, 4], [5, 6, 7]], sampling_params=[GREEDY, {**GREEDY,
-                                                                                         "max_new_tokens": 3}])),
-    ({"text": PROMPTS[1], "sampling_params": {**GREEDY, "max_new_tokens": 4}, "return_logprob": True,
-      "logprob_start_len": 2, "top_logprobs_num": 3},
-     lambda e: e.generate(PROMPTS[1], {**GREEDY, "max_new_tokens": 4}, return_logprob=True, logprob_start_len=2,
-                          top_logprobs_num=3)),
-], ids=["single", "batch", "sampled-n2", "input-ids-batch", "logprobs"])
+@pytest.mark.parametrize(
+    "body, call",
+    [
+        ({"text": PROMPTS[0], "sampling_params": GREEDY}, lambda e: e.generate(PROMPTS[0], GREEDY)),
+        ({"text": PROMPTS[5:8], "sampling_params": GREEDY}, lambda e: e.generate(PROMPTS[5:8], GREEDY)),
+        ({"text": PROMPTS[9], "sampling_params": SAMPLED}, lambda e: e.generate(PROMPTS[9], SAMPLED)),
+        (
+            {"input_ids": [[1, 2, 3, 4], [5, 6, 7]], "sampling_params": [GREEDY, {**GREEDY, "max_new_tokens": 3}]},
+            lambda e: e.generate(
+                input_ids=[[1, 2, 3, 4], [5, 6, 7]], sampling_params=[GREEDY, {**GREEDY, "max_new_tokens": 3}]
+            ),
+        ),
+        (
+            {
+                "text": PROMPTS[1],
+                "sampling_params": {**GREEDY, "max_new_tokens": 4},
+                "return_logprob": True,
+                "logprob_start_len": 2,
+                "top_logprobs_num": 3,
+            },
+            lambda e: e.generate(
+                PROMPTS[1],
+                {**GREEDY, "max_new_tokens": 4},
+                return_logprob=True,
+                logprob_start_len=2,
+                top_logprobs_num=3,
+            ),
+        ),
+    ],
+    ids=["single", "batch", "sampled-n2", "input-ids-batch", "logprobs"],
+)
 def test_generate_equals_the_engine(client, engine, body, call):
     assert client.post("/flush_cache").json()["success"]  # cached_tokens must match too: both start empty
     r = client.post("/generate", json=body)
@@ -56,15 +75,14 @@ def test_generate_equals_the_engine(client, engine, body, call):
 
 def test_generate_stream_is_cumulative_and_ends_with_done(client):
     full = client.post("/generate", json={"text": PROMPTS[10], "sampling_params": GREEDY}).json()
-    with client.stream("POST", "/generate", json={"text": PROMPTS[10], "sampling_params": GREEDY,
-                                                  "stream": True}) as r:
+    with client.stream("POST", "/generate", json={"text": PROMPTS[10], "sampling_params": GREEDY, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
     chunks = events[:-1]
     assert all(c["index"] == 0 for c in chunks)
     for a, b in zip(chunks, chunks[1:]):
-        assert b["text"].startswith(a["text"]) and b["output_ids"][:len(a["output_ids"])] == a["output_ids"]
+        assert b["text"].startswith(a["text"]) and b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
     assert [c["meta_info"]["finish_reason"] is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
     assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
 
@@ -85,23 +103,45 @@ def test_generate_stream_of_a_batch_with_n(client):
 
 
 def test_regex_and_json_schema(client):
-    out = client.post("/generate", json={"text": "My phone number is", "sampling_params": {
-        "max_new_tokens": 16, "temperature": 0, "regex": r" \d{3}-\d{4}"}}).json()
+    out = client.post(
+        "/generate",
+        json={
+            "text": "My phone number is",
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "regex": r" \d{3}-\d{4}"},
+        },
+    ).json()
     assert out["text"][1:4].isdigit() and out["text"][4] == "-" and len(out["text"]) == 9
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-              "required": ["name", "age"]}
-    out = client.post("/generate", json={"text": "A person as JSON:", "sampling_params": {
-        "max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(schema)}}).json()
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+    }
+    out = client.post(
+        "/generate",
+        json={
+            "text": "A person as JSON:",
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(schema)},
+        },
+    ).json()
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
     jsonschema.validate(json.loads(out["text"]), schema)
 
 
 def test_return_text_in_logprobs(client, smollm2):
     tok = smollm2[2]
-    out = client.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-                                         "return_logprob": True, "top_logprobs_num": 2,
-                                         "return_text_in_logprobs": True}).json()
+    out = client.post(
+        "/generate",
+        json={
+            "text": "Hello",
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
+        },
+    ).json()
     entries = out["meta_info"]["output_token_logprobs"]
     assert [t for _, t, _ in entries] == out["output_ids"]
     assert "".join(text for _, _, text in entries) == tok.decode(out["output_ids"])
@@ -144,9 +184,15 @@ def test_abort_request_by_rid(client, url):
     result = {}
 
     def run():
-        result["r"] = httpx.post(url + "/generate", json={"text": "Once upon a time", "rid": "to-abort",
-                                                          "sampling_params": {"max_new_tokens": 3000,
-                                                                              "ignore_eos": True}}, timeout=120)
+        result["r"] = httpx.post(
+            url + "/generate",
+            json={
+                "text": "Once upon a time",
+                "rid": "to-abort",
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            },
+            timeout=120,
+        )
 
     t = threading.Thread(target=run)
     t.start()
@@ -171,29 +217,48 @@ def test_metrics_in_prometheus_format(client):
         return {f.name: f for f in text_string_to_metric_families(r.text)}
 
     def value(families, name, **labels):
-        return sum(s.value for f in families.values() for s in f.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for f in families.values()
+            for s in f.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     before = scrape()
-    out = client.post("/generate", json={"text": PROMPTS[11], "sampling_params": {"max_new_tokens": 5,
-                                                                                   "ignore_eos": True}}).json()
-    with client.stream("POST", "/generate", json={"text": "Hi", "stream": True,
-                                                  "sampling_params": {"max_new_tokens": 1}}) as r:
+    out = client.post(
+        "/generate", json={"text": PROMPTS[11], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    ).json()
+    with client.stream(
+        "POST", "/generate", json={"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 1}}
+    ) as r:
         r.read()
     after = scrape()
-    kinds = {"sgjax:num_requests": "counter", "sgjax:prompt_tokens": "counter", "sgjax:generation_tokens": "counter",
-             "sgjax:cached_tokens": "counter", "sgjax:num_queue_reqs": "gauge", "sgjax:num_running_reqs": "gauge",
-             "sgjax:cache_hit_rate": "gauge", "sgjax:step_time_seconds": "histogram",
-             "sgjax:e2e_request_latency_seconds": "histogram", "sgjax:time_to_first_token_seconds": "histogram",
-             "sgjax:token_usage": "gauge", "sgjax:num_retractions": "counter"}
+    kinds = {
+        "sgjax:num_requests": "counter",
+        "sgjax:prompt_tokens": "counter",
+        "sgjax:generation_tokens": "counter",
+        "sgjax:cached_tokens": "counter",
+        "sgjax:num_queue_reqs": "gauge",
+        "sgjax:num_running_reqs": "gauge",
+        "sgjax:cache_hit_rate": "gauge",
+        "sgjax:step_time_seconds": "histogram",
+        "sgjax:e2e_request_latency_seconds": "histogram",
+        "sgjax:time_to_first_token_seconds": "histogram",
+        "sgjax:token_usage": "gauge",
+        "sgjax:num_retractions": "counter",
+    }
     for name, kind in kinds.items():
         assert after[name].type == kind, name
     meta = out["meta_info"]
     assert value(after, "sgjax:generation_tokens_total") - value(before, "sgjax:generation_tokens_total") == 5 + 1
-    assert value(after, "sgjax:prompt_tokens_total") - value(before, "sgjax:prompt_tokens_total") == \
-        meta["prompt_tokens"] + 1  # "Hi" is one token
-    assert value(after, "sgjax:num_requests_total", endpoint="/generate", status="200") == \
-        value(before, "sgjax:num_requests_total", endpoint="/generate", status="200") + 2
+    assert (
+        value(after, "sgjax:prompt_tokens_total") - value(before, "sgjax:prompt_tokens_total")
+        == meta["prompt_tokens"] + 1
+    )  # "Hi" is one token
+    assert (
+        value(after, "sgjax:num_requests_total", endpoint="/generate", status="200")
+        == value(before, "sgjax:num_requests_total", endpoint="/generate", status="200") + 2
+    )
     for name in ("sgjax:e2e_request_latency_seconds_count", "sgjax:time_to_first_token_seconds_count"):
         assert value(after, name) - value(before, name) == (2 if "e2e" in name else 1), name
     assert value(after, "sgjax:num_running_reqs") == value(after, "sgjax:num_queue_reqs") == 0

@@ -17,15 +17,19 @@ from tests.server.test_errors import requests
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "perf"))
 from soak import field_paths as _paths  # noqa: E402  the heavy fuzzer's rule for "a field of the body"
 
-
 NORMAL = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
 
 
 def test_fuzzed_bodies_on_one_connection(url):
     with httpx.Client(base_url=url, timeout=30) as conn:
 
-        @settings(max_examples=80, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @settings(
+            max_examples=80,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
         @given(req=requests())
         def one(req):
             route, raw = req
@@ -40,8 +44,10 @@ def test_fuzzed_bodies_on_one_connection(url):
                 param = err["param"]
                 assert param is not None and err["message"].startswith(param + ":"), (raw, err)
                 # the field named is one the client sent, or the route's prompt field (missing / too long)
-                assert param in fields or param.split(".")[0] in fields | {"text", "prompt", "messages", "body"}, \
-                    (raw, err)
+                assert param in fields or param.split(".")[0] in fields | {"text", "prompt", "messages", "body"}, (
+                    raw,
+                    err,
+                )
 
         one()
         out = conn.post("/generate", json=NORMAL).json()  # the same connection, after every answer above
@@ -74,8 +80,10 @@ def test_a_huge_body_is_refused_before_it_is_read(url):
     host, port = url.split("//")[1].split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
         t0 = time.monotonic()
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000000000\r\n\r\n{\"text\": ")  # 1 GB announced, 9 bytes sent
+        s.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000000000\r\n\r\n{"text": '
+        )  # 1 GB announced, 9 bytes sent
         answer = b""
         while b"larger than" not in answer and time.monotonic() - t0 < 5:
             answer += s.recv(65536)

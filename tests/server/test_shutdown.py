@@ -19,8 +19,12 @@ def test_flags_then_sigterm_ends_streams_and_exits_0():
         events, first = [], threading.Event()
 
         def client():
-            body = {"text": "Once upon a time", "stream": True, "rid": "long-one",
-                    "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+            body = {
+                "text": "Once upon a time",
+                "stream": True,
+                "rid": "long-one",
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            }
             with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     if line:
@@ -52,8 +56,11 @@ def test_sigterm_while_loading_exits_0_at_once():
 
     from sgjax.server.process import ServerProcess
 
-    env = {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1",
-           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
+    env = {
+        "JAX_PLATFORMS": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+    }
     srv = ServerProcess(*SMALL_FLAGS, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     deadline = time.monotonic() + 120
     while "loading the engine" not in srv.log_text() and time.monotonic() < deadline:

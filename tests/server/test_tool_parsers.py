@@ -8,48 +8,88 @@ import pytest
 from sgjax.server.reasoning import ReasoningParser, ReasoningStream
 from sgjax.server.tool_parsers import Stream, ToolCall, default_parser_name, final_content, get_parser
 
-HERMES_TWO = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
-              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
+HERMES_TWO = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+)
 CASES = {
     "hermes": [
-        (HERMES_TWO, "Let me check.", [("get_weather", '{"city": "Paris", "days": [1, 2]}'),
-                                       ("get_time", '{"tz": "CET"}')]),
+        (
+            HERMES_TWO,
+            "Let me check.",
+            [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", '{"tz": "CET"}')],
+        ),
         ('<tool_call>\n{"arguments": {"a": "}"}, "name": "f"}\n</tool_call>', "", [("f", '{"a": "}"}')]),
         ("plain answer, no calls", "plain answer, no calls", []),
         ("x < y and <tool_ but no call", "x < y and <tool_ but no call", []),
         # text after the calls (auto's grammar allows it, as SGLang's structural tags do) is content
-        (HERMES_TWO + "\nDone, both.", "Let me check.\n\n\nDone, both.",
-         [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", '{"tz": "CET"}')]),
+        (
+            HERMES_TWO + "\nDone, both.",
+            "Let me check.\n\n\nDone, both.",
+            [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", '{"tz": "CET"}')],
+        ),
     ],
-    "qwen25": [(HERMES_TWO, "Let me check.", [("get_weather", '{"city": "Paris", "days": [1, 2]}'),
-                                               ("get_time", '{"tz": "CET"}')])],
+    "qwen25": [
+        (
+            HERMES_TWO,
+            "Let me check.",
+            [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", '{"tz": "CET"}')],
+        )
+    ],
     "llama3": [
-        ('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"s": "p;q}"}}', "",
-         [("a", '{"x": 1}'), ("b", '{"s": "p;q}"}')]),
+        (
+            '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"s": "p;q}"}}',
+            "",
+            [("a", '{"x": 1}'), ("b", '{"s": "p;q}"}')],
+        ),
         ('{"name": "search", "parameters": {"q": "jax"}}', "", [("search", '{"q": "jax"}')]),
         ("The answer is {42}.", "The answer is {42}.", []),
     ],
     "mistral": [
-        ('Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', "Sure.",
-         [("a", '{"x": 1}'), ("b", "{}")]),
+        (
+            'Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
+            "Sure.",
+            [("a", '{"x": 1}'), ("b", "{}")],
+        ),
         ("no calls [TOOL here", "no calls [TOOL here", []),
-        (('Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}] Then. '
-          '[TOOL_CALLS] [{"name": "b", "arguments": {}}] Done.'), "Sure.  Then.  Done.", [("a", '{"x": 1}'), ("b", "{}")]),
+        (
+            (
+                'Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}] Then. '
+                '[TOOL_CALLS] [{"name": "b", "arguments": {}}] Done.'
+            ),
+            "Sure.  Then.  Done.",
+            [("a", '{"x": 1}'), ("b", "{}")],
+        ),
     ],
     "pythonic": [
-        ('[get_weather(city="Paris"), set_alarm(at=[7, 30], loud=True)]', "",
-         [("get_weather", '{"city": "Paris"}'), ("set_alarm", '{"at": [7, 30], "loud": true}')]),
+        (
+            '[get_weather(city="Paris"), set_alarm(at=[7, 30], loud=True)]',
+            "",
+            [("get_weather", '{"city": "Paris"}'), ("set_alarm", '{"at": [7, 30], "loud": true}')],
+        ),
         ("[1, 2, 3] is a list", "[1, 2, 3] is a list", []),
     ],
 }
-MALFORMED = ['<tool_call>\n{"name": "f", "arguments": {"a": 1\n</tool_call>', "<tool_call>", "<tool_call>{{{{",
-             '<tool_call>\n{"name": "f"}\n</tool_call>', '[TOOL_CALLS] [{"name": ', '{"name": "f", "parameters": ',
-             "[f(x=)]", "[f(*a)]", '<|python_tag|>{"x"', "\\", "<tool_call>\n" + "[" * 2000, '"]}' * 50, ""]
+MALFORMED = [
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1\n</tool_call>',
+    "<tool_call>",
+    "<tool_call>{{{{",
+    '<tool_call>\n{"name": "f"}\n</tool_call>',
+    '[TOOL_CALLS] [{"name": ',
+    '{"name": "f", "parameters": ',
+    "[f(x=)]",
+    "[f(*a)]",
+    '<|python_tag|>{"x"',
+    "\\",
+    "<tool_call>\n" + "[" * 2000,
+    '"]}' * 50,
+    "",
+]
 
 
 def _streamed(parser, text: str, step: int = 1):
     stream, content, calls = Stream(parser), "", []
-    pieces = [text[i:i + step] for i in range(0, len(text), step)] + [""]
+    pieces = [text[i : i + step] for i in range(0, len(text), step)] + [""]
     for i, piece in enumerate(pieces):
         c, deltas = stream.feed(piece, final=i == len(pieces) - 1)
         content += c
@@ -61,8 +101,7 @@ def _streamed(parser, text: str, step: int = 1):
     return content, [tuple(c) for c in calls]
 
 
-@pytest.mark.parametrize("fmt,text,content,calls",
-                         [(f, *case) for f, cases in CASES.items() for case in cases])
+@pytest.mark.parametrize("fmt,text,content,calls", [(f, *case) for f, cases in CASES.items() for case in cases])
 def test_parse_and_stream(fmt, text, content, calls):
     parser = get_parser(fmt)
     scan = parser.scan(text)
@@ -124,7 +163,7 @@ def test_reasoning_split_and_stream(model_type, text, reasoning, content):
     assert parser.split(text) == (reasoning, content)
     for step, whole in [(1, False), (2, False), (5, False), (1, True), (3, True)]:
         stream, got, pieces_r = ReasoningStream(parser, whole=whole), ["", ""], []
-        pieces = [text[i:i + step] for i in range(0, len(text), step)] + [""]
+        pieces = [text[i : i + step] for i in range(0, len(text), step)] + [""]
         for i, piece in enumerate(pieces):
             r, c = stream.feed(piece, final=i == len(pieces) - 1)
             if r:
@@ -146,10 +185,18 @@ def test_reasoning_unknown_type():
 def test_chat_output_message_equals_its_stream():
     from sgjax.server.chat_output import ChatOutput
 
-    for out in (ChatOutput(tools=get_parser("hermes")), ChatOutput(reasoning=ReasoningParser.named("qwen3")),
-                ChatOutput(tools=get_parser("hermes"), reasoning=ReasoningParser.named("qwen3"))):
-        for text in ("  plain answer \n", "<think>hm</think>\n\n" + HERMES_TWO, HERMES_TWO, "<think>only",
-                     "<think>hm</think>" + HERMES_TWO + "\nIt is 18 C."):
+    for out in (
+        ChatOutput(tools=get_parser("hermes")),
+        ChatOutput(reasoning=ReasoningParser.named("qwen3")),
+        ChatOutput(tools=get_parser("hermes"), reasoning=ReasoningParser.named("qwen3")),
+    ):
+        for text in (
+            "  plain answer \n",
+            "<think>hm</think>\n\n" + HERMES_TWO,
+            HERMES_TWO,
+            "<think>only",
+            "<think>hm</think>" + HERMES_TWO + "\nIt is 18 C.",
+        ):
             msg, called = out.message(text)
             stream, got, calls = out.stream(), {"content": "", "reasoning_content": ""}, {}
             for i in range(1, len(text) + 1):
@@ -164,5 +211,6 @@ def test_chat_output_message_equals_its_stream():
             assert got["content"] == (msg.get("content") or "")
             assert got["reasoning_content"] == (msg.get("reasoning_content") or "")
             assert [tuple(v) for _, v in sorted(calls.items())] == [
-                (c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+                (c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])
+            ]
             assert stream.called == called

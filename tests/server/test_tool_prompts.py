@@ -10,19 +10,30 @@ import pytest
 from sgjax.fsm import from_tokenizer
 from sgjax.fsm.grammar import compile_grammar
 from sgjax.model.chat_templates import LLAMA3
+from sgjax.model.tokenizer import _compile_template
 from sgjax.server import tools
 from sgjax.server.protocol import ApiError, ChatCompletionRequest
 from sgjax.server.tool_parsers import default_parser_name, get_parser
 from sgjax.server.tools import template_input
-from sgjax.model.tokenizer import _compile_template
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+        },
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters: the arguments are {}
-HISTORY = [{"role": "user", "content": "Weather in Paris?"},
-           {"role": "assistant", "content": "", "tool_calls": [("get_weather", '{"city": "Paris"}')]},
-           {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}]
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [("get_weather", '{"city": "Paris"}')]},
+    {"role": "tool", "content": "18 C", "tool_call_id": "call_1"},
+]
 # Written for this test in the way Qwen2.5's template reads tools: the tool list, each call's arguments as an object
 # (tojson), tool results in <tool_response> tags.
 QWEN_LIKE = """{%- if tools %}<|im_start|>system
@@ -55,7 +66,10 @@ def test_smollm2_chatml_gets_tools_in_a_system_message(smollm2_tokenizer):
     text = _render(smollm2_tokenizer.chat_template, get_parser("hermes"))
     assert text.startswith("<|im_start|>system\n# Tools")  # ours replaces SmolLM2's default system prompt
     assert json.dumps(WEATHER["function"]["parameters"]) in text
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        in text
+    )
     assert "<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>" in text
     none = _render(smollm2_tokenizer.chat_template, get_parser("hermes"), "none")
     assert "# Tools" not in none  # tool_choice none: the tools stay out of the prompt
@@ -85,9 +99,17 @@ def test_each_choice_grammar(fmt, smollm2_tokenizer):
         ("required", [one, two], ["hello", bad]),
         ({"type": "function", "function": {"name": "get_time"}}, [parser.render([("get_time", "{}")])], [one]),
         ("auto", [one, two, "Hello there.", ""], [bad]),
-    ] + ([("auto", ["Let me check.\n" + one, "x < y, [TOOL] <tool", "Sure. " + one + " Done.", one + "\nok " + two],
-           ["Sure. " + bad, one + " Done. " + bad, one + " then " + parser.trigger + " no call"])]
-         if parser.trigger else [("auto", [], [one + " Done."])]):  # calls that open the answer are all of it
+    ] + (
+        [
+            (
+                "auto",
+                ["Let me check.\n" + one, "x < y, [TOOL] <tool", "Sure. " + one + " Done.", one + "\nok " + two],
+                ["Sure. " + bad, one + " Done. " + bad, one + " then " + parser.trigger + " no call"],
+            )
+        ]
+        if parser.trigger
+        else [("auto", [], [one + " Done."])]
+    ):  # calls that open the answer are all of it
         plan = tools.plan(_req(tools=[WEATHER, CLOCK], tool_choice=choice), parser)
         grammar = compile_grammar(plan.regex, vocab)
         for text in accepts:
@@ -120,22 +142,56 @@ def test_auto_text_after_calls(fmt):
 
 
 # -- pythonic: keyword arguments of Python literals (fsm/python_literal.py) ----------------------------------------
-RICH = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 8}, "nights": {"type": "integer", "minimum": 1, "maximum": 14},
-    "unit": {"enum": ["eur", "usd"]}, "late": {"type": "boolean"}, "note": {"type": ["string", "null"]},
-    "ages": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
-    "room": {"type": "object", "properties": {"beds": {"type": "integer"}, "view": {"type": "boolean"}},
-             "required": ["beds"]}}, "required": ["city", "nights"]}}}
+RICH = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "nights": {"type": "integer", "minimum": 1, "maximum": 14},
+                "unit": {"enum": ["eur", "usd"]},
+                "late": {"type": "boolean"},
+                "note": {"type": ["string", "null"]},
+                "ages": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+                "room": {
+                    "type": "object",
+                    "properties": {"beds": {"type": "integer"}, "view": {"type": "boolean"}},
+                    "required": ["beds"],
+                },
+            },
+            "required": ["city", "nights"],
+        },
+    },
+}
 DOTTED = {"type": "function", "function": {"name": "math.now"}}
-PY_GOOD = ['[book(city="Paris", nights=2)]',
-           ('[book(city="Pa\\"ris", nights=14, unit="usd", late=True, note=None, ages=[1.5, -2, 3e2], '
-            'room={"beds": 2, "view": False})]'),
-           '[math.now()]', '[book(city="", nights=1), math.now()]', '[book(city="Nice", nights=3, note="x\\n")]']
-PY_BAD = ["[book(nights=2)]", '[book(city="Paris")]', '[book(city="Paris", nights=0)]',  # required, bounds
-          '[book(city="Marseille", nights=2)]', "[book(city='Paris', nights=2)]",  # maxLength, the one quote
-          '[book(city="Paris", nights=2, unit="gbp")]', '[book(city="Paris", nights=2, late=true)]',
-          '[book(nights=2, city="Paris")]', '[book(city="a\\/b", nights=1)]', '[book(city="P", nights=1, room={})]',
-          '[book("Paris", 2)]', "book(city='x', nights=1)", "[]", '[book(city="P", nights=1)] ok']
+PY_GOOD = [
+    '[book(city="Paris", nights=2)]',
+    (
+        '[book(city="Pa\\"ris", nights=14, unit="usd", late=True, note=None, ages=[1.5, -2, 3e2], '
+        'room={"beds": 2, "view": False})]'
+    ),
+    "[math.now()]",
+    '[book(city="", nights=1), math.now()]',
+    '[book(city="Nice", nights=3, note="x\\n")]',
+]
+PY_BAD = [
+    "[book(nights=2)]",
+    '[book(city="Paris")]',
+    '[book(city="Paris", nights=0)]',  # required, bounds
+    '[book(city="Marseille", nights=2)]',
+    "[book(city='Paris', nights=2)]",  # maxLength, the one quote
+    '[book(city="Paris", nights=2, unit="gbp")]',
+    '[book(city="Paris", nights=2, late=true)]',
+    '[book(nights=2, city="Paris")]',
+    '[book(city="a\\/b", nights=1)]',
+    '[book(city="P", nights=1, room={})]',
+    '[book("Paris", 2)]',
+    "book(city='x', nights=1)",
+    "[]",
+    '[book(city="P", nights=1)] ok',
+]
 
 
 def _py_plan(choice="required", **kw):
@@ -222,18 +278,44 @@ def test_reasoning_block_before_constrained_calls(fmt, smollm2_tokenizer):
     bad = parser.render([("get_weather", '{"city": 5}')])
     forced, optional = ReasoningParser.named("deepseek-r1"), ReasoningParser.named("qwen3")
     cases = [
-        (forced, "required", ["<think>Paris, so get_weather.</think>\n\n" + one, "No opening tag.</think>" + one,
-                              "</think>" + one, "<think>mentions <tool_call> and [f(x=1)] freely</think>\n" + one],
-         [one, "<think>never closed " + one, "<think>a</think>b</think>" + one, "<think>x</think> Sure. " + one,
-          "<think>x</think>" + bad]),
+        (
+            forced,
+            "required",
+            [
+                "<think>Paris, so get_weather.</think>\n\n" + one,
+                "No opening tag.</think>" + one,
+                "</think>" + one,
+                "<think>mentions <tool_call> and [f(x=1)] freely</think>\n" + one,
+            ],
+            [
+                one,
+                "<think>never closed " + one,
+                "<think>a</think>b</think>" + one,
+                "<think>x</think> Sure. " + one,
+                "<think>x</think>" + bad,
+            ],
+        ),
         (optional, "required", [one, "<think>hm</think>\n" + one], ["I think.</think>" + one, "<think>x</think>hi"]),
-        (forced, {"type": "function", "function": {"name": "get_weather"}}, ["<think>ok</think>" + one],
-         ["<think>ok</think>" + parser.render([("get_time", "{}")])]),
-    ] + ([(forced, "auto", ["<think>a <tool_call> in thought</think>Sure. " + one + " Done."], ["Sure. " + one]),
-          # an optional type under auto: the free text holds the block, which then may not write the trigger
-          (optional, "auto", ["<think>hm</think>Sure. " + one, "Sure. " + one],
-           ["<think>a <tool_call> b</think>" + one])]
-         if parser.trigger else [])
+        (
+            forced,
+            {"type": "function", "function": {"name": "get_weather"}},
+            ["<think>ok</think>" + one],
+            ["<think>ok</think>" + parser.render([("get_time", "{}")])],
+        ),
+    ] + (
+        [
+            (forced, "auto", ["<think>a <tool_call> in thought</think>Sure. " + one + " Done."], ["Sure. " + one]),
+            # an optional type under auto: the free text holds the block, which then may not write the trigger
+            (
+                optional,
+                "auto",
+                ["<think>hm</think>Sure. " + one, "Sure. " + one],
+                ["<think>a <tool_call> b</think>" + one],
+            ),
+        ]
+        if parser.trigger
+        else []
+    )
     for reasoning, choice, accepts, refuses in cases:
         plan = tools.plan(_req(tools=[WEATHER, CLOCK], tool_choice=choice), parser, reasoning=reasoning)
         grammar = compile_grammar(plan.regex, vocab)
@@ -284,10 +366,11 @@ def test_real_qwen_template_renders_tools_calls_and_results():
     assert text == bfcl_render(None, messages, extra["tools"])  # the template and BFCL's rendering of it agree
     listing = "\n".join(json.dumps(t) for t in extra["tools"])
     assert text.startswith("<|im_start|>system\n# Tools\n\n") and f"<tools>\n{listing}\n</tools>" in text
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-            "</tool_call><|im_end|>\n") in text  # the arguments as an object, tojson'ed by the template
-    assert text.endswith("<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>\n"
-                         "<|im_start|>assistant\n")
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><|im_end|>\n"
+    ) in text  # the arguments as an object, tojson'ed by the template
+    assert text.endswith("<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     # What the template shows the model is what the parser reads and the grammar forces.
     (call,) = fmt.scan(text).calls
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})

@@ -17,15 +17,33 @@ import pytest
 from sgjax.data import bfcl, bfcl_ast_match
 from tests.server.conftest import SMALL_FLAGS, assert_no_leak, serving, sse_events
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Get the local time in a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 24}},
-                   "required": ["zone"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 24},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the local time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 24}},
+            "required": ["zone"],
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
@@ -51,8 +69,15 @@ def _valid(call, tools) -> dict:
 
 @pytest.mark.parametrize("choice", ["required", NAMED])
 def test_constrained_call(oai, choice):
-    r = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                                    parallel_tool_calls=False, max_tokens=48, temperature=0)
+    r = oai.chat.completions.create(
+        model="m",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_tokens=48,
+        temperature=0,
+    )
     c = r.choices[0]
     assert c.finish_reason == "tool_calls"
     assert c.message.content is None and len(c.message.tool_calls) == 1
@@ -64,8 +89,9 @@ def test_constrained_call(oai, choice):
 
 
 def test_none_and_auto(oai):
-    r = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8,
-                                    temperature=0)
+    r = oai.chat.completions.create(
+        model="m", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8, temperature=0
+    )
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
     # auto: the model answers in text or calls; either way the answer has the OpenAI shape and any call is valid.
     r = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=48, temperature=0)
@@ -78,8 +104,15 @@ def test_none_and_auto(oai):
 
 
 def test_stream_deltas_concatenate_to_the_call(oai):
-    kw = dict(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
-              max_tokens=48, temperature=0)
+    kw = dict(
+        model="m",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=48,
+        temperature=0,
+    )
     whole = oai.chat.completions.create(**kw).choices[0].message.tool_calls
     calls, reasons = {}, []
     for chunk in oai.chat.completions.create(**kw, stream=True):
@@ -99,13 +132,24 @@ def test_stream_deltas_concatenate_to_the_call(oai):
 
 def test_history_with_tool_calls_and_results(oai):
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
-        {"role": "tool", "tool_call_id": "call_2", "content": "14:05"}]
-    r = oai.chat.completions.create(model="m", messages=history, tools=[WEATHER, TIME], tool_choice="none",
-                                    max_tokens=8, temperature=0)
+        {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
+    ]
+    r = oai.chat.completions.create(
+        model="m", messages=history, tools=[WEATHER, TIME], tool_choice="none", max_tokens=8, temperature=0
+    )
     assert r.choices[0].message.content
     # The calls and results reach the prompt in the format the model was given (hermes blocks, tool responses).
     base = str(oai.base_url).removesuffix("/v1/")
@@ -118,17 +162,42 @@ def test_history_with_tool_calls_and_results(oai):
 def test_refusals_name_the_field(tool_server):
     url = tool_server.url + "/v1/chat/completions"
     cases = [
-        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]},
-         "tool_choice.function.name"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]},
+            "tool_choice.function.name",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-            "x": {"type": "string", "not": {}}}}}}], "tool_choice": "required"}, "tools.0.function.parameters"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"x": {"type": "string", "not": {}}}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools.0.function.parameters",
+        ),
         ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name"),
         ({"tools": [WEATHER], "tool_choice": "required", "regex": "a+"}, "regex"),
         ({"tools": [WEATHER], "tool_choice": "required", "ebnf": "root ::= 'a'"}, "ebnf"),
-        ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "hi",
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    }
+                ]
+            },
+            "messages.0.tool_calls",
+        ),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
         ({"functions": [{"name": "f"}]}, "functions"),
     ]
@@ -148,10 +217,16 @@ def test_bfcl_constrained_calls_all_validate(oai, tool_server):
         tools = [_short(t) for t in task["tools"]]
         # separate_reasoning false: the calls' grammar alone, without the server's optional <think> block before it
         # (test_forced_reasoning_then_valid_calls covers that; 50 grammars with it took 118 s against 75 in CI)
-        r = oai.chat.completions.create(model="m", messages=task["messages"], tools=tools, max_tokens=160,
-                                        temperature=0, parallel_tool_calls=False,
-                                        extra_body={"separate_reasoning": False},
-                                        tool_choice={"type": "function", "function": {"name": tools[0]["function"]["name"]}})
+        r = oai.chat.completions.create(
+            model="m",
+            messages=task["messages"],
+            tools=tools,
+            max_tokens=160,
+            temperature=0,
+            parallel_tool_calls=False,
+            extra_body={"separate_reasoning": False},
+            tool_choice={"type": "function", "function": {"name": tools[0]["function"]["name"]}},
+        )
         (call,) = r.choices[0].message.tool_calls
         return bfcl_ast_match(call.function.name, _valid(call, tools), task["ground_truth"])
 
@@ -164,11 +239,15 @@ def test_bfcl_constrained_calls_all_validate(oai, tool_server):
 def _short(tool: dict) -> dict:
     """A BFCL tool without descriptions (shorter prompts on CPU) and with bounded strings and arrays: a looping small
     model then still closes its call within max_tokens (a grammar cannot make a cut-off call valid)."""
+
     def bound(s):
         if not isinstance(s, dict):
             return s
-        s = {k: ({p: bound(v) for p, v in s["properties"].items()} if k == "properties" else bound(v))
-             for k, v in s.items() if k != "description"}
+        s = {
+            k: ({p: bound(v) for p, v in s["properties"].items()} if k == "properties" else bound(v))
+            for k, v in s.items()
+            if k != "description"
+        }
         if s.get("type") == "string" and "enum" not in s:
             s.setdefault("maxLength", 12)
         if s.get("type") == "array":
@@ -190,8 +269,9 @@ def test_langchain_bind_tools_round_trip(tool_server):
         """Get the current weather in a city."""
         return f"18 C and sunny in {city}"
 
-    llm = ChatOpenAI(base_url=tool_server.url + "/v1", api_key="none", model="m", temperature=0, max_tokens=48,
-                     max_retries=0)
+    llm = ChatOpenAI(
+        base_url=tool_server.url + "/v1", api_key="none", model="m", temperature=0, max_tokens=48, max_retries=0
+    )
     ai = llm.bind_tools([get_weather], tool_choice="get_weather").invoke([HumanMessage("Weather in Paris?")])
     (call,) = ai.tool_calls
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
@@ -212,7 +292,7 @@ def test_litellm_tools(tool_server):
     # litellm is heavy to import and reaches for its price list online: a child process, with the bundled list.
     script = textwrap.dedent(f"""
         import json, litellm
-        r = litellm.completion(model="openai/m", api_base={tool_server.url + '/v1'!r}, api_key="none",
+        r = litellm.completion(model="openai/m", api_base={tool_server.url + "/v1"!r}, api_key="none",
                                messages={ASK!r}, tools=[{json.dumps(WEATHER)}], tool_choice="required",
                                parallel_tool_calls=False, max_tokens=48, temperature=0)
         c = r.choices[0]
@@ -237,8 +317,12 @@ def test_reasoning_split_on_a_real_run(oai, tool_server):
     assert msg.reasoning_content and msg.content
     assert "<think>" not in msg.content and "</think>" not in msg.reasoning_content
     streamed = {"reasoning_content": "", "content": ""}
-    with httpx.stream("POST", tool_server.url + "/v1/chat/completions", json={**kw, **kw.pop("extra_body"),
-                                                                              "stream": True}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        tool_server.url + "/v1/chat/completions",
+        json={**kw, **kw.pop("extra_body"), "stream": True},
+        timeout=120,
+    ) as r:
         for e in sse_events(r.iter_lines()):
             if e != "[DONE]":
                 for key, value in e["choices"][0]["delta"].items():
@@ -247,8 +331,12 @@ def test_reasoning_split_on_a_real_run(oai, tool_server):
     assert streamed == {"reasoning_content": msg.reasoning_content, "content": msg.content}
     # stream_reasoning false (SGLang's field): the reasoning arrives once, whole, before the content
     order = []
-    with httpx.stream("POST", tool_server.url + "/v1/chat/completions",
-                      json={**kw, "regex": THINK, "stream": True, "stream_reasoning": False}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        tool_server.url + "/v1/chat/completions",
+        json={**kw, "regex": THINK, "stream": True, "stream_reasoning": False},
+        timeout=120,
+    ) as r:
         assert r.status_code == 200
         for e in sse_events(r.iter_lines()):
             if e != "[DONE]":
@@ -257,8 +345,17 @@ def test_reasoning_split_on_a_real_run(oai, tool_server):
     assert [k for k, _ in order].count("reasoning_content") == 1
     assert "".join(v for k, v in order if k == "content") == msg.content
     # separate_reasoning false (SGLang's switch): the block stays in the content
-    kept = oai.chat.completions.create(model="m", messages=ASK, max_tokens=40, temperature=0,
-                                       extra_body={"regex": THINK, "separate_reasoning": False}).choices[0].message
+    kept = (
+        oai.chat.completions.create(
+            model="m",
+            messages=ASK,
+            max_tokens=40,
+            temperature=0,
+            extra_body={"regex": THINK, "separate_reasoning": False},
+        )
+        .choices[0]
+        .message
+    )
     assert kept.content.startswith("<think>") and getattr(kept, "reasoning_content", None) is None
 
 
@@ -271,8 +368,13 @@ def test_ebnf_over_http(oai, tool_server):
     from tests.fsm.test_ebnf import GRAMMARS
 
     ebnf, lark_src = GRAMMARS["arithmetic"]
-    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Write a sum."}], max_tokens=16,
-                                    temperature=0, extra_body={"ebnf": ebnf})
+    r = oai.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Write a sum."}],
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ebnf": ebnf},
+    )
     text = r.choices[0].message.content
     if r.choices[0].finish_reason == "stop":
         Lark(lark_src, parser="earley", lexer="dynamic").parse(text)
@@ -282,8 +384,11 @@ def test_ebnf_over_http(oai, tool_server):
     for route, body, field in [
         ("/v1/chat/completions", {"messages": ASK, "ebnf": bad}, "ebnf"),
         ("/generate", {"text": "Hi", "sampling_params": {"ebnf": bad}}, "sampling_params.ebnf"),
-        ("/generate", {"text": "Hi", "sampling_params": {"ebnf": "root ::= 'a'", "regex": "a"}},
-         "sampling_params.regex"),
+        (
+            "/generate",
+            {"text": "Hi", "sampling_params": {"ebnf": "root ::= 'a'", "regex": "a"}},
+            "sampling_params.regex",
+        ),
     ]:
         got = httpx.post(tool_server.url + route, json={**body, "max_tokens": 4}, timeout=60)
         assert got.status_code == 400 and got.json()["error"]["param"] == field, got.text
@@ -291,9 +396,17 @@ def test_ebnf_over_http(oai, tool_server):
 
 
 def test_structural_tag_over_http(oai, tool_server):
-    tag = {"type": "structural_tag", "triggers": ["<f="], "structures": [
-        {"begin": "<f=add>", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-         "end": "</f>"}]}
+    tag = {
+        "type": "structural_tag",
+        "triggers": ["<f="],
+        "structures": [
+            {
+                "begin": "<f=add>",
+                "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                "end": "</f>",
+            }
+        ],
+    }
     r = oai.chat.completions.create(model="m", messages=ASK, max_tokens=12, temperature=0, response_format=tag)
     from sgjax.fsm.automaton import compile_regex
     from sgjax.fsm.structural_tag import structural_tag_to_regex
@@ -302,11 +415,17 @@ def test_structural_tag_over_http(oai, tool_server):
     text = r.choices[0].message.content
     assert text and compile_regex(structural_tag_to_regex(spec)).step(0, text.encode()) >= 0, text
     bad = {**tag, "triggers": ["<a", "<b"]}
-    got = httpx.post(tool_server.url + "/v1/chat/completions",
-                     json={"messages": ASK, "max_tokens": 4, "response_format": bad}, timeout=60)
+    got = httpx.post(
+        tool_server.url + "/v1/chat/completions",
+        json={"messages": ASK, "max_tokens": 4, "response_format": bad},
+        timeout=60,
+    )
     assert got.status_code == 400 and got.json()["error"]["param"] == "response_format", got.text
-    got = httpx.post(tool_server.url + "/generate", json={"text": "Hi", "sampling_params": {
-        "max_new_tokens": 4, "structural_tag": json.dumps(bad)}}, timeout=60)
+    got = httpx.post(
+        tool_server.url + "/generate",
+        json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, "structural_tag": json.dumps(bad)}},
+        timeout=60,
+    )
     assert got.status_code == 400 and got.json()["error"]["param"] == "sampling_params.structural_tag", got.text
 
 
@@ -335,9 +454,17 @@ def _finished_calls_validate(choices, tools) -> int:
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_pythonic_calls_on_a_real_run(py_oai, choice):
-    r = py_oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, n=4,
-                                       max_tokens=48, temperature=0.8, seed=3,
-                                       extra_body={"separate_reasoning": False})  # no reasoning block: calls only
+    r = py_oai.chat.completions.create(
+        model="m",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=choice,
+        n=4,
+        max_tokens=48,
+        temperature=0.8,
+        seed=3,
+        extra_body={"separate_reasoning": False},
+    )  # no reasoning block: calls only
     assert _finished_calls_validate(r.choices, [WEATHER, TIME]) == 4
     if isinstance(choice, dict):
         assert {c.message.tool_calls[0].function.name for c in r.choices} == {"get_time"}
@@ -346,22 +473,41 @@ def test_pythonic_calls_on_a_real_run(py_oai, choice):
 # SmolLM2 never thinks by itself; two earlier turns that reasoned before calling show it how.
 SHOTS = [
     {"role": "user", "content": "What is the weather in Rome?"},
-    {"role": "assistant", "content": "<think>The weather tool answers this.</think>", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+    {
+        "role": "assistant",
+        "content": "<think>The weather tool answers this.</think>",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "21 C"},
     {"role": "assistant", "content": "It is 21 C in Rome."},
     {"role": "user", "content": "What time is it in Tokyo?"},
-    {"role": "assistant", "content": "<think>The time tool answers this.</think>", "tool_calls": [
-        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "Asia/Tokyo"}'}}]},
+    {
+        "role": "assistant",
+        "content": "<think>The time tool answers this.</think>",
+        "tool_calls": [
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "Asia/Tokyo"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "c2", "content": "09:12"},
-    {"role": "assistant", "content": "It is 09:12 in Tokyo."}]
+    {"role": "assistant", "content": "It is 09:12 in Tokyo."},
+]
 
 
 def test_forced_reasoning_then_valid_calls(py_oai):
     """The grammar lets the model reason (free text up to `</think>`) and then holds it to the calls: every
     finished answer has its reasoning split off and valid calls in the content."""
-    r = py_oai.chat.completions.create(model="m", messages=SHOTS + ASK, tools=[WEATHER, TIME],
-                                       tool_choice="required", n=4, max_tokens=96, temperature=0.7, seed=1)
+    r = py_oai.chat.completions.create(
+        model="m",
+        messages=SHOTS + ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        n=4,
+        max_tokens=96,
+        temperature=0.7,
+        seed=1,
+    )
     assert _finished_calls_validate(r.choices, [WEATHER, TIME]) >= 1
     for c in r.choices:
         if c.finish_reason != "length":

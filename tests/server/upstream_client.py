@@ -25,9 +25,17 @@ def constrained(s):
     s += "The year is "
     s += sgl.gen("year", regex=r"(19|20)[0-9]{2}", max_tokens=8)
     s += ". A person: "
-    s += sgl.gen("person", max_tokens=48, json_schema=json.dumps(
-        {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
-         "required": ["name", "age"]}))
+    s += sgl.gen(
+        "person",
+        max_tokens=48,
+        json_schema=json.dumps(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+                "required": ["name", "age"],
+            }
+        ),
+    )
 
 
 @sgl.function
@@ -55,8 +63,9 @@ def roles(s):
 @sgl.function
 def logprobs(s):
     s += "The capital of France is"
-    s += sgl.gen("x", max_tokens=3, temperature=0, return_logprob=True, top_logprobs_num=2,
-                 return_text_in_logprobs=True)
+    s += sgl.gen(
+        "x", max_tokens=3, temperature=0, return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True
+    )
 
 
 state = plain.run(question="What is 2 + 2?")
@@ -75,8 +84,11 @@ states = plain.run_batch([{"question": q} for q in ("1 + 1?", "2 + 3?", "Capital
 out["batch"] = [st["answer"] for st in states]
 state = logprobs.run()
 meta = state.get_meta_info("x")
-out["logprobs"] = {"output": meta["output_token_logprobs"], "top": meta["output_top_logprobs"],
-                   "prompt_tokens": meta["prompt_tokens"]}
+out["logprobs"] = {
+    "output": meta["output_token_logprobs"],
+    "top": meta["output_top_logprobs"],
+    "prompt_tokens": meta["prompt_tokens"],
+}
 backend.flush_cache()
 info = backend.get_server_info()
 out["server_info_keys"] = sorted(info)

@@ -64,8 +64,9 @@ class Backend:
         each, in order. Returns the request's meta info."""
         return {}
 
-    def select(self, prompt, choices: list[str], method: ChoicesMethod, images: list[str] | None = None
-               ) -> ChoicesDecision:
+    def select(
+        self, prompt, choices: list[str], method: ChoicesMethod, images: list[str] | None = None
+    ) -> ChoicesDecision:
         """Pick one of `choices` as the continuation of `prompt` (with `images` at its image tokens)."""
         return select_by_prompt_logprobs(self, prompt, choices, method, images)
 
@@ -77,8 +78,9 @@ class Backend:
         """A token's text, for the [logprob, token_id, text] entries of select's meta info; None if unknown."""
         return None
 
-    def prompt_logprobs(self, input_ids: list[list[int]], starts: list[int], images: list[str] | None = None
-                        ) -> list[list[float | None]]:
+    def prompt_logprobs(
+        self, input_ids: list[list[int]], starts: list[int], images: list[str] | None = None
+    ) -> list[list[float | None]]:
         """Prefill-only requests: for each prompt, the logprob of every token from position `starts[i]` on,
         given the tokens before it (None for position 0). A prefix already cached must be reused. `images`: the
         images of every prompt's image tokens, all of them before the starts."""
@@ -106,8 +108,9 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
-def logprobs_by_start(input_ids: list[list[int]], starts: list[int],
-                      score: Callable[[list[list[int]], int], list[list[float | None]]]) -> list[list[float | None]]:
+def logprobs_by_start(
+    input_ids: list[list[int]], starts: list[int], score: Callable[[list[list[int]], int], list[list[float | None]]]
+) -> list[list[float | None]]:
     """`prompt_logprobs` for a runtime that takes one logprob_start_len per call: one batched `score(ids, start)`
     per distinct start, rows put back in the callers' order.
 
@@ -117,7 +120,7 @@ def logprobs_by_start(input_ids: list[list[int]], starts: list[int],
     for start in sorted(set(starts)):
         idx = [i for i, s in enumerate(starts) if s == start]
         for i, row in zip(idx, score([input_ids[i] for i in idx], start)):
-            rows[i] = row[len(row) - (len(input_ids[i]) - start):]
+            rows[i] = row[len(row) - (len(input_ids[i]) - start) :]
     return rows
 
 
@@ -131,8 +134,9 @@ def decoded_token_ends(tokenizer, output_ids: list[int], text: str) -> list[int]
     return ends
 
 
-def select_by_prompt_logprobs(backend: Backend, text: str, choices: list[str],
-                              method: ChoicesMethod, images: list[str] | None = None) -> ChoicesDecision:
+def select_by_prompt_logprobs(
+    backend: Backend, text: str, choices: list[str], method: ChoicesMethod, images: list[str] | None = None
+) -> ChoicesDecision:
     """Score each choice as a continuation of `text` with prompt logprobs over the cached prefix.
 
     The prefix is cached first (one prefill-only request), then every `text + choice` runs prefill-only with
@@ -155,8 +159,9 @@ def select_by_prompt_logprobs(backend: Backend, text: str, choices: list[str],
     choice_ids = [ids[k:] for ids, k in zip(full, starts)]
 
     def entries(rows):  # SGLang's [logprob, token_id, text] per scored token
-        return [[(row[j], ids[j], backend.token_text(ids[j])) for j in js]
-                for row, js, ids in zip(rows, keep, choice_ids)]
+        return [
+            [(row[j], ids[j], backend.token_text(ids[j])) for j in js] for row, js, ids in zip(rows, keep, choice_ids)
+        ]
 
     unconditional = None
     if method.requires_unconditional_logprobs:
@@ -164,8 +169,12 @@ def select_by_prompt_logprobs(backend: Backend, text: str, choices: list[str],
         unconditional = entries(rows_u)
     conditional = entries(rows)
     # SGLang's keyword call, so a custom method written for SGLang works here too (choices.py)
-    decision = method(choices=list(choices), normalized_prompt_logprobs=token_length_normalized_scores(
-        [[e[0] for e in row] for row in conditional]), input_token_logprobs=conditional,
-        output_token_logprobs=[[] for _ in choices], unconditional_token_logprobs=unconditional)
+    decision = method(
+        choices=list(choices),
+        normalized_prompt_logprobs=token_length_normalized_scores([[e[0] for e in row] for row in conditional]),
+        input_token_logprobs=conditional,
+        output_token_logprobs=[[] for _ in choices],
+        unconditional_token_logprobs=unconditional,
+    )
     decision.meta_info["choice_token_ids"] = choice_ids
     return decision

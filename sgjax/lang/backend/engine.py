@@ -68,8 +68,13 @@ class EngineBackend(Backend):
 
     def prompt_logprobs(self, input_ids, starts, images=None):
         def score(ids, start):
-            outs = self.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                        logprob_start_len=start, image_data=[images] * len(ids) if images else None)
+            outs = self.engine.generate(
+                input_ids=ids,
+                sampling_params={"max_new_tokens": 0},
+                return_logprob=True,
+                logprob_start_len=start,
+                image_data=[images] * len(ids) if images else None,
+            )
             return [[lp for lp, _, _ in _served(out)["meta_info"]["input_token_logprobs"]] for out in outs]
 
         return logprobs_by_start(input_ids, starts, score)

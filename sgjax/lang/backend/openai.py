@@ -38,7 +38,9 @@ from sgjax.lang.choices import ChoicesDecision, ChoicesMethod
 COMPLETION_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")  # OpenAI's non-chat models
 # SGLang's names -> the OpenAI API's (engine/params.py's one table): the API's own fields, and SGLang's extensions,
 # which go in extra_body for servers that take them (sgjax serve, SGLang). max_new_tokens is sent always.
-_NATIVE = {ours: theirs for ours, (theirs, where) in OPENAI_NAMES.items() if where == "openai" and ours != "max_new_tokens"}
+_NATIVE = {
+    ours: theirs for ours, (theirs, where) in OPENAI_NAMES.items() if where == "openai" and ours != "max_new_tokens"
+}
 _EXTRA = {ours: theirs for ours, (theirs, where) in OPENAI_NAMES.items() if where == "extra"}
 _CHAT_SELECT_TOP_LOGPROBS = 10
 
@@ -64,8 +66,12 @@ class Usage:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"calls": self.calls, "prompt_tokens": self.prompt_tokens,
-                    "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens}
+            return {
+                "calls": self.calls,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
+            }
 
     def reset(self) -> None:
         with self._lock:
@@ -73,16 +79,25 @@ class Usage:
 
 
 class OpenAI(Backend):
-    def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
-                 is_chat_model: bool | None = None, chat_template: ChatTemplate | None = None, max_retries: int = 2,
-                 timeout: float | None = 600.0, **client_kwargs):
+    def __init__(
+        self,
+        model_name: str,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        is_chat_model: bool | None = None,
+        chat_template: ChatTemplate | None = None,
+        max_retries: int = 2,
+        timeout: float | None = 600.0,
+        **client_kwargs,
+    ):
         import openai
 
         self._openai = openai
         if api_key is None:
             api_key = os.environ.get("OPENAI_API_KEY") or ("EMPTY" if base_url else None)
-        self.client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=max_retries, timeout=timeout,
-                                    **client_kwargs)
+        self.client = openai.OpenAI(
+            api_key=api_key, base_url=base_url, max_retries=max_retries, timeout=timeout, **client_kwargs
+        )
         self.model_name = model_name
         self.is_chat_model = model_name not in COMPLETION_MODELS if is_chat_model is None else bool(is_chat_model)
         self.chat_template = chat_template or PLAIN
@@ -94,8 +109,9 @@ class OpenAI(Backend):
             if self.is_chat_model:
                 if not isinstance(prompt, list):
                     raise TypeError(f"a chat model takes a list of messages, not {type(prompt).__name__}")
-                return self.client.chat.completions.create(model=self.model_name, messages=prompt, stream=stream,
-                                                           **kwargs)
+                return self.client.chat.completions.create(
+                    model=self.model_name, messages=prompt, stream=stream, **kwargs
+                )
             return self.client.completions.create(model=self.model_name, prompt=prompt, stream=stream, **kwargs)
         except self._openai.APIConnectionError as e:
             raise ConnectionError(f"cannot reach the OpenAI API at {self.client.base_url}: {e}") from e
@@ -115,8 +131,10 @@ class OpenAI(Backend):
                 extra[_EXTRA[name]] = value
             elif name == "json_schema":
                 if self.is_chat_model:
-                    kwargs["response_format"] = {"type": "json_schema",
-                                                 "json_schema": {"name": "output", "schema": json.loads(value)}}
+                    kwargs["response_format"] = {
+                        "type": "json_schema",
+                        "json_schema": {"name": "output", "schema": json.loads(value)},
+                    }
                 else:
                     extra["json_schema"] = value
             elif name == "return_logprob":
@@ -196,8 +214,9 @@ class OpenAI(Backend):
         if method.requires_unconditional_logprobs:
             # Alone, a choice's first token has no context: None, which the method counts as 0 (as in SGLang).
             alone = self._choice_logprobs(list(choices), 0, first=True)
-            unconditional = [u if len(u) == len(c) else [sum(x or 0.0 for x in u) / len(u)] * len(c)
-                             for c, u in zip(logprobs, alone)]
+            unconditional = [
+                u if len(u) == len(c) else [sum(x or 0.0 for x in u) / len(u)] * len(c) for c, u in zip(logprobs, alone)
+            ]
         return method(list(choices), logprobs, unconditional)
 
     def _choice_logprobs(self, texts: list[str], start: int, first: bool = False) -> list[list[float | None]]:
@@ -214,14 +233,18 @@ class OpenAI(Backend):
 
     def _select_by_asking(self, messages, choices) -> ChoicesDecision:
         longest = max(len(c) for c in choices)
-        resp = self._call(messages, {"max_tokens": min(longest + 4, 64), "temperature": 0,
-                                     **self._logprob_kwargs(_CHAT_SELECT_TOP_LOGPROBS)})
+        resp = self._call(
+            messages,
+            {"max_tokens": min(longest + 4, 64), "temperature": 0, **self._logprob_kwargs(_CHAT_SELECT_TOP_LOGPROBS)},
+        )
         choice = resp.choices[0]
         reply = _text(choice)
         index, how = match_choice(reply, choices, _first_token_alternatives(choice))
         if index is None:
-            raise ValueError(f"select: the chat model answered {reply!r}, which is none of {list(choices)}, and no "
-                             f"likely first token begins one; ask for one of the choices in the prompt")
+            raise ValueError(
+                f"select: the chat model answered {reply!r}, which is none of {list(choices)}, and no "
+                f"likely first token begins one; ask for one of the choices in the prompt"
+            )
         return ChoicesDecision(choices[index], index, {"reply": reply, "matched_by": how})
 
     @property
@@ -269,7 +292,10 @@ def _text(choice) -> str:
 def _meta(resp, choice) -> dict:
     usage = resp.usage
     details = getattr(usage, "prompt_tokens_details", None)
-    return {"id": resp.id, "prompt_tokens": usage.prompt_tokens if usage else None,
-            "completion_tokens": usage.completion_tokens if usage else None,
-            "cached_tokens": (getattr(details, "cached_tokens", None) or 0) if details else 0,
-            "finish_reason": {"type": choice.finish_reason, "matched": getattr(choice, "matched_stop", None)}}
+    return {
+        "id": resp.id,
+        "prompt_tokens": usage.prompt_tokens if usage else None,
+        "completion_tokens": usage.completion_tokens if usage else None,
+        "cached_tokens": (getattr(details, "cached_tokens", None) or 0) if details else 0,
+        "finish_reason": {"type": choice.finish_reason, "matched": getattr(choice, "matched_stop", None)},
+    }

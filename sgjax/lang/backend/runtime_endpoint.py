@@ -33,17 +33,20 @@ class ServerError(RuntimeError):
 
 
 class RuntimeEndpoint(Backend):
-    def __init__(self, base_url: str, api_key: str | None = None, tokenizer_path: str | None = None,
-                 timeout: float = 600.0):
+    def __init__(
+        self, base_url: str, api_key: str | None = None, tokenizer_path: str | None = None, timeout: float = 600.0
+    ):
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
         self.model_info = self._request("GET", "/get_model_info")
         path = tokenizer_path or self.model_info.get("tokenizer_path") or self.model_info.get("model_path")
         if not path or not os.path.exists(path):
-            raise ValueError(f"RuntimeEndpoint({self.base_url!r}) needs the model's tokenizer (for select and the chat "
-                             f"template): the server reports {path!r}, which is not on this machine; pass "
-                             f"tokenizer_path= (a GGUF file or an HF model directory)")
+            raise ValueError(
+                f"RuntimeEndpoint({self.base_url!r}) needs the model's tokenizer (for select and the chat "
+                f"template): the server reports {path!r}, which is not on this machine; pass "
+                f"tokenizer_path= (a GGUF file or an HF model directory)"
+            )
         from sgjax.model.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(path)
@@ -54,8 +57,10 @@ class RuntimeEndpoint(Backend):
         try:
             r = self.client.request(method, path, json=body)
         except httpx.TransportError as e:
-            raise ServerError(f"cannot reach the server at {self.base_url}{path}: {type(e).__name__}: {e} "
-                              f"(is `sgjax serve` running there?)") from None
+            raise ServerError(
+                f"cannot reach the server at {self.base_url}{path}: {type(e).__name__}: {e} "
+                f"(is `sgjax serve` running there?)"
+            ) from None
         if r.status_code != 200:
             raise ServerError(f"{self.base_url}{path} answered {r.status_code}: {_message(r.text)}", r.status_code)
         return r.json()
@@ -79,10 +84,11 @@ class RuntimeEndpoint(Backend):
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    event = json.loads(line[len("data: "):])
+                    event = json.loads(line[len("data: ") :])
                     if "error" in event:
-                        raise ServerError(f"{self.base_url}/generate failed while streaming: "
-                                          f"{event['error'].get('message')}")
+                        raise ServerError(
+                            f"{self.base_url}/generate failed while streaming: {event['error'].get('message')}"
+                        )
                     piece = event["text"][sent:]
                     sent = len(event["text"])
                     yield piece, event["meta_info"]
@@ -108,8 +114,12 @@ class RuntimeEndpoint(Backend):
 
     def prompt_logprobs(self, input_ids, starts, images=None):
         def score(ids, start):
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-                    "logprob_start_len": start}
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": start,
+            }
             outs = self._generate({**body, "image_data": [images] * len(ids)} if images else body)
             return [[lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]] for out in outs]
 
