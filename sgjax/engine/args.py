@@ -51,6 +51,9 @@ class ServerArgs:
     attention_backend: str | None = None  # ref | cpu | pallas; default by platform (kernels/pallas.default_backend)
     context_length: int | None = None
     max_top_logprobs_num: int = 20
+    # Request bounds an operator may move (engine/limits.py holds them all): a grammar's text, images per prompt.
+    max_grammar_chars: int = 65536
+    max_images_per_request: int = 16
     precompile: bool | None = None  # compile the common step shapes at start; default: on accelerators only
     # Step-shape ladder: fine (R, L, K fitted to each batch: CPU, where compiles are cheap) or coarse (the shape
     # follows the token count: accelerators, where a compile costs seconds); default by platform.
@@ -238,6 +241,15 @@ ENGINE_FLAGS = [
         "max_top_logprobs_num",
         dict(type=int, help="largest top_logprobs_num (logprobs, top_logprobs) a request may ask for"),
     ),
+    (
+        "max_grammar_chars",
+        dict(
+            type=int,
+            help="longest regex, JSON schema, EBNF grammar or structural tag a request may carry, in characters "
+            "(a longer one is a 400)",
+        ),
+    ),
+    ("max_images_per_request", dict(type=int, help="most images in one prompt (more is a 400)")),
     (
         "precompile",
         dict(

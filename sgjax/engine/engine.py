@@ -142,6 +142,8 @@ class Engine(EngineLoop):
             grammar_cache_size=args.grammar_cache_size,
             grammar_compile_timeout=args.grammar_compile_timeout,
             grammars_on=args.grammar_backend != "none",
+            max_grammar_chars=args.max_grammar_chars,
+            max_images=args.max_images_per_request,
         )
         self.outputs = Outputs(
             self.scheduler,

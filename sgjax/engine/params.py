@@ -18,17 +18,18 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from sgjax.engine.limits import DEFAULT_MAX_NEW_TOKENS, bound
 from sgjax.errors import RequestError
 
 _GREEDY_EPS = 1e-6
 _ALIASES = {"sampling_seed": "seed"}
 _ALIAS_OF = {v: k for k, v in _ALIASES.items()}
-MAX_LOGIT_BIAS = 1024  # entries per request: each is a slot of the sampler's window (a compiled width)
-# Stop strings and stop regexes are checked on the host after every token: bounded so one request cannot make every
-# step slow.
-MAX_STOPS = 64
-MAX_N = 1024  # copies of one prompt (the server also caps prompts x n per HTTP request)
-MAX_STOP_CHARS = 1024
+# Bounds (engine/limits.py, the one table): logit_bias entries are slots of the sampler's window (a compiled width);
+# stop strings and regexes are checked on the host after every token, so one request cannot make every step slow.
+MAX_LOGIT_BIAS = bound("logit_bias")
+MAX_STOPS = bound("stop")
+MAX_N = bound("n")  # copies of one prompt (the server also caps prompts x n per HTTP request)
+MAX_STOP_CHARS = bound("stop_chars")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
@@ -72,7 +73,9 @@ class SamplingParamsError(RequestError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 128  # 0: prefill only
+    # 0: prefill only; None: not asked for, DEFAULT_MAX_NEW_TOKENS shortened to fit beside the prompt (an explicit
+    # value that does not fit is refused: engine/requests.py)
+    max_new_tokens: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     # Python regexes searched in the tail of the decoded output after every token (SGLang's stop_regex); the text is
@@ -157,8 +160,10 @@ class SamplingParams:
         """Raise SamplingParamsError naming the first invalid field; `vocab_size` also bounds stop_token_ids."""
         for name in _FLOAT_FIELDS:
             _check_float(name, getattr(self, name))
-        for name in ("max_new_tokens", "top_k", "min_new_tokens", "n"):
+        for name in ("top_k", "min_new_tokens", "n"):
             _check_int(name, getattr(self, name))
+        if self.max_new_tokens is not None:
+            _check_int("max_new_tokens", self.max_new_tokens)
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
@@ -178,12 +183,12 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}", "repetition_penalty"
             )
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise SamplingParamsError(f"max_new_tokens must be >= 0, got {self.max_new_tokens!r}", "max_new_tokens")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+        most = self.max_new_tokens if self.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
+        if not 0 <= self.min_new_tokens <= most:
             raise SamplingParamsError(
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens!r}",
-                "min_new_tokens",
+                f"min_new_tokens must be in [0, max_new_tokens={most}], got {self.min_new_tokens!r}", "min_new_tokens"
             )
         if not 1 <= self.n <= MAX_N:
             raise SamplingParamsError(f"n must be in [1, {MAX_N}], got {self.n!r}", "n")

@@ -9,6 +9,7 @@ wrong in the engine's terms, so API layers can rename it without reading the mes
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import uuid
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from sgjax.engine.limits import DEFAULT_MAX_NEW_TOKENS, bound
 from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.engine.request import Req
 from sgjax.errors import RequestError
@@ -103,6 +105,8 @@ class RequestBuilder:
         grammar_cache_size: int,
         grammar_compile_timeout: float | None = None,
         grammars_on: bool = True,
+        max_grammar_chars: int = bound("grammar_chars"),
+        max_images: int = bound("image_data"),
     ):
         self.cfg, self.tokenizer, self.images = cfg, tokenizer, images
         self.context_length, self.max_total_tokens = context_length, max_total_tokens
@@ -111,6 +115,7 @@ class RequestBuilder:
         self._seeds = np.random.default_rng(seed)
         self._vocabulary = None
         self.grammars_on = grammars_on
+        self.max_grammar_chars, self.max_images = max_grammar_chars, max_images
         self.live = LiveIds()  # ids of the requests built and not yet finished
 
     def build(self, call: GenerateCall) -> tuple[list[Req], bool]:
@@ -176,6 +181,13 @@ class RequestBuilder:
         images_list = [image_data] if single else list(image_data)
         if len(images_list) != count:
             raise RequestError(f"image_data: {count} prompts but {len(images_list)} image lists", "image_data")
+        for images in images_list:
+            if isinstance(images, (list, tuple)) and len(images) > self.max_images:
+                raise RequestError(
+                    f"image_data: {len(images)} images in one prompt; at most {self.max_images} "
+                    "(max_images_per_request)",
+                    "image_data",
+                )
         return images_list
 
     def grammar(self, params: SamplingParams):
@@ -186,6 +198,12 @@ class RequestBuilder:
             return None
         if not self.grammars_on:
             raise RequestError("constrained decoding is off on this server (grammar_backend 'none')", field)
+        value = getattr(params, field)
+        size = len(value if isinstance(value, str) else json.dumps(value))
+        if size > self.max_grammar_chars:
+            raise SamplingParamsError(
+                f"{field}: {size} characters; at most {self.max_grammar_chars} (max_grammar_chars)", field
+            )
         if self.tokenizer is None:
             raise RequestError("regex and json_schema need a tokenizer; this engine has none", field)
         if self._vocabulary is None:
@@ -232,16 +250,30 @@ class RequestBuilder:
         return ids
 
     def _fit_length(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
-        """Reject prompts that cannot fit; shorten max_new_tokens to the context and the pool, as SGLang does."""
+        """Refuse prompts that cannot fit, and an explicit max_new_tokens that does not fit beside its prompt (as
+        SGLang's and vLLM's servers do); shorten the default to fit. Returns params with max_new_tokens set."""
         limit = min(self.context_length, self.max_total_tokens)
+        sizes = f"context_length {self.context_length}, max_total_tokens {self.max_total_tokens}"
         if len(ids) >= limit:
             raise RequestError(
-                f"the prompt has {len(ids)} tokens; this engine takes at most {limit - 1} "
-                f"(context_length {self.context_length}, max_total_tokens {self.max_total_tokens})",
-                "prompt",
+                f"the prompt has {len(ids)} tokens; this engine takes at most {limit - 1} ({sizes})", "prompt"
             )
-        if len(ids) + params.max_new_tokens > limit:
-            return dataclasses.replace(params, max_new_tokens=limit - len(ids))
+        asked = params.max_new_tokens
+        if asked is None:
+            most = min(DEFAULT_MAX_NEW_TOKENS, limit - len(ids))
+            if params.min_new_tokens > most:
+                raise SamplingParamsError(
+                    f"min_new_tokens: {params.min_new_tokens} new tokens do not fit beside the prompt's {len(ids)} "
+                    f"({sizes})",
+                    "min_new_tokens",
+                )
+            return dataclasses.replace(params, max_new_tokens=most)
+        if len(ids) + asked > limit:
+            raise SamplingParamsError(
+                f"max_new_tokens: {asked} new tokens plus the prompt's {len(ids)} exceed the limit of {limit} "
+                f"tokens ({sizes})",
+                "max_new_tokens",
+            )
         return params
 
     def _logprob_start(self, call: GenerateCall, ids) -> int:

@@ -66,8 +66,9 @@ def successor_ceiling(tables: TokenTables, canonical: np.ndarray, dist: np.ndarr
     return out.astype(np.int32)
 
 
-def budget_mask(tables: TokenTables, mask_bits: np.ndarray, canonical: np.ndarray, dist: np.ndarray, state: int,
-                remaining: int) -> np.ndarray:
+def budget_mask(
+    tables: TokenTables, mask_bits: np.ndarray, canonical: np.ndarray, dist: np.ndarray, state: int, remaining: int
+) -> np.ndarray:
     """int32[ceil(V / 32)]: the state's mask keeping only the tokens after which `remaining - 1` tokens can still
     finish. Empty when none can (the caller keeps the grammar's own mask then)."""
     canon = int(canonical[state])

@@ -10,6 +10,7 @@ import pytest
 from sgjax.cache import POLICIES
 from sgjax.engine.engine import Engine
 from sgjax.engine.params import SamplingParamsError
+from sgjax.errors import RequestError
 from tests.conftest import SMALL
 from tests.engine.conftest import CHAT, FEW_SHOT, NEW_TOKENS, tiny_engine
 
@@ -321,11 +322,21 @@ def test_bad_requests_are_clear_errors(engine, kwargs, message):
         engine.generate(**kwargs)
 
 
-def test_too_long_prompt_is_rejected_and_max_new_tokens_clipped(tiny):
+def test_too_long_prompt_and_max_new_tokens_are_refused_and_the_default_is_shortened(tiny):
+    """A prompt that cannot fit and an explicit max_new_tokens beyond what fits beside it are refused, naming the
+    field (as SGLang's and vLLM's servers refuse them); an unset max_new_tokens is 128 shortened to fit."""
     with Engine.from_weights(*tiny, max_total_tokens=64) as eng:
-        with pytest.raises(ValueError, match="at most"):
+        with pytest.raises(RequestError, match="at most") as e:
             eng.generate(input_ids=[1] * 64)
-        out = eng.generate(input_ids=[1] * 60, sampling_params={"max_new_tokens": 100, "ignore_eos": True})
+        assert e.value.field == "prompt"
+        with pytest.raises(RequestError, match="max_new_tokens: 100 new tokens plus the prompt's 60") as e:
+            eng.generate(input_ids=[1] * 60, sampling_params={"max_new_tokens": 100, "ignore_eos": True})
+        assert e.value.field == "max_new_tokens"
+        with pytest.raises(RequestError, match="max_new_tokens") as e:
+            eng.generate(input_ids=[1] * 3, sampling_params={"max_new_tokens": 2**63, "ignore_eos": True})
+        out = eng.generate(input_ids=[1] * 60, sampling_params={"ignore_eos": True})
+        assert out["meta_info"]["completion_tokens"] == 4
+        out = eng.generate(input_ids=[1] * 60, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
         assert out["meta_info"]["completion_tokens"] == 4
 
 

@@ -18,7 +18,9 @@ def test_defaults_valid():
     p.validate(vocab_size=10)
     assert SamplingParams.from_dict(None) == p
     assert SamplingParams.from_dict({}) == p
-    assert p.max_new_tokens == 128 and p.top_k == -1 and p.stop == () and p.seed is None and p.seed32 is None
+    assert (
+        p.max_new_tokens is None and p.top_k == -1 and p.stop == () and p.seed is None and p.seed32 is None
+    )  # None: 128, fitted
     assert not p.is_greedy
 
 

@@ -256,3 +256,15 @@ def test_dsl_select_after_an_image_scores_with_the_image(server, tok, llava):
     finally:
         endpoint.shutdown()
     assert not np.allclose(decisions[0], decisions[1], atol=1e-3)  # the image reached the scoring
+
+
+def test_more_images_than_the_bound_are_a_400_naming_image_data(client, tok):
+    """engine/limits.py's image_data bound (--max-images-per-request, 16 by default): checked before any image is
+    decoded; the server keeps serving."""
+    from sgjax.engine.limits import bound
+
+    many = [png(picture(1))] * (bound("image_data") + 1)
+    r = client.post("/generate", json={"text": ASK * len(many), "image_data": many, "sampling_params": GREEDY})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("image_data"), r.text
+    assert "max_images_per_request" in r.json()["error"]["message"]
+    assert generate(client, text=ASK, image_data=png(picture(1)), sampling_params=GREEDY)["output_ids"]
