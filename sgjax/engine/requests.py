@@ -143,6 +143,8 @@ class RequestBuilder:
                 ids, images = self.images.prepare(ids, images_list[i], self.cfg.vocab_size, None if single else i)
             params = self._fit_length(params, ids)
             grammar = self.grammar(params)
+            if grammar is not None:
+                grammar.finish_counts()  # made here, on the caller's thread: the loop's masks read them
             lp_start = self._logprob_start(call, ids)
             base = rids[i] or uuid.uuid4().hex
             for j in range(params.n):
@@ -206,22 +208,27 @@ class RequestBuilder:
             )
         if self.tokenizer is None:
             raise RequestError("regex and json_schema need a tokenizer; this engine has none", field)
-        if self._vocabulary is None:
-            self._vocabulary = from_tokenizer(self.tokenizer)
+        vocab = self.vocabulary()
         try:
             if params.regex is not None:
-                return self.grammars.get_regex(params.regex, self._vocabulary)
+                return self.grammars.get_regex(params.regex, vocab)
             if params.ebnf is not None:
-                return self.grammars.get_ebnf(params.ebnf, self._vocabulary)
+                return self.grammars.get_ebnf(params.ebnf, vocab)
             if params.structural_tag is not None:
-                return self.grammars.get_structural_tag(params.structural_tag, self._vocabulary)
-            return self.grammars.get_json_schema(params.json_schema, self._vocabulary)
+                return self.grammars.get_structural_tag(params.structural_tag, vocab)
+            return self.grammars.get_json_schema(params.json_schema, vocab)
         except (GrammarError, RegexError) as e:
             raise SamplingParamsError(f"{field}: {e}", field) from None
         except (TypeError, ValueError, AttributeError, KeyError) as e:
             # An ill-typed keyword ({"anyOf": 3}, "maxLength": "x") trips the schema compiler before its own checks:
             # still the request's mistake, not the engine's.
             raise SamplingParamsError(f"json_schema: invalid schema ({type(e).__name__}: {e})", "json_schema") from None
+
+    def vocabulary(self):
+        """The grammars' view of the tokenizer (fsm/vocab.py), made on first use."""
+        if self._vocabulary is None:
+            self._vocabulary = from_tokenizer(self.tokenizer)
+        return self._vocabulary
 
     def prompt_ids(self, text, ids) -> list[int]:
         """A prompt's token ids from its text or ids, checked (also for embeddings)."""

@@ -267,8 +267,8 @@ class Runner:
         words = -(-self.cfg.vocab_size // 32)
         masks = np.full((num_logits, words), -1, np.int32)
         for w, row in constrained:
-            if w.req.grammar is not None:
-                bits = w.req.grammar.mask_bits[w.req.fsm_state]
+            if w.req.grammar is not None:  # within the tokens the request has left (fsm/completion.py)
+                bits = w.req.grammar.mask_within(w.req.fsm_state, w.req.remaining_new_tokens)
                 masks[row, : len(bits)] = bits
                 masks[row, len(bits) :] = 0  # model ids past the tokenizer's vocabulary are never allowed
             banned = [t for t in _banned(w.req) if 0 <= t < self.cfg.vocab_size]

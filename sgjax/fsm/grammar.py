@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgjax.fsm import budget, compressed
+from sgjax.fsm import budget, completion, compressed
 from sgjax.fsm.automaton import ByteDFA, compile_regex
 from sgjax.fsm.ebnf import ebnf_to_regex
 from sgjax.fsm.errors import GrammarError
@@ -39,6 +39,7 @@ class CompiledGrammar:
     vocab: Vocabulary = field(repr=False)
     compile_seconds: float = 0.0
     _jumps: dict = field(default_factory=dict, repr=False)
+    _finish: list = field(default_factory=list, repr=False)  # finish_counts' arrays, once made
 
     start: int = 0
 
@@ -90,6 +91,26 @@ class CompiledGrammar:
         if state not in self._jumps:  # benign race: both threads compute the same value
             self._jumps[state] = compressed.forced_jump(self.tables, self.canonical, self.vocab, state)
         return self._jumps[state]
+
+    def finish_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(per state the fewest tokens to a finished output, per state its successors' largest such count), made
+        on first use (fsm/completion.py); RequestBuilder asks on the caller's thread, so the loop never waits."""
+        if not self._finish:  # benign race: both threads compute the same arrays
+            finished = np.zeros(self.num_states, bool)
+            finished[[s for s in range(self.num_states) if self.is_finished(s)]] = True
+            dist = completion.tokens_to_finish(self.tables, self.canonical, finished)
+            self._finish[:] = [dist, completion.successor_ceiling(self.tables, self.canonical, dist)]
+        return self._finish[0], self._finish[1]
+
+    def mask_within(self, state: int, remaining: int) -> np.ndarray:
+        """The state's mask for a row with `remaining` tokens left (this one included): the grammar's own while the
+        budget cannot bind, else only the tokens after which the output can still finish in time; the grammar's
+        own again when nothing can (the request then ends by length: fsm/completion.py)."""
+        dist, ceiling = self.finish_counts()
+        if remaining - 1 >= ceiling[state]:
+            return self.mask_bits[state]
+        bits = completion.budget_mask(self.tables, self.mask_bits, self.canonical, dist, state, remaining)
+        return bits if bits.any() else self.mask_bits[state]
 
     def walk(self, tokens, state: int = 0) -> int:
         for t in tokens:

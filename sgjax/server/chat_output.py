@@ -3,6 +3,7 @@ same as deltas: the reasoning parser splits first, the tool-call parser reads th
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from sgjax.server.reasoning import ReasoningParser, ReasoningStream
@@ -29,7 +30,10 @@ class ChatOutput:
         if self.tools is None:
             return {**msg, "content": text}, False
         scan = self.tools.scan(text)
-        if not scan.calls:  # stripped as a stream's deltas are (they cannot know whether a call follows)
+        calls = [c for c in scan.calls if _whole(c.arguments)]
+        if len(calls) < len(scan.calls):  # cut off by max_tokens mid-call: the text as it is, never a made-up call
+            return {**msg, "content": text}, False
+        if not calls:  # stripped as a stream's deltas are (they cannot know whether a call follows)
             return {**msg, "content": final_content(scan.content)}, False
         msg["content"] = final_content(scan.content) or None
         msg["tool_calls"] = [
@@ -40,6 +44,16 @@ class ChatOutput:
 
     def stream(self) -> "ChatStream":
         return ChatStream(self)
+
+
+def _whole(arguments: str) -> bool:
+    """Whether a call's arguments are a whole JSON value (a budget too small for any complete call leaves a cut one:
+    fsm/completion.py)."""
+    try:
+        json.loads(arguments)
+        return True
+    except ValueError:
+        return False
 
 
 class ChatStream:

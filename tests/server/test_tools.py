@@ -88,6 +88,39 @@ def test_constrained_call(oai, choice):
     _valid(call, [WEATHER, TIME])
 
 
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_every_call_parses_within_the_token_budget(oai, choice):
+    """Constrained calls know their budget (fsm/completion.py): with max_tokens from 8 to 128 and parallel calls
+    allowed, over seeded sampling, every returned call parses and validates against its schema, and a budget that
+    can hold the grammar's shortest answer always ends in whole calls ("tool_calls"); a smaller one ends with
+    finish_reason "length", returning no call made up from the cut text."""
+    seen_length = seen_calls = 0
+    for max_tokens in (8, 12, 16, 24, 32, 48, 64, 96, 128):
+        for seed in range(3):
+            r = oai.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "Weather and time in Paris, Tokyo, Lima and Oslo, please."}],
+                tools=[WEATHER, TIME],
+                tool_choice=choice,
+                max_tokens=max_tokens,
+                temperature=1.0,
+                seed=seed,
+            )
+            choice0 = r.choices[0]
+            calls = choice0.message.tool_calls or []
+            for call in calls:
+                _valid(call, [WEATHER, TIME])
+            seen_calls += len(calls)
+            if choice0.finish_reason == "length":
+                # too small a budget for the whole grammar: the calls whose JSON closed before the cut (validated
+                # above), and otherwise the cut text itself, never a call made up from it
+                seen_length += 1
+                assert calls or choice0.message.content, (max_tokens, seed, choice0)
+            else:
+                assert choice0.finish_reason == "tool_calls" and calls, (max_tokens, seed, choice0)
+    assert seen_calls > 0 and seen_length > 0  # both sides of the rule were exercised
+
+
 def test_none_and_auto(oai):
     r = oai.chat.completions.create(
         model="m", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8, temperature=0
