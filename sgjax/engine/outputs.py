@@ -41,6 +41,9 @@ class Outputs:
 
     def on_token(self, req: Req) -> None:
         """Stop checks, the FSM and streaming for a request that got a token (or finished a prefill-only run)."""
+        if req.finish_after_fill is not None:  # the forced tokens' logprobs are in: finish as decided
+            self.finish(req, req.finish_after_fill)
+            return
         if req.params.max_new_tokens == 0:
             self.finish(req, {"type": "length", "length": 0})
             return
@@ -84,6 +87,9 @@ class Outputs:
         if matched is None and req.decoder is not None:
             tail, matched_late = req.stops.feed(req.decoder.flush())
             req.text += tail + ("" if matched_late is not None else req.stops.finish())
+        if req.forced_pending:  # forced tokens still to run as an extend (sampling nothing): their logprobs, then
+            req.finish_after_fill = reason  # the finish (on_token); the request stays scheduled until then
+            return False
         self.finish(req, reason, release=req in self.scheduler.running)
         return True
 
@@ -101,9 +107,10 @@ class Outputs:
             return False
         state = jump.state if len(tokens) == len(jump.tokens) else req.grammar.walk(tokens, req.fsm_state)
         req.output_ids.extend(tokens)
-        if req.return_logprob:  # not computed: these tokens were forced, not sampled
+        if req.return_logprob:  # their logprobs come from the extend's rows (scheduler._output_rows)
             req.output_logprobs.extend((None, t) for t in tokens)
             req.output_top_logprobs.extend(None for _ in tokens)
+            req.forced_pending += len(tokens)
         req.fsm_state = state
         req.jump_tokens += len(tokens)
         self.jumped_tokens += len(tokens)
@@ -140,7 +147,7 @@ def snapshot(req: Req) -> tuple:
     n = len(req.output_ids)
     while n and req.output_ids[n - 1] < 0:
         n -= 1
-    return req.text, n, len(req.output_logprobs), max(req.cached_tokens, 0), req.finish_reason
+    return req.text, n, len(req.output_logprobs) - req.forced_pending, max(req.cached_tokens, 0), req.finish_reason
 
 
 def result(req: Req, snap: tuple | None = None) -> dict:
@@ -160,7 +167,9 @@ def result(req: Req, snap: tuple | None = None) -> dict:
         meta["output_token_logprobs"] = [(lp, t, None) for lp, t in req.output_logprobs[:n_lp]]
         if req.top_logprobs_num:
             meta["input_top_logprobs"] = [_tops(x) for x in req.input_top_logprobs]
-            meta["output_top_logprobs"] = [_tops(x) for x in req.output_top_logprobs[:n_lp]]
+            # a prefill-only request's look at the next token is its one entry (as upstream SGLang reports it)
+            tops = req.output_top_logprobs[: n_lp or (1 if req.params.max_new_tokens == 0 else 0)]
+            meta["output_top_logprobs"] = [_tops(x) for x in tops]
     return {"text": text, "output_ids": req.output_ids[:n], "meta_info": meta}
 
 

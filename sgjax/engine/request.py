@@ -59,6 +59,11 @@ class Req:
     grammar: Any = None
     fsm_state: int = 0
     jump_tokens: int = 0  # output tokens appended by jump-forward instead of decoded one by one
+    # forced tokens at the end of output_logprobs still waiting for the logprob their extend's rows give
+    # (scheduler._output_rows); a stream shows their entries once they have it
+    forced_pending: int = 0
+    # the reason a request that asked for logprobs finishes with, held while the extend of its last forced tokens runs
+    finish_after_fill: dict | None = None
     min_tokens_stops: tuple = ()  # EOS (unless ignore_eos) and stop_token_ids: masked while short of min_new_tokens
 
     images: Any = None  # sgjax.engine.images.RequestImages: feature rows at image positions (vision models)

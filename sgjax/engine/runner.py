@@ -167,7 +167,7 @@ class Runner:
         return min(bucket(pages, 16), self.max_pages)
 
     def run(self, works: list[Work]):
-        """Run one step. Returns (tokens, logprobs, top) per work and fills each work's prompt_results."""
+        """Run one step. Returns (tokens, logprobs, top) per work and fills each work's target_results."""
         return self.collect(works, self.dispatch(works))
 
     def dispatch(self, works: list[Work]):
@@ -199,8 +199,8 @@ class Runner:
         sample_rows, prompt_rows, logits_rows = [], [], []
         t = 0
         for w in works:
-            prompt_rows.append([len(logits_rows) + j for j in range(len(w.prompt_rows))])
-            logits_rows += [t + r for r, _ in w.prompt_rows]
+            prompt_rows.append([len(logits_rows) + j for j in range(len(w.target_rows))])
+            logits_rows += [t + r for r, _ in w.target_rows]
             sample_rows.append(len(logits_rows) if w.sample else -1)
             if w.sample:
                 logits_rows.append(t + len(w.tokens) - 1)
@@ -290,7 +290,7 @@ class Runner:
         top = self.buckets.top(wanted)
         rows = default_rows(num_logits, width)
         for w, srow, prows in zip(works, sample_rows, prompt_rows):
-            for row, (_, target) in zip(prows, w.prompt_rows):
+            for row, (_, target) in zip(prows, w.target_rows):
                 rows["target"][row] = target
             if srow < 0:
                 continue
@@ -325,7 +325,7 @@ class Runner:
 
         out_tokens, out_lps, out_top = [], [], []
         for w, srow, prows in zip(works, sample_rows, prompt_rows):
-            w.prompt_results = [(float(logprobs[r]), tops(r, w.req)) for r in prows]
+            w.target_results = [(float(logprobs[r]), tops(r, w.req)) for r in prows]
             out_tokens.append(int(tokens[srow]) if srow >= 0 else -1)
             out_lps.append(float(logprobs[srow]) if srow >= 0 else 0.0)
             out_top.append(tops(srow, w.req) if srow >= 0 else None)

@@ -79,7 +79,15 @@ class Work:
     tokens: list[int]
     sample: bool  # the chunk completes the fill: sample the next token from its last row
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (row in chunk, target prompt token)
-    prompt_results: list = field(default_factory=list)  # (logprob, top logprobs) per prompt row, set by the runner
+    # (row in chunk, target token, output index): a jump-forward's forced token, whose logprob the extend's rows give
+    # at no extra pass; index -1 is a prefill-only request's look at the next token (its top logprobs only)
+    output_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    target_results: list = field(default_factory=list)  # (logprob, top logprobs) per target row, set by the runner
+
+    @property
+    def target_rows(self) -> list[tuple[int, int]]:
+        """Every row whose logprob at a target token the step reports: the prompt rows, then the output rows."""
+        return self.prompt_rows + [(row, target) for row, target, _ in self.output_rows]
 
 
 @dataclass
@@ -287,19 +295,22 @@ class Scheduler:
             return Work(req, start, [req.output_ids[-1]], sample=True)
         fill = req.fill_ids
         end = start + n
-        work = Work(req, start, fill[start:end], sample=end == req.fill_len and req.params.max_new_tokens > 0)
+        sample = end == req.fill_len and req.params.max_new_tokens > 0 and req.finish_after_fill is None
+        work = Work(req, start, fill[start:end], sample=sample)
         if req.wants_input_logprobs:
             # The logprob of prompt token i comes from the row of position i - 1.
             first = max(req.logprob_start_len, 1) - 1
             last = len(req.input_ids) - 1  # the last prompt row predicts an output token, not a prompt token
             work.prompt_rows = [(p - start, fill[p + 1]) for p in range(max(start, first), min(end, last))]
+        if req.return_logprob:
+            work.output_rows = _output_rows(req, fill, start, end)
         return work
 
     # -- after the step ---------------------------------------------------------------------------------
     def commit(self, works: list[Work], tokens, logprobs, top) -> list[Req]:
         """Record a step's results. Returns the requests that received a new output token (or finished prefill
         with max_new_tokens == 0). `tokens[i]`/`logprobs[i]`/`top[i]` are work i's sampled token, its logprob and
-        its top logprobs; prompt-row logprobs come in `work.prompt_results`."""
+        its top logprobs; target-row logprobs come in `work.target_results`."""
         updated = []
         t_tree = 0.0
         for i, w in enumerate(works):
@@ -307,12 +318,19 @@ class Scheduler:
             if req.finished:  # finished or aborted while this step ran (the overlap loop): its row is dropped
                 continue
             req.kv_len = w.start + len(w.tokens)
-            for (_, target), (lp, tops) in zip(w.prompt_rows, w.prompt_results):
+            for (_, target), (lp, tops) in zip(w.prompt_rows, w.target_results):
                 if not req.input_logprobs and req.logprob_start_len == 0:
                     req.input_logprobs.append((None, req.input_ids[0]))
                     req.input_top_logprobs.append(None)
                 req.input_logprobs.append((lp, target))
                 req.input_top_logprobs.append(tops)
+            for (_, target, index), (lp, tops) in zip(w.output_rows, w.target_results[len(w.prompt_rows) :]):
+                if index < 0:  # prefill only: the next token's distribution, as upstream reports it
+                    req.output_top_logprobs.append(tops)
+                else:  # a forced token: the logprob it had, as if decoded
+                    req.output_logprobs[index] = (lp, target)
+                    req.output_top_logprobs[index] = tops
+                    req.forced_pending -= 1
             if req.kv_len < req.fill_len:
                 if self.cfg.cache != "none":
                     t0 = time.perf_counter()
@@ -468,3 +486,17 @@ class Scheduler:
     @property
     def hit_rate(self) -> float:
         return self.stats.cached_tokens / self.stats.prompt_tokens if self.stats.prompt_tokens else 0.0
+
+
+def _output_rows(req: Req, fill: list[int], start: int, end: int) -> list[tuple[int, int, int]]:
+    """A chunk's rows whose next token is an output token without a logprob yet (jump-forward's forced tokens), and,
+    for a prefill-only request asking for top logprobs, its last row (index -1)."""
+    base = len(req.input_ids)
+    out = []
+    for p in range(max(start, base - 1), end):
+        index = p + 1 - base
+        if index < len(req.output_ids) and req.output_logprobs[index][0] is None:
+            out.append((p - start, fill[p + 1], index))
+    if end == req.fill_len and req.params.max_new_tokens == 0 and req.top_logprobs_num > 0:
+        out.append((end - 1 - start, 0, -1))
+    return out

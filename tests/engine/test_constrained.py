@@ -59,6 +59,36 @@ def test_json_schema_output_validates_and_jump_forward_changes_only_the_step_cou
     assert fast_steps < slow_steps - 8, (fast_steps, slow_steps)
 
 
+def test_forced_tokens_carry_the_logprobs_decoding_them_would_give(engines):
+    """Jump-forward's forced tokens run through the model as an extend, whose rows give each forced token's logprob
+    and top logprobs: finite, and equal (bit for bit: the CPU plan is batch-invariant) to the same tokens decoded
+    one by one without jump-forward; the text and tokens are the same too."""
+    on, off = engines
+    params = {"json_schema": json.dumps(PERSON), "max_new_tokens": 200, "temperature": 0}
+    fast = on.generate(PROMPT, params, return_logprob=True, top_logprobs_num=2)
+    slow = off.generate(PROMPT, params, return_logprob=True, top_logprobs_num=2)
+    assert fast["output_ids"] == slow["output_ids"] and fast["meta_info"]["finish_reason"]["type"] == "stop"
+    got, want = fast["meta_info"], slow["meta_info"]
+    assert len(got["output_token_logprobs"]) == len(fast["output_ids"])
+    assert all(lp is not None and lp == lp for lp, _, _ in got["output_token_logprobs"])
+    assert got["output_token_logprobs"] == want["output_token_logprobs"]
+    assert got["output_top_logprobs"] == want["output_top_logprobs"]
+    assert on.get_server_info()["jump_forward_tokens"] > 0
+
+
+def test_a_prefill_only_request_reports_the_next_tokens_distribution(engines):
+    """max_new_tokens 0 with top logprobs: output_top_logprobs holds the distribution after the prompt, once (as
+    upstream SGLang reports it; its CoT-decoding example reads [0]); no output tokens."""
+    on, _ = engines
+    out = on.generate(PROMPT, {"max_new_tokens": 0}, return_logprob=True, top_logprobs_num=4)
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and meta["output_token_logprobs"] == []
+    (tops,) = meta["output_top_logprobs"]
+    assert len(tops) == 4 and [t[0] for t in tops] == sorted((t[0] for t in tops), reverse=True)
+    first = on.generate(PROMPT, {"max_new_tokens": 1, "temperature": 0}, return_logprob=True, top_logprobs_num=4)
+    assert first["meta_info"]["output_top_logprobs"][0] == tops  # what the first decoded token sees
+
+
 def test_regex_outputs_fullmatch_greedy_and_sampled(engines):
     on, off = engines
     prompts = ["My phone number is ", "Call me at ", "The office number: "]

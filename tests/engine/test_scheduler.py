@@ -47,7 +47,7 @@ class FakeRunner:
             tokens.append(next_token(ctx) if w.sample else -1)
             lps.append(0.0)
             tops.append(None)
-            w.prompt_results = [(0.0, None)] * len(w.prompt_rows)
+            w.target_results = [(0.0, None)] * len(w.target_rows)
         return tokens, lps, tops
 
 

@@ -141,8 +141,16 @@ def test_runtime_endpoint_errors_name_the_problem(server, endpoint):
         up.check_gen_logprobs,
         up.check_select_meta,
         up.check_stream_logprobs,
+        up.check_cot_decoding,
     ],
-    ids=["forks_item_assignment", "json_regex_constants", "gen_logprobs", "select_meta", "async_stream_logprobs"],
+    ids=[
+        "forks_item_assignment",
+        "json_regex_constants",
+        "gen_logprobs",
+        "select_meta",
+        "async_stream_logprobs",
+        "cot_decoding",
+    ],
 )
 def test_sglangs_programs_run_through_the_runtime_endpoint(endpoint, check):
     check(endpoint)  # the ported upstream programs (test_upstream_programs.py) over sgjax serve's native API

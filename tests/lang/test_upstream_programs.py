@@ -6,6 +6,7 @@ what a 135M model answers. `test_http_backends.py` runs the `check_*` programs h
 against a real `sgjax serve`."""
 
 import asyncio
+import math
 import re
 
 import pytest
@@ -326,3 +327,55 @@ def test_sglangs_regex_constants_compile_and_match_what_python_matches(pattern):
     dfa = compile_regex(pattern)  # the spelling SGLang exports compiles as is
     for text in SAMPLES:  # the dialect's classes are ASCII: Python's re with re.ASCII matches the same strings
         assert dfa.accepts(text.encode()) == bool(re.fullmatch(pattern, text, re.ASCII)), (pattern, text)
+
+
+# -- CoT decoding (upstream's examples/frontend_language/usage/cot_decoding.py, shortened) ----------------------------
+@sgl.function
+def cot_decoding(s, question, get_top_k):
+    """CoT decoding (arXiv 2402.10200): the top-k first tokens from a prefill-only gen, one fork each, continued
+    greedily; the disparity of each continuation's top two probabilities scores it."""
+    s += "Question: " + question + "\nAnswer:"
+    step_0 = s.fork(1)[0]
+    forks = s.fork(get_top_k)
+    step_0 += sgl.gen(
+        "get_top_k", max_tokens=0, return_logprob=True, top_logprobs_num=get_top_k, return_text_in_logprobs=True
+    )
+    logprobs = step_0.get_meta_info("get_top_k")["output_top_logprobs"][0]
+    branches = []
+    for f, (logprob, token_id, text) in zip(forks, logprobs):
+        f += text
+        f += sgl.gen(
+            "answer", temperature=0, max_tokens=8, return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True
+        )
+        tops = f.get_meta_info("answer")["output_top_logprobs"]
+        delta = sum(math.exp(xt[0][0]) - math.exp(xt[1][0]) for xt in tops) / len(tops)
+        branches.append((text, f["answer"], delta))
+    return step_0.get_meta_info("get_top_k"), branches
+
+
+def check_cot_decoding(backend):
+    k = 3
+    state = cot_decoding.run(question="What is 2 + 3?", get_top_k=k, backend=backend)
+    meta, branches = state.ret_value
+    (tops,) = meta["output_top_logprobs"]  # the next token's distribution, once
+    assert len(tops) == k and all(len(t) == 3 and isinstance(t[2], str) for t in tops)
+    assert [t[0] for t in tops] == sorted((t[0] for t in tops), reverse=True)
+    assert meta["output_token_logprobs"] == []
+    assert [b[0] for b in branches] == [t[2] for t in tops]  # one branch per first token, in order
+    assert all(isinstance(answer, str) and delta >= 0 for _, answer, delta in branches)
+    return state
+
+
+def test_cot_decoding_reads_the_first_tokens_distribution_from_a_prefill_only_gen(backend):
+    check_cot_decoding(backend)
+
+
+def test_runtime_endpoint_takes_a_chat_template(engine):
+    """Upstream's LLaVA example: `runtime.endpoint.chat_template = get_chat_template(...)`."""
+    from sgjax.lang.backend.engine import Runtime
+    from sgjax.lang.chat_template import get_chat_template
+
+    runtime = Runtime.__new__(Runtime)
+    super(Runtime, runtime).__init__(engine)  # the shared engine, not a second model load
+    runtime.endpoint.chat_template = get_chat_template("chatml")
+    assert runtime.get_chat_template() is runtime.chat_template == get_chat_template("chatml")

@@ -94,6 +94,12 @@ class Runtime(EngineBackend):
 
         super().__init__(Engine(model_path, **server_args))
 
+    @property
+    def endpoint(self) -> "Runtime":
+        """Upstream's Runtime keeps its backend here (its LLaVA example sets `runtime.endpoint.chat_template`); this
+        Runtime is its own backend."""
+        return self
+
     def shutdown(self):
         self.engine.shutdown()
 
