@@ -48,6 +48,7 @@ from sgjax.model.tokenizer import Tokenizer, load_tokenizer
 from sgjax.model.weights import Weights, matrices_dtype
 
 log = logging.getLogger("sgjax.engine")
+ENGINE_STACK_BYTES = 64 << 20
 
 
 class Engine(EngineLoop):
@@ -176,7 +177,12 @@ class Engine(EngineLoop):
         if follower is not None:  # a follower runs no loop thread: `follow` executes rank 0's steps
             return
         self._thread = threading.Thread(target=self._loop, name="sgjax-engine", daemon=True)
-        self._thread.start()
+        # XLA compiles new step shapes on this thread: the main thread's stack size, not a small default
+        previous = threading.stack_size(ENGINE_STACK_BYTES)
+        try:
+            self._thread.start()
+        finally:
+            threading.stack_size(previous)
 
     # -- multi-host ------------------------------------------------------------------------------------
     def follow(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,10 @@ from sgjax.fsm.device import unpack_bits
 from sgjax.kernels import get_backend
 from sgjax.model.config import ModelConfig
 from sgjax.model.llama import XLA, embed_lookup, forward
+
+# Held while a step compiles a new shape (engine/runner.py): one compile and persistent-cache write at a time in a
+# process, whatever its engines.
+COMPILE_LOCK = threading.RLock()
 
 # Executables the jitted steps got (compiled, or loaded from the persistent cache), by the step's function name:
 # jax reports every backend compile through jax.monitoring with the function's name.

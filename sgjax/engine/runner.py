@@ -21,8 +21,9 @@ import numpy as np
 
 from sgjax.engine import mesh as tp
 from sgjax.engine.buckets import Buckets, bucket
+from sgjax.engine.embed import READOUTS, readout
 from sgjax.engine.plan import StepPlan
-from sgjax.engine.programs import compiles, jitted_step
+from sgjax.engine.programs import COMPILE_LOCK, compiles, jitted_step
 from sgjax.engine.sampler import default_rows, uses_filter
 from sgjax.engine.scheduler import Work
 from sgjax.engine.sentinels import bias_entry, future_history, future_slot, prompt_entry
@@ -131,15 +132,22 @@ class Runner:
             self.leader.step(shape, buffer, features)
         # features only when there are some: the call must match the precompiled (lowered) one to hit jit's cache
         extra = () if features is None else (self._to_device(features),)
-        out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
+        if shape in self.shapes_seen:
+            out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
+            return out
+        # A new shape compiles here, on the engine thread, and jax writes the executable to its persistent cache.
+        # Never beside this engine's step in flight, nor beside another thread's compile (COMPILE_LOCK): executable
+        # serialization crashed CI workers twice while a step ran (docs/engine.md, "Compiles while serving").
+        jax.block_until_ready(self.state)
+        with COMPILE_LOCK:
+            out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
+            jax.block_until_ready(out)
         self.shapes_seen.add(shape)
         return out
 
     def readout(self, kind: str, prompts: list[list[int]]) -> np.ndarray:
         """A whole-prompt readout (engine/embed.py) on the serving weights over a scratch pool; rank 0 announces
         it to the followers first, as it does a step."""
-        from sgjax.engine.embed import READOUTS, readout  # embed imports this module (bucket)
-
         if self.leader is not None:
             self.leader.readout(READOUTS.index(kind), prompts)
         return readout(self.cfg, self.weights, self.plan, self.page_size, prompts, kind, self.mesh, self._to_device)
