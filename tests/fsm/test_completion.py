@@ -90,3 +90,51 @@ def test_engine_answers_finish_whole_within_their_budget(tiny):
                     assert set(json.loads(out["text"])) == {"q", "n"}
                 else:
                     assert reason == "length" and out["meta_info"]["completion_tokens"] == budget
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tiny_model_tool_calls_parse_within_their_budget(tiny, choice):
+    """The server's tool-call grammar (server/tools.plan, hermes, parallel calls) on the tiny random model, max_tokens
+    from 8 to 128 over seeds: every call the answer returns (server/chat_output) parses and validates against its
+    schema; a budget that holds the shortest whole answer ends in calls by the grammar; a smaller one by length with
+    no call made up from the cut text. tests/server/test_tools.py runs the same rule on SmolLM2 over HTTP."""
+    import jsonschema
+
+    from sgjax.server.chat_output import ChatOutput
+    from sgjax.server.protocol import ChatCompletionRequest
+    from sgjax.server.tool_parsers import Hermes
+    from sgjax.server.tools import plan
+    from tests.engine.conftest import tiny_engine
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": params}} for name in ("get_weather", "get_time")
+    ]
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_time"}}
+    req = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=tool_choice
+    )
+    regex = plan(req, Hermes()).regex
+    output = ChatOutput(tools=Hermes())
+    with tiny_engine(tiny) as eng:
+        shortest = int(eng.requests.grammars.get_regex(regex, eng.requests.vocabulary()).finish_counts()[0][0])
+        budgets = [8, 16, 24, 32, 48, 64, 96, 128]
+        runs = [(b, seed) for b in budgets for seed in range(3)]
+        outs = eng.generate(
+            ["Call a tool:"] * len(runs),
+            [{"regex": regex, "max_new_tokens": b, "temperature": 1.0, "seed": seed} for b, seed in runs],
+        )
+    seen_calls = seen_length = 0
+    for (budget, seed), out in zip(runs, outs):
+        msg, called = output.message(out["text"])
+        reason = out["meta_info"]["finish_reason"]["type"]
+        for call in msg.get("tool_calls") or []:
+            assert choice == "required" or call["function"]["name"] == "get_time"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+        if budget >= shortest:
+            assert reason == "stop" and called, (budget, seed, out["text"])
+            seen_calls += len(msg["tool_calls"])
+        else:
+            assert reason == "length" and out["meta_info"]["completion_tokens"] == budget
+            seen_length += 1
+    assert seen_calls >= len(runs) // 2 and (seen_length > 0 or shortest <= budgets[0])
