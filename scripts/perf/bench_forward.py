@@ -22,6 +22,7 @@ import sys
 
 WORKLOADS = [  # (name, batch, context, new tokens per request)
     ("decode", 1, 1024, 1),
+    ("decode", 8, 1024, 1),
     ("decode", 32, 1024, 1),
     ("decode", 128, 1024, 1),
     ("prefill", 1, 4096, 4096),
@@ -256,6 +257,7 @@ def main():
     parser.add_argument("--part", choices=["sgjax", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--workloads", nargs="*", default=[], help="only these workloads (decode, prefill)")
+    parser.add_argument("--tag", default=None, help="a label copied into every row (e.g. the XLA_FLAGS tried)")
     args = parser.parse_args()
     if args.part:
         rows = run_sgjax(args) if args.part == "sgjax" else run_hf(args)
@@ -315,6 +317,8 @@ def report(rows, args):
             key = (r["workload"], r["batch"], r["context"])
             r["speedup_vs_hf"] = hf[key] / r["ms"] if key in hf else None
             r["config"] = f"dummy-{args.model}-bf16" if not args.small else "tiny-bf16"
+            r["tag"] = args.tag
+            r["xla_flags"] = os.environ.get("XLA_FLAGS", "")
             f.write(json.dumps({**r, "ceiling": ceiling}) + "\n")
             vs = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] else "-"
             print(

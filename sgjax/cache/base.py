@@ -47,7 +47,7 @@ def check_insert_args(tokens, pages, page_size: int) -> tuple[np.ndarray, np.nda
 class Node:
     """A node of the cache. `key`: the int32 token bytes it holds; `value`: its KV pages (None once evicted)."""
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "namespace")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "namespace", "grown")
 
     def __init__(self, key: bytes, value: np.ndarray | None, parent: Node | None, last_access: int):
         self.children: dict[bytes, Node] = {}
@@ -57,6 +57,7 @@ class Node:
         self.lock_ref = 0
         self.last_access = last_access
         self.namespace: Hashable = None
+        self.grown = 0  # the cache's clock when a child was last added below it (a match ending here may grow)
 
     @property
     def tokens(self) -> np.ndarray:
@@ -96,6 +97,14 @@ class PrefixCache(Protocol):
     def rematch(self, prev: MatchResult | None, tokens, extra_key: Hashable = None) -> MatchResult:
         """The same as match_prefix(tokens, extra_key); `prev` (an earlier match of the same tokens) may make it
         cheaper."""
+        ...
+
+    @property
+    def clock(self) -> int: ...
+
+    def unchanged_since(self, prev: MatchResult, clock: int, extra_key: Hashable = None) -> bool:
+        """True only if match_prefix of prev's tokens would return prev now (prev taken when `clock` was read);
+        then `touch(prev)` stands for that match."""
         ...
 
     def insert(self, tokens, pages, extra_key: Hashable = None, below: MatchResult | None = None) -> int:
@@ -190,6 +199,15 @@ class NodeStore:
     def rematch(self, prev: MatchResult | None, tokens, extra_key: Hashable = None) -> MatchResult:
         return self.match_prefix(tokens, extra_key)  # a tree that cannot resume a match matches again
 
+    @property
+    def clock(self) -> int:
+        """A count of the tree's operations: a match taken at clock c is current while `unchanged_since(m, c)`."""
+        return self._clock
+
+    def unchanged_since(self, prev: MatchResult, clock: int, extra_key: Hashable = None) -> bool:
+        """Whether matching prev's tokens again would give prev (a tree that cannot tell answers False)."""
+        return False
+
     # -- locks ------------------------------------------------------------------------------------------
     def lock(self, node: Node | None) -> None:
         """Protect `node` and its ancestors from eviction (one reference per running request)."""
@@ -277,6 +295,7 @@ class NodeStore:
             raise ValueError("insert() got pages that are free, null, or already owned by the cache")
         leaf = Node(key, pages.copy(), parent, now)
         parent.children[self._slot(leaf)] = leaf
+        parent.grown = now
         self._owned[pages] = True
         self._evictable += len(pages)
         self._num_nodes += 1

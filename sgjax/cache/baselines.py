@@ -41,6 +41,11 @@ class NoCache:
     def rematch(self, prev: MatchResult | None, tokens, extra_key: Hashable = None) -> MatchResult:
         return MatchResult(EMPTY_PAGES, None, 0)
 
+    clock = 0
+
+    def unchanged_since(self, prev: MatchResult, clock: int, extra_key: Hashable = None) -> bool:
+        return False  # matching again costs nothing here
+
     def insert(self, tokens, pages, extra_key: Hashable = None, below: MatchResult | None = None) -> int:
         _, p = check_insert_args(tokens, pages, self.page_size)
         self.allocator.free(p)

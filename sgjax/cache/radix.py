@@ -133,6 +133,21 @@ class RadixCache(NodeStore):
             return prev if node is prev.last_node else MatchResult(prev.pages, node, pos)
         return MatchResult(np.concatenate([prev.pages, *pages]), node, pos)
 
+    def unchanged_since(self, prev: MatchResult, clock: int, extra_key: Hashable = None) -> bool:
+        """Whether matching prev's tokens again would give prev: its last node is still in the tree and nothing was
+        added below it since `clock` (the clock when prev was taken). The match ended there because no child
+        continued it; evictions elsewhere and edge splits below keep that true (a split's upper part starts with
+        the same page), and only a new leaf under that node can extend it. Cheap enough to ask every round."""
+        return self._resumable(prev, prev.num_tokens, extra_key) and prev.last_node.grown <= clock
+
+    def touch(self, prev: MatchResult) -> MatchResult:
+        """What matching prev's tokens again does when `unchanged_since` holds, without reading them: the path's
+        LRU times move to now, and prev is the answer."""
+        node = prev.last_node
+        self._touch_path(node, self._tick())
+        self._push_if_evictable(node)
+        return prev
+
     @staticmethod
     def _touch_path(node: Node, now: int) -> None:
         """What a walk from the root does to the path above a resumed node: a parent is never older than its

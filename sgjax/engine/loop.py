@@ -102,16 +102,13 @@ class EngineLoop:
             return works, ((works, self.runner.dispatch(works), t0) if works else None)
 
     def _overlaps(self, works) -> bool:
-        """Whether the next step may read this step's tokens on the device: every row decodes a request whose
-        next step needs nothing from the host (no FSM state: its mask needs the real token). A penalty window reads
-        the in-flight token from the device like the input does."""
+        """Whether the next step may be scheduled before this one's tokens are read: no row samples for a request
+        whose next step needs its token on the host (an FSM state: its mask needs the real token). Prefill and
+        extend chunks need nothing from the host; a chunk that completes the fill samples like a decode row, and
+        the next step reads that token from the device. A penalty window reads the in-flight token the same way."""
         if self.args.disable_overlap_schedule:
             return False
-        for w in works:
-            req = w.req
-            if not (w.sample and len(w.tokens) == 1 and req.prefill_done and req.grammar is None):
-                return False
-        return True
+        return not any(w.sample and w.req.grammar is not None for w in works)
 
     def _commit(self, works, handle, t0) -> None:
         with jax.profiler.TraceAnnotation("sgjax.collect"):

@@ -41,8 +41,10 @@ class Req:
     last_node: Any = None
     kv_len: int = 0  # tokens of fill_ids whose KV is in `pages`
     prefill_done: bool = False  # the prompt (plus any resumed output) has been prefilled at least once
+    # a chunk of its fill is in a step committed ahead (the overlap loop): its pages enter the cache at the real commit
+    fill_in_flight: bool = False
     slot: int = -1  # while running: where the device keeps its newest sampled token (Runner.future)
-    match: Any = None  # while waiting: (limit, MatchResult) of its last match, where the next one resumes
+    match: Any = None  # while waiting: (limit, MatchResult, cache clock) of its last match: reused or resumed
 
     # reporting
     cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)

@@ -43,6 +43,9 @@ class SchedulerConfig:
     # round, so that it hits the prefix the other one is about to cache instead of computing it again.
     in_batch_prefix_tokens: int = 32
     max_match_queue: int = 128  # beyond this many waiting requests, match only the oldest (SGLang: FCFS fallback)
+    # A waiting request keeps its match between admission rounds until the tree grows under its last node (or loses
+    # it); off, every round matches again (the same answers, for benchmarks and tests to compare).
+    match_cache: bool = True
     seed: int = 0
 
     @classmethod
@@ -70,7 +73,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-@dataclass
+@dataclass(slots=True)
 class Work:
     """One request's share of a step: `tokens` go in at positions start..start+len-1."""
 
@@ -78,6 +81,8 @@ class Work:
     start: int
     tokens: list[int]
     sample: bool  # the chunk completes the fill: sample the next token from its last row
+    completes_fill: bool = False  # a prefill or extend chunk that reaches the end of the fill (not a decode row)
+    decode: bool = False  # one decode row: the newest output token of a request whose fill is done
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (row in chunk, target prompt token)
     # (row in chunk, target token, output index): a jump-forward's forced token, whose logprob the extend's rows give
     # at no extra pass; index -1 is a prefill-only request's look at the next token (its top logprobs only)
@@ -156,34 +161,38 @@ class Scheduler:
         if plan is None:
             return None
         works = []
-        budget = self._prefill_budget(sum(1 for req, _ in plan if req.in_decode))
-        for req, n in plan:
-            if not req.in_decode:
-                budget -= n
+        budget = self._prefill_budget(sum(1 for _, _, decode in plan if decode))
+        for req, n, decode in plan:
             self._grow(req, req.kv_len + n)
-            works.append(self._work(req, n))
+            if decode:  # the newest output token is not part of the fill: its KV is computed now
+                works.append(Work(req, req.kv_len, [req.output_ids[-1]], sample=True, decode=True))
+            else:
+                budget -= n
+                works.append(self._work(req, n))
         works += self._admit(budget)
         if works:
             self.stats.steps += 1
         return works
 
-    def _plan_running(self, retract: bool = True) -> list[tuple[Req, int]] | None:
-        """Next token counts of the running requests, retracting some until their pages can be found."""
+    def _plan_running(self, retract: bool = True) -> list[tuple[Req, int, bool]] | None:
+        """(request, next token count, decodes) of the running requests, retracting some until their pages can be
+        found."""
         while True:
             plan, need = [], 0
-            decoding = [r for r in self.running if r.in_decode and len(r.output_ids) < r.params.max_new_tokens]
-            budget = self._prefill_budget(len(decoding))
-            for req in self.running:
-                if req.in_decode:
-                    if len(req.output_ids) >= req.params.max_new_tokens:
-                        continue  # its last token is still on the device (overlap): it finishes when that lands
+            rows = [(r, r.in_decode) for r in self.running]
+            # a decoding request at max_new_tokens has its last token still on the device (overlap): it finishes
+            # when that lands
+            rows = [(r, d) for r, d in rows if not d or len(r.output_ids) < r.params.max_new_tokens]
+            budget = self._prefill_budget(sum(1 for _, d in rows if d))
+            for req, decode in rows:
+                if decode:
                     n = 1
                 else:
                     n = min(req.fill_len - req.kv_len, budget)
                     budget -= n
                     if n <= 0:
                         continue
-                plan.append((req, n))
+                plan.append((req, n, decode))
                 need += self._pages_for(req.kv_len + n) - len(req.pages)
             if need <= self.allocator.num_free + self.cache.evictable_pages or not self.running:
                 return plan
@@ -233,7 +242,7 @@ class Scheduler:
             order = schedule_order(policy, matches, None, self.rng)
         reserve = sum(self._future_pages(r) for r in self.running)
         # Requests still prefilling (chunked) cache their prompt chunk by chunk: sharing with them also pays to wait.
-        prefilling = [r for r in self.running if r.kv_len < r.fill_len]
+        prefilling = [r for r in self.running if r.kv_len < r.fill_len or r.fill_in_flight]
         admitted: list[Req] = []
         works: list[Work] = []
         for i in order:
@@ -291,12 +300,10 @@ class Scheduler:
 
     def _work(self, req: Req, n: int) -> Work:
         start = req.kv_len
-        if req.in_decode:  # the newest output token is not part of the fill: its KV is computed now
-            return Work(req, start, [req.output_ids[-1]], sample=True)
         fill = req.fill_ids
         end = start + n
         sample = end == req.fill_len and req.params.max_new_tokens > 0 and req.finish_after_fill is None
-        work = Work(req, start, fill[start:end], sample=sample)
+        work = Work(req, start, fill[start:end], sample=sample, completes_fill=end == req.fill_len)
         if req.wants_input_logprobs:
             # The logprob of prompt token i comes from the row of position i - 1.
             first = max(req.logprob_start_len, 1) - 1
@@ -313,11 +320,25 @@ class Scheduler:
         its top logprobs; target-row logprobs come in `work.target_results`."""
         updated = []
         t_tree = 0.0
+        tokens = tokens.tolist() if hasattr(tokens, "tolist") else tokens
         for i, w in enumerate(works):
             req = w.req
             if req.finished:  # finished or aborted while this step ran (the overlap loop): its row is dropped
                 continue
+            if w.decode:  # most rows at scale: what the general path below does for a decode row, directly
+                req.kv_len = w.start + 1
+                out = req.output_ids
+                if out[-1] < 0:  # the placeholder commit_ahead put there
+                    out[-1] = tokens[i]
+                else:
+                    out.append(tokens[i])
+                if req.return_logprob:
+                    req.output_logprobs.append((float(logprobs[i]), tokens[i]))
+                    req.output_top_logprobs.append(top[i] if top is not None else None)
+                updated.append(req)
+                continue
             req.kv_len = w.start + len(w.tokens)
+            req.fill_in_flight = False
             for (_, target), (lp, tops) in zip(w.prompt_rows, w.target_results):
                 if not req.input_logprobs and req.logprob_start_len == 0:
                     req.input_logprobs.append((None, req.input_ids[0]))
@@ -337,8 +358,7 @@ class Scheduler:
                     self._cache_prefix(req)  # chunk boundary: later requests can match this chunk already
                     t_tree += time.perf_counter() - t0
                 continue
-            first_fill = not req.prefill_done
-            if first_fill and self.cfg.cache != "none":
+            if w.completes_fill and self.cfg.cache != "none":
                 t0 = time.perf_counter()
                 self._cache_prefix(req)
                 t_tree += time.perf_counter() - t0
@@ -347,11 +367,11 @@ class Scheduler:
                 req.input_top_logprobs.append(None)
             if w.sample:
                 if req.output_ids and req.output_ids[-1] < 0:  # the placeholder commit_ahead put there
-                    req.output_ids[-1] = int(tokens[i])
+                    req.output_ids[-1] = tokens[i]
                 else:
-                    req.output_ids.append(int(tokens[i]))
+                    req.output_ids.append(tokens[i])
                 if req.return_logprob:
-                    req.output_logprobs.append((float(logprobs[i]), int(tokens[i])))
+                    req.output_logprobs.append((float(logprobs[i]), tokens[i]))
                     req.output_top_logprobs.append(top[i] if top is not None else None)
             req.prefill_done = True
             updated.append(req)
@@ -360,14 +380,20 @@ class Scheduler:
         return updated
 
     def commit_ahead(self, works: list[Work]) -> None:
-        """Record a dispatched decode step before its tokens are known (the overlap loop): each request's KV
-        length advances and a placeholder -1 - slot stands for its new token, which the next step reads on the
-        device. `commit` puts the real token in its place."""
+        """Record a dispatched step before its tokens are known (the overlap loop): each request's KV length
+        advances, and a row that samples gets a placeholder -1 - slot for its new token, which the next step reads
+        on the device; a chunk that completes the fill makes its request a decoding one. `commit` puts the real
+        token in its place and caches the chunk's pages."""
         for w in works:
             req = w.req
-            if not req.finished:
-                req.kv_len = w.start + len(w.tokens)
+            if req.finished:
+                continue
+            req.kv_len = w.start + len(w.tokens)
+            if not w.decode:  # a prefill or extend chunk
+                req.fill_in_flight = True
+            if w.sample:
                 req.output_ids.append(future_input(req.slot))
+                req.prefill_done = True
 
     # -- pages ------------------------------------------------------------------------------------------
     def _pages_for(self, num_tokens: int) -> int:
@@ -378,13 +404,18 @@ class Scheduler:
 
     def _match(self, req: Req):
         """The cached prefix a request may reuse: never all of its fill (one token must run for the logits), and
-        not past the first prompt row whose logprob it wants."""
+        not past the first prompt row whose logprob it wants. A waiting request is matched in every admission
+        round; its last match is reused while the tree has not changed under it, which on a long queue of long
+        prompts saves reading every prompt again each round (the tree still sees the touch a match makes)."""
         limit = req.fill_len - 1
         if req.wants_input_logprobs:
             limit = min(limit, max(req.logprob_start_len - 1, 0))
-        prev = req.match[1] if req.match is not None and req.match[0] == limit else None
-        m = self._timed(self.cache.rematch, prev, req.fill_prefix(limit), req.extra_key)
-        req.match = (limit, m)
+        prev, clock = (req.match[1], req.match[2]) if req.match is not None and req.match[0] == limit else (None, 0)
+        if self.cfg.match_cache and prev is not None and self.cache.unchanged_since(prev, clock, req.extra_key):
+            m = self._timed(self.cache.touch, prev)
+        else:
+            m = self._timed(self.cache.rematch, prev, req.fill_prefix(limit), req.extra_key)
+        req.match = (limit, m, self.cache.clock)
         return m
 
     def _timed(self, op, *args):

@@ -296,3 +296,75 @@ def test_tree_seconds_count_cache_operations_and_admit_seconds_the_whole_admissi
     assert s.tree_seconds >= 0.002 * calls["match"]  # admission matches and the ones that cache a prefix
     assert s.admit_seconds >= 0.05 * calls["order"]
     assert s.tree_seconds < 0.0025 * calls["match"] + 0.025 * calls["order"]  # the policy's sleep is not in it
+
+
+def tree_state(cache):
+    """Everything a match or an eviction can read: each node's tokens, pages, LRU time and lock count."""
+    return sorted(
+        (n.key, n.value.tobytes(), n.last_access, n.lock_ref, n.grown) for n in cache._nodes() if n.value is not None
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_admission_reuses_matches_exactly_as_matching_every_round(seed):
+    """A waiting request's match is reused until the tree grows under it: model-based against re-matching every
+    round. Two schedulers take the same requests (shared prefixes, a pool small enough to evict and retract, a
+    queue longer than the running slots, random aborts and late arrivals) step by step; each step's work, each
+    request's hit and the whole tree (pages, LRU times, locks) must be the same."""
+    rng = np.random.default_rng(seed)
+    reqs = shared_prefix_workload(rng, 60)
+    arrivals = rng.integers(0, 40, len(reqs))  # the step each request arrives at
+    aborts = {int(s): int(i) for s, i in zip(rng.integers(0, 120, 6), rng.integers(0, 60, 6))}
+    twins = []
+    for match_cache in (False, True):
+        cfg = SchedulerConfig(
+            num_pages=60,
+            page_size=4,
+            chunked_prefill_size=48,
+            max_running_requests=6,
+            init_new_token_ratio=0.05,
+            min_new_token_ratio=0.0,
+            match_cache=match_cache,
+        )
+        twins.append(
+            (
+                Scheduler(cfg),
+                FakeRunner(60, 4),
+                {r.rid: make_req(r.rid, r.input_ids, r.params.max_new_tokens) for r in reqs},
+            )
+        )
+    cache = twins[1][0].cache
+    touches = []
+    touch = cache.touch
+    cache.touch = lambda prev: touches.append(1) or touch(prev)
+    for step in range(2000):
+        seen = []
+        for sched, runner, mine in twins:
+            for r in reqs:
+                if arrivals[int(r.rid)] == step:
+                    sched.add(mine[r.rid])
+            if step in aborts:
+                sched.abort(str(aborts[step]))
+            works = sched.schedule()
+            tokens, lps, tops = runner.run(works) if works else ([], [], [])
+            for req in sched.commit(works, tokens, lps, tops):
+                if len(req.output_ids) >= req.params.max_new_tokens:
+                    sched.finish(req)
+            sched.check_invariants()
+            seen.append(
+                (
+                    [(w.req.rid, w.start, list(w.tokens)) for w in works],
+                    [(r.rid, r.cached_tokens) for r in mine.values()],
+                    tree_state(sched.cache),
+                    sched.stats.retractions,
+                )
+            )
+        assert seen[0] == seen[1], f"step {step}"
+        if step > 40 and not any(s.has_work for s, _, _ in twins):
+            break
+    assert twins[0][0].stats.retractions > 0 and twins[0][0].stats.cached_tokens > 0
+    assert len(touches) > 50  # the reused path ran
+    for _, _, mine in twins:
+        done = [r for r in mine.values() if r.rid not in {str(i) for i in aborts.values()}]
+        for r in done:
+            assert r.output_ids == reference(r.input_ids, r.params.max_new_tokens)

@@ -47,5 +47,5 @@ def test_engine_records_every_step():
     assert log[0].kind == "prefill" and log[0].tokens == sum(map(len, prompts))
     assert [r.kind for r in log[1:]] == ["decode"] * (steps - 1)
     assert all(r.ready is not None and r.ready >= r.dispatched >= r.started for r in log)
-    assert [r.overlapped for r in log] == [False] + [True] * (steps - 1)  # decode steps overlap, the prefill not
+    assert all(r.overlapped for r in log)  # the prefill too: the first decode step reads its tokens on the device
     assert summarize(log)["steps"] == steps
