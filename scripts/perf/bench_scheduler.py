@@ -15,6 +15,7 @@ every round), with the ratio to the re-matching baseline in the same run. JSON l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -29,14 +30,22 @@ from sgjax.engine.request import Req
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 
 
+def decode_workload(n: int) -> dict:
+    """n requests of 200 random prompt tokens and 300 new ones: steps of n decode rows (the steady state)."""
+    rng = np.random.default_rng(0)
+    return {"requests": [{"input_ids": rng.integers(0, 30000, 200).tolist(), "max_new_tokens": 300} for _ in range(n)]}
+
+
 def replay(requests: list[dict], args, match_cache: bool) -> dict:
-    cfg = SchedulerConfig(
+    settings = dict(
         num_pages=args.max_total_tokens // args.page_size + 1,
         page_size=args.page_size,
         chunked_prefill_size=args.chunked_prefill_size,
         max_running_requests=args.max_running_requests,
         match_cache=match_cache,
     )
+    known = {f.name for f in dataclasses.fields(SchedulerConfig)}  # an older tree (before/after runs) lacks some
+    cfg = SchedulerConfig(**{k: v for k, v in settings.items() if k in known})
     sched = Scheduler(cfg)
     for i, r in enumerate(requests):
         params = SimpleNamespace(max_new_tokens=r["max_new_tokens"])
@@ -57,7 +66,7 @@ def replay(requests: list[dict], args, match_cache: bool) -> dict:
         rows.append(len(works))
     wall = time.perf_counter() - t_start
     st = sched.stats
-    full = [s for s, n in zip(per_step, rows) if n >= args.max_running_requests]
+    full = [s for s, n in zip(per_step, rows) if n >= args.max_running_requests]  # every slot running
     return {
         "steps": len(per_step),
         "wall_s": wall,
@@ -75,7 +84,7 @@ def replay(requests: list[dict], args, match_cache: bool) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload-file", default=None, help="bench_engine.py --dump-workload's JSON")
-    ap.add_argument("--workloads", default="sharegpt,mmlu5")
+    ap.add_argument("--workloads", default="sharegpt,mmlu5,decode", help="decode: synthetic, every slot decoding")
     ap.add_argument("--num-requests", type=int, default=128, help="when built here")
     ap.add_argument("--max-running-requests", type=int, default=128)
     ap.add_argument("--max-total-tokens", type=int, default=131072)
@@ -86,7 +95,10 @@ def main():
     ap.add_argument("--tag", default=None)
     args = ap.parse_args()
     names = args.workloads.split(",")
-    if args.workload_file:
+    built_here = [n for n in names if n != "decode"]
+    if not built_here:
+        loaded = {}
+    elif args.workload_file:
         with open(args.workload_file) as f:
             loaded = json.load(f)["workloads"]
     else:
@@ -102,9 +114,10 @@ def main():
             max_output_len=128,
             mmlu_new_tokens=1,
             mmlu_subjects="world_religions,management,high_school_biology,college_computer_science",
-            workloads=names,
+            workloads=built_here,
         )
         loaded = build_workloads(built)
+    loaded["decode"] = decode_workload(args.max_running_requests)
     results = []
     for name in names:
         requests = loaded[name]["requests"]
