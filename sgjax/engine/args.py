@@ -74,9 +74,16 @@ class ServerArgs:
     # interpreter's setting alone.
     gil_switch_interval_ms: float | None = 0.5
     # Overlap (SGLang's default too): while step k runs on the device, the host commits step k-1 and its streams,
-    # and step k+1 reads k's tokens on the device. Decode steps overlap, penalised rows included (their window names
-    # the token in flight); steps with a grammar row, a prefill row or a retraction run one after the other.
+    # and step k+1 reads k's tokens on the device. Every step kind overlaps, penalised rows included (their window
+    # names the token in flight); steps with a grammar row or a retraction, and speculative decoding, run one after
+    # the other.
     disable_overlap_schedule: bool = False
+    # Speculative decoding (SGLang's flags): NGRAM drafts each decoding row's next tokens from its own prompt and
+    # output (engine/ngram.py); the step verifies them in the ragged batch by sampling every drafted row as decoding
+    # would (same seed and step), so outputs are unchanged. EAGLE / EAGLE3 / STANDALONE / NEXTN are refused by name.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4  # tokens verified per row and step: its last token and up to N - 1 drafted
+    speculative_num_steps: int | None = None  # a draft model's steps; accepted for launch lines, unused by NGRAM
     # Tensor parallelism over the first tp_size local devices (engine/mesh.py): weights and the KV pool split by
     # heads, one jitted step over the mesh; the host side is unchanged.
     tp_size: int = 1
@@ -237,6 +244,20 @@ ENGINE_FLAGS = [
         ),
     ),
     ("context_length", dict(type=int, help="longest prompt plus output (default: the model's)")),
+    (
+        "speculative_algorithm",
+        dict(
+            type=str.upper,
+            choices=["NGRAM", "EAGLE", "EAGLE3", "STANDALONE", "NEXTN"],
+            help="speculative decoding: NGRAM (prompt lookup over each request's own tokens, verified in the step; "
+            "outputs unchanged); the draft-model algorithms are refused until they exist",
+        ),
+    ),
+    (
+        "speculative_num_draft_tokens",
+        dict(type=int, help="tokens verified per decoding row and step: its last token and up to N - 1 drafted"),
+    ),
+    ("speculative_num_steps", dict(type=int, help="a draft model's steps per round (accepted; NGRAM ignores it)")),
     (
         "max_top_logprobs_num",
         dict(type=int, help="largest top_logprobs_num (logprobs, top_logprobs) a request may ask for"),

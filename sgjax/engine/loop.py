@@ -106,8 +106,8 @@ class EngineLoop:
         whose next step needs its token on the host (an FSM state: its mask needs the real token). Prefill and
         extend chunks need nothing from the host; a chunk that completes the fill samples like a decode row, and
         the next step reads that token from the device. A penalty window reads the in-flight token the same way."""
-        if self.args.disable_overlap_schedule:
-            return False
+        if self.args.disable_overlap_schedule or self.scheduler.cfg.num_draft_tokens > 1:
+            return False  # a draft is made from the last token, so speculative decoding reads each step's tokens
         return not any(w.sample and w.req.grammar is not None for w in works)
 
     def _commit(self, works, handle, t0) -> None:

@@ -47,6 +47,10 @@ class Outputs:
         if req.params.max_new_tokens == 0:
             self.finish(req, {"type": "length", "length": 0})
             return
+        count, req.new_tokens = req.new_tokens, 1
+        if count > 1:
+            self._verified(req, count)
+            return
         self.sampled_tokens += 1
         token = req.output_ids[-1]
         if req.grammar is not None:
@@ -58,6 +62,26 @@ class Outputs:
             return
         if req.grammar is not None:
             self.jump(req)
+
+    def _verified(self, req: Req, count: int) -> None:
+        """A verified draft's tokens (speculative decoding), checked one at a time as decoding them would: a stop
+        among them ends the output there, and the KV of the tokens dropped after it is not the request's."""
+        new = req.output_ids[-count:]
+        del req.output_ids[-count:]
+        logprobs = req.output_logprobs[-count:] if req.return_logprob else None
+        if logprobs is not None:
+            tops = req.output_top_logprobs[-count:]
+            del req.output_logprobs[-count:], req.output_top_logprobs[-count:]
+        computed = req.kv_len
+        for j, token in enumerate(new):
+            req.output_ids.append(token)
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[j])
+                req.output_top_logprobs.append(tops[j])
+            req.kv_len = min(computed, req.fill_len)  # what is cached at a finish is the kept tokens' KV only
+            self.sampled_tokens += 1
+            if self.check_stop(req, [token]):
+                return
 
     def check_stop(self, req: Req, new_tokens: list[int]) -> bool:
         """Stream the new tokens' text and finish the request if it is done. True when it finished."""
@@ -162,6 +186,8 @@ def result(req: Req, snap: tuple | None = None) -> dict:
         "cached_tokens": cached,
         "finish_reason": finish,
     }
+    if req.spec_steps:
+        meta["spec_verify_ct"] = req.spec_steps  # SGLang's: steps that verified a draft for this request
     if req.return_logprob:
         meta["input_token_logprobs"] = [(lp, t, None) for lp, t in req.input_logprobs]
         meta["output_token_logprobs"] = [(lp, t, None) for lp, t in req.output_logprobs[:n_lp]]

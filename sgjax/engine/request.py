@@ -56,6 +56,12 @@ class Req:
     decoder: Any = None
     stops: Any = None
     retractions: int = 0
+    # speculative decoding: the draft planned for the next step, tokens the last commit added (outputs.on_token
+    # checks each), and the verify steps and accepted drafted tokens so far
+    draft: list = field(default_factory=list)
+    new_tokens: int = 1
+    spec_steps: int = 0
+    spec_accepted: int = 0
 
     # constrained decoding (sgjax.fsm): the compiled grammar and the FSM state after the output so far
     grammar: Any = None

@@ -209,6 +209,7 @@ class Runner:
         for w in works:
             prompt_rows.append([len(logits_rows) + j for j in range(len(w.target_rows))])
             logits_rows += [t + r for r, _ in w.target_rows]
+            logits_rows += [t + i for i in range(len(w.draft))]  # a draft's rows: just before its sample row
             sample_rows.append(len(logits_rows) if w.sample else -1)
             if w.sample:
                 logits_rows.append(t + len(w.tokens) - 1)
@@ -303,14 +304,18 @@ class Runner:
             if srow < 0:
                 continue
             p, req = w.req.params, w.req
-            rows["seed"][srow] = req.seed
-            rows["step"][srow] = len(req.output_ids)
-            rows["slot"][srow] = req.slot
-            if not p.is_greedy:
-                rows["temperature"][srow] = min(p.temperature, MAX_TEMPERATURE)  # beyond it: uniform already
-                rows["top_k"][srow] = 0 if p.top_k >= vocab else max(p.top_k, 0)  # top_k >= V: no top-k
-                rows["top_p"][srow] = p.top_p
-                rows["min_p"][srow] = p.min_p
+            k = len(w.draft)
+            # a draft's row j samples as decoding would after j drafted tokens: the same seed, step + j; the host
+            # picks the accepted token, so no row leaves it in the future array
+            for j, row in enumerate(range(srow - k, srow + 1)):
+                rows["seed"][row] = req.seed
+                rows["step"][row] = len(req.output_ids) + j
+                rows["slot"][row] = -1 if k else req.slot
+                if not p.is_greedy:
+                    rows["temperature"][row] = min(p.temperature, MAX_TEMPERATURE)  # beyond it: uniform already
+                    rows["top_k"][row] = 0 if p.top_k >= vocab else max(p.top_k, 0)  # top_k >= V: no top-k
+                    rows["top_p"][row] = p.top_p
+                    rows["min_p"][row] = p.min_p
             h = histories.get(id(w))
             if h is not None:  # a penalised or biased row (the rest keep default_rows' neutral values)
                 rows["frequency_penalty"][srow] = p.frequency_penalty
@@ -334,6 +339,9 @@ class Runner:
         out_tokens, out_lps, out_top = [], [], []
         for w, srow, prows in zip(works, sample_rows, prompt_rows):
             w.target_results = [(float(logprobs[r]), tops(r, w.req)) for r in prows]
+            if w.draft:
+                rows = range(srow - len(w.draft), srow)
+                w.draft_results = [(int(tokens[r]), float(logprobs[r]), tops(r, w.req)) for r in rows]
             out_tokens.append(int(tokens[srow]) if srow >= 0 else -1)
             out_lps.append(float(logprobs[srow]) if srow >= 0 else 0.0)
             out_top.append(tops(srow, w.req) if srow >= 0 else None)

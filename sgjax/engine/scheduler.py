@@ -20,6 +20,7 @@ import numpy as np
 
 from sgjax.cache import POLICIES, PageAllocator, make_cache, schedule_order
 from sgjax.cache.base import MatchResult
+from sgjax.engine import ngram
 from sgjax.engine.request import Req
 from sgjax.engine.sentinels import future_input
 
@@ -46,6 +47,9 @@ class SchedulerConfig:
     # A waiting request keeps its match between admission rounds until the tree grows under its last node (or loses
     # it); off, every round matches again (the same answers, for benchmarks and tests to compare).
     match_cache: bool = True
+    # Speculative decoding (NGRAM): most tokens a decoding row verifies per step (its last token and the drafted
+    # ones); 0 or 1: off.
+    num_draft_tokens: int = 0
     seed: int = 0
 
     @classmethod
@@ -61,6 +65,7 @@ class SchedulerConfig:
             init_new_token_ratio=0.7 * args.schedule_conservativeness,
             min_new_token_ratio=0.1 * args.schedule_conservativeness,
             seed=args.random_seed,
+            num_draft_tokens=_num_draft_tokens(args),
         )
 
     def __post_init__(self):
@@ -83,6 +88,10 @@ class Work:
     sample: bool  # the chunk completes the fill: sample the next token from its last row
     completes_fill: bool = False  # a prefill or extend chunk that reaches the end of the fill (not a decode row)
     decode: bool = False  # one decode row: the newest output token of a request whose fill is done
+    # speculative decoding: the tokens drafted after the newest output token (which is tokens[0]); each of the
+    # chunk's rows samples, and the host keeps the drafted tokens its rows sampled too (commit)
+    draft: list[int] = field(default_factory=list)
+    draft_results: list = field(default_factory=list)  # (token, logprob, top logprobs) per drafted row, the runner's
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (row in chunk, target prompt token)
     # (row in chunk, target token, output index): a jump-forward's forced token, whose logprob the extend's rows give
     # at no extra pass; index -1 is a prefill-only request's look at the next token (its top logprobs only)
@@ -101,6 +110,9 @@ class Stats:
     cached_tokens: int = 0
     retractions: int = 0
     steps: int = 0
+    spec_rows: int = 0  # decoding rows that carried a draft (speculative decoding)
+    spec_drafted: int = 0  # tokens drafted
+    spec_accepted: int = 0  # drafted tokens the verify rows sampled too
     tree_seconds: float = 0.0  # match, lock, insert, evict, unlock: the RadixAttention bookkeeping
     admit_seconds: float = 0.0  # the whole admission (policy order, page accounting, its matches): the scheduler
 
@@ -161,10 +173,14 @@ class Scheduler:
         if plan is None:
             return None
         works = []
-        budget = self._prefill_budget(sum(1 for _, _, decode in plan if decode))
+        budget = self._prefill_budget(sum(n for _, n, decode in plan if decode))
         for req, n, decode in plan:
             self._grow(req, req.kv_len + n)
-            if decode:  # the newest output token is not part of the fill: its KV is computed now
+            if decode and n > 1:  # a draft to verify: the newest output token, then the drafted ones
+                drafted = req.draft
+                req.draft = []
+                works.append(Work(req, req.kv_len, [req.output_ids[-1], *drafted], sample=True, draft=drafted))
+            elif decode:  # the newest output token is not part of the fill: its KV is computed now
                 works.append(Work(req, req.kv_len, [req.output_ids[-1]], sample=True, decode=True))
             else:
                 budget -= n
@@ -183,10 +199,14 @@ class Scheduler:
             # a decoding request at max_new_tokens has its last token still on the device (overlap): it finishes
             # when that lands
             rows = [(r, d) for r, d in rows if not d or len(r.output_ids) < r.params.max_new_tokens]
-            budget = self._prefill_budget(sum(1 for _, d in rows if d))
+            if self.cfg.num_draft_tokens > 1:
+                for req, decode in rows:
+                    if decode:
+                        req.draft = self._draft(req)
+            budget = self._prefill_budget(sum(1 + len(r.draft) for r, d in rows if d))
             for req, decode in rows:
                 if decode:
-                    n = 1
+                    n = 1 + len(req.draft)
                 else:
                     n = min(req.fill_len - req.kv_len, budget)
                     budget -= n
@@ -199,6 +219,20 @@ class Scheduler:
             if not retract:
                 return None
             self._retract_one()
+
+    def _draft(self, req: Req) -> list[int]:
+        """An n-gram draft for a decoding request, within its token budget; none for the rows whose sampling depends
+        on the tokens before it on the host (a grammar's mask, penalty windows, logit bias, min_new_tokens)."""
+        p = req.params
+        k = min(self.cfg.num_draft_tokens - 1, p.max_new_tokens - len(req.output_ids) - 1)
+        if k <= 0 or req.grammar is not None or req.output_ids[-1] < 0:
+            return []
+        if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 or p.logit_bias:
+            return []
+        if len(req.output_ids) < p.min_new_tokens:
+            return []
+        tokens = np.concatenate([req.input_array, np.asarray(req.output_ids, np.int32)])
+        return ngram.draft(tokens, k)
 
     def _prefill_budget(self, decode_rows: int) -> int:
         """Prefill tokens this step may take: chunked_prefill_size less the step's decode rows, so that a mixed step
@@ -325,6 +359,10 @@ class Scheduler:
             req = w.req
             if req.finished:  # finished or aborted while this step ran (the overlap loop): its row is dropped
                 continue
+            if w.draft:
+                self._commit_draft(w, tokens[i], logprobs[i], top[i] if top is not None else None)
+                updated.append(req)
+                continue
             if w.decode:  # most rows at scale: what the general path below does for a decode row, directly
                 req.kv_len = w.start + 1
                 out = req.output_ids
@@ -378,6 +416,33 @@ class Scheduler:
         self.stats.tree_seconds += t_tree
         self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay)
         return updated
+
+    def _commit_draft(self, w: Work, token: int, logprob: float, top) -> None:
+        """A verified draft: row i sampled the token decoding would sample after the first i drafted tokens (same
+        logits, same seed and step), so the drafted tokens up to the first that differs from its row's sample are
+        accepted, and that row's sample (or the last row's, when all were) comes after them. The rejected rows'
+        KV lies past kv_len, where the next tokens overwrite it."""
+        req = w.req
+        sampled = [t for t, _, _ in w.draft_results] + [token]
+        accepted = 0
+        while accepted < len(w.draft) and sampled[accepted] == w.draft[accepted]:
+            accepted += 1
+        new = sampled[: accepted + 1]
+        req.kv_len = w.start + 1 + accepted
+        req.output_ids.extend(new)
+        req.new_tokens = len(new)
+        if req.return_logprob:
+            rows = w.draft_results[: accepted + 1] + ([(token, logprob, top)] if accepted == len(w.draft) else [])
+            req.output_logprobs.extend((float(lp), t) for t, lp, _ in rows)
+            req.output_top_logprobs.extend(tops for _, _, tops in rows)
+        req.spec_steps += 1
+        req.spec_accepted += accepted
+        st = self.stats
+        st.spec_rows, st.spec_drafted, st.spec_accepted = (
+            st.spec_rows + 1,
+            st.spec_drafted + len(w.draft),
+            st.spec_accepted + accepted,
+        )
 
     def commit_ahead(self, works: list[Work]) -> None:
         """Record a dispatched step before its tokens are known (the overlap loop): each request's KV length
@@ -509,6 +574,11 @@ class Scheduler:
             "cached_tokens": st.cached_tokens,
             "cache_hit_rate": self.hit_rate,
             "retractions": st.retractions,
+            "spec_rows": st.spec_rows,
+            "spec_drafted_tokens": st.spec_drafted,
+            "spec_accepted_tokens": st.spec_accepted,
+            # tokens a verifying row adds per step (SGLang's accept length): its accepted drafts plus one
+            "spec_accept_length": (st.spec_rows + st.spec_accepted) / st.spec_rows if st.spec_rows else None,
             "steps": st.steps,
             "tree_seconds": st.tree_seconds,
             "admit_seconds": st.admit_seconds,
@@ -517,6 +587,27 @@ class Scheduler:
     @property
     def hit_rate(self) -> float:
         return self.stats.cached_tokens / self.stats.prompt_tokens if self.stats.prompt_tokens else 0.0
+
+
+SPEC_ALGORITHMS = ("NGRAM",)  # built; SGLang's others are refused by name
+
+
+def _num_draft_tokens(args) -> int:
+    """The verify width from the speculative flags (0: off); a draft model's algorithm is refused by name."""
+    algo = args.speculative_algorithm
+    if algo is None:
+        return 0
+    if algo.upper() not in SPEC_ALGORITHMS:
+        raise ValueError(
+            f"speculative_algorithm {algo!r} is not built in sgjax (built: {', '.join(SPEC_ALGORITHMS)}); "
+            "a draft model's algorithms (EAGLE, EAGLE3, STANDALONE, NEXTN) are planned"
+        )
+    if args.speculative_num_draft_tokens < 2:
+        raise ValueError(
+            f"speculative_num_draft_tokens must be >= 2 (the last token and one drafted), got "
+            f"{args.speculative_num_draft_tokens}"
+        )
+    return args.speculative_num_draft_tokens
 
 
 def _output_rows(req: Req, fill: list[int], start: int, end: int) -> list[tuple[int, int, int]]:

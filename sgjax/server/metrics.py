@@ -66,8 +66,19 @@ class Metrics:
             ("generation_tokens_total", "generated_tokens", "Output tokens generated"),
             ("cached_tokens_total", "cached_tokens", "Prompt tokens served from the prefix cache"),
             ("num_retractions_total", "retractions", "Requests retracted under memory pressure"),
+            ("spec_verify_rows_total", "spec_rows", "Decoding rows that verified a draft (speculative decoding)"),
+            ("spec_draft_tokens_total", "spec_drafted_tokens", "Tokens drafted (speculative decoding)"),
+            ("spec_accepted_tokens_total", "spec_accepted_tokens", "Drafted tokens accepted by verification"),
         ):
             _family(out, name, "counter", help_, [({}, info[key])])
+        if info.get("spec_accept_length") is not None:  # SGLang's gauge: tokens a verifying row adds per step
+            _family(
+                out,
+                "spec_accept_length",
+                "gauge",
+                "Accepted drafted tokens + 1 per verify row",
+                [({}, info["spec_accept_length"])],
+            )
         for name, key, help_ in (
             ("num_running_reqs", "running_requests", "Requests in the running batch"),
             ("num_queue_reqs", "waiting_requests", "Requests waiting to be admitted"),
