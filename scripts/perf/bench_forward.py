@@ -27,6 +27,8 @@ WORKLOADS = [  # (name, batch, context, new tokens per request)
     ("decode", 128, 1024, 1),
     ("prefill", 1, 4096, 4096),
 ]
+# Speculative decoding's verify step: the last token and k drafted ones per request, against decode (k = 0)
+VERIFY_WORKLOADS = [("verify", b, 1024, k + 1) for b in (1, 32) for k in (1, 2, 4, 8)]
 SMALL_WORKLOADS = [("decode", 1, 64, 1), ("decode", 8, 64, 1), ("prefill", 1, 128, 128)]
 
 
@@ -59,7 +61,7 @@ def model_config(small: bool, model: str = "llama3-8b"):
     return BENCH_CONFIGS[model]("bfloat16")
 
 
-def cost(cfg, batch: int, context: int, new: int) -> tuple[float, float]:
+def cost(cfg, batch: int, context: int, new: int, logit_rows: int | None = None) -> tuple[float, float]:
     """(bytes, flops) a step must move and compute at least. A mixture of experts reads only the experts its rows
     pick: with uniform routing (the dummy router is random) E * (1 - (1 - k/E)^rows) distinct experts per layer, and
     computes k experts per row."""
@@ -77,7 +79,9 @@ def cost(cfg, batch: int, context: int, new: int) -> tuple[float, float]:
     bytes_moved = (read + head) * itemsize + batch * context * kv_per_token
     # Causal attention: row i of a request attends to (context - new + i + 1) keys; QK and PV are 2 flops each.
     keys = batch * (new * (context - new) + new * (new + 1) / 2)
-    flops = 2 * dense * rows + 2 * head * batch + 4 * keys * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    flops = (
+        2 * dense * rows + 2 * head * (logit_rows or batch) + 4 * keys * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    )
     return bytes_moved, flops
 
 
@@ -113,7 +117,7 @@ def run_sgjax(args):
     # on an accelerator made layer by layer: Mixtral-8x7B's 93 GB would not fit twice (stacked, then sliced)
     weights = dummy_weights(cfg) if platform == "cpu" else dummy_layer_weights(cfg)
     page = 16
-    workloads = SMALL_WORKLOADS if small else WORKLOADS
+    workloads = SMALL_WORKLOADS if small else WORKLOADS + VERIFY_WORKLOADS
     max_pages = max(b * -(-c // page) for _, b, c, _ in workloads) + 1
     first_logits = {}  # workload -> logits of the first backend, to compare the others against
     # "pallas:triton" / "pallas:mgpu": the pallas backend with that prefill kernel (kernels/pallas_gpu.py); a
@@ -142,8 +146,18 @@ def run_sgjax(args):
                 [int(t) for t in jax.random.randint(jax.random.PRNGKey(i), (new,), 0, cfg.vocab_size)]
                 for i in range(batch)
             ]
+            # verify: every row's logits, as a draft's rows need them; otherwise each request's last row
+            every = name == "verify"
+            logits_rows = [i * new + j for i in range(batch) for j in range(new)] if every else None
             host = build_batch(
-                chunks, [context] * batch, tables, page, bucket(batch * new, 16), bucket(batch, 1), pages_per_req
+                chunks,
+                [context] * batch,
+                tables,
+                page,
+                bucket(batch * new, 16),
+                bucket(batch, 1),
+                pages_per_req,
+                **({"logits_rows": logits_rows, "num_logits": bucket(len(logits_rows), 16)} if every else {}),
             )
             dev = jax.tree.map(jnp.asarray, host)
             state = {"pool": pool}
@@ -158,7 +172,7 @@ def run_sgjax(args):
             err = float(np.linalg.norm(logits - first_logits[key]) / np.linalg.norm(first_logits[key]))
             seconds = time_fn(call, warmup=2, iters=5 if name == "prefill" else 20)
             pool = state["pool"]
-            nbytes, flops = cost(cfg, batch, context, new)
+            nbytes, flops = cost(cfg, batch, context, new, batch * new if name == "verify" else batch)
             rows.append(
                 {
                     "kind": "step",
@@ -256,7 +270,7 @@ def main():
     )
     parser.add_argument("--part", choices=["sgjax", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--workloads", nargs="*", default=[], help="only these workloads (decode, prefill)")
+    parser.add_argument("--workloads", nargs="*", default=[], help="only these workloads (decode, prefill, verify)")
     parser.add_argument("--tag", default=None, help="a label copied into every row (e.g. the XLA_FLAGS tried)")
     args = parser.parse_args()
     if args.part:
@@ -300,7 +314,12 @@ def report(rows, args):
     for r in steps:
         if "seconds" in r:
             r.update(
-                roofline(r.pop("seconds"), *cost(cfg, r["batch"], r["context"], r["tokens"] // r["batch"]), bw, rate)
+                roofline(
+                    r.pop("seconds"),
+                    *cost(cfg, r["batch"], r["context"], r["tokens"] // r["batch"]),
+                    bw,
+                    rate,
+                )
             )
     hf = {(r["workload"], r["batch"], r["context"]): r["ms"] for r in steps if r["impl"] == "hf-transformers"}
     print(
