@@ -84,6 +84,9 @@ class ServerArgs:
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4  # tokens verified per row and step: its last token and up to N - 1 drafted
     speculative_num_steps: int | None = None  # a draft model's steps; accepted for launch lines, unused by NGRAM
+    # Speculate only while fewer requests than this run (vLLM's flag): a full batch already keeps the device busy,
+    # and verify rows then cost more than they save (docs/engine.md); above it the loop overlaps again. None: always.
+    speculative_disable_by_batch_size: int | None = None
     # Tensor parallelism over the first tp_size local devices (engine/mesh.py): weights and the KV pool split by
     # heads, one jitted step over the mesh; the host side is unchanged.
     tp_size: int = 1
@@ -258,6 +261,10 @@ ENGINE_FLAGS = [
         dict(type=int, help="tokens verified per decoding row and step: its last token and up to N - 1 drafted"),
     ),
     ("speculative_num_steps", dict(type=int, help="a draft model's steps per round (accepted; NGRAM ignores it)")),
+    (
+        "speculative_disable_by_batch_size",
+        dict(type=int, help="speculate only while fewer requests than this run (default: always)"),
+    ),
     (
         "max_top_logprobs_num",
         dict(type=int, help="largest top_logprobs_num (logprobs, top_logprobs) a request may ask for"),

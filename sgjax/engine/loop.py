@@ -106,7 +106,7 @@ class EngineLoop:
         whose next step needs its token on the host (an FSM state: its mask needs the real token). Prefill and
         extend chunks need nothing from the host; a chunk that completes the fill samples like a decode row, and
         the next step reads that token from the device. A penalty window reads the in-flight token the same way."""
-        if self.args.disable_overlap_schedule or self.scheduler.cfg.num_draft_tokens > 1:
+        if self.args.disable_overlap_schedule or self.scheduler.speculating:
             return False  # a draft is made from the last token, so speculative decoding reads each step's tokens
         return not any(w.sample and w.req.grammar is not None for w in works)
 

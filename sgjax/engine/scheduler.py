@@ -50,6 +50,7 @@ class SchedulerConfig:
     # Speculative decoding (NGRAM): most tokens a decoding row verifies per step (its last token and the drafted
     # ones); 0 or 1: off.
     num_draft_tokens: int = 0
+    spec_below_running: int | None = None  # speculate only while fewer requests than this run; None: always
     seed: int = 0
 
     @classmethod
@@ -66,6 +67,7 @@ class SchedulerConfig:
             min_new_token_ratio=0.1 * args.schedule_conservativeness,
             seed=args.random_seed,
             num_draft_tokens=_num_draft_tokens(args),
+            spec_below_running=args.speculative_disable_by_batch_size,
         )
 
     def __post_init__(self):
@@ -199,7 +201,7 @@ class Scheduler:
             # a decoding request at max_new_tokens has its last token still on the device (overlap): it finishes
             # when that lands
             rows = [(r, d) for r, d in rows if not d or len(r.output_ids) < r.params.max_new_tokens]
-            if self.cfg.num_draft_tokens > 1:
+            if self.speculating:
                 for req, decode in rows:
                     if decode:
                         req.draft = self._draft(req)
@@ -219,6 +221,12 @@ class Scheduler:
             if not retract:
                 return None
             self._retract_one()
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the next step drafts (then the loop must read this step's tokens before scheduling it)."""
+        cap = self.cfg.spec_below_running
+        return self.cfg.num_draft_tokens > 1 and (cap is None or len(self.running) < cap)
 
     def _draft(self, req: Req) -> list[int]:
         """An n-gram draft for a decoding request, within its token budget; none for the rows whose sampling depends

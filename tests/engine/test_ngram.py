@@ -115,3 +115,18 @@ def test_real_model_greedy_answers_are_unchanged_and_drafts_are_accepted():
     assert outs[0] == outs[1]
     print({k: v for k, v in info.items() if k.startswith("spec")})
     assert info["spec_accepted_tokens"] >= 20 and info["spec_accept_length"] > 1.5, info
+
+
+def test_speculation_stops_above_its_batch_size_and_the_loop_overlaps_there(tiny, prompt_ids):
+    ids, params = spec_requests(prompt_ids)
+    ref, _ = run(tiny, ids, params)
+    got, info = run(
+        tiny,
+        ids,
+        params,
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=4,
+        speculative_disable_by_batch_size=3,
+    )
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    assert info["spec_rows"] > 0 and info["overlapped_steps"] > 0  # drafts in the tail, overlap while many run
