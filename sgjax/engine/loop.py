@@ -108,7 +108,8 @@ class EngineLoop:
         the next step reads that token from the device. A penalty window reads the in-flight token the same way."""
         if self.args.disable_overlap_schedule or self.scheduler.speculating:
             return False  # a draft is made from the last token, so speculative decoding reads each step's tokens
-        return not any(w.sample and w.req.grammar is not None for w in works)
+        # a step's drafts are verified on the host even when its admissions took the batch past speculation's size
+        return not any(w.draft or (w.sample and w.req.grammar is not None) for w in works)
 
     def _commit(self, works, handle, t0) -> None:
         with jax.profiler.TraceAnnotation("sgjax.collect"):

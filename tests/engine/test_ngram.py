@@ -130,3 +130,22 @@ def test_speculation_stops_above_its_batch_size_and_the_loop_overlaps_there(tiny
     )
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
     assert info["spec_rows"] > 0 and info["overlapped_steps"] > 0  # drafts in the tail, overlap while many run
+
+
+def test_a_step_that_admits_past_the_batch_size_still_verifies_its_drafts(tiny, prompt_ids):
+    # Two slots, speculation below two running: a lone request drafts, and the same step admits a waiting one (the
+    # batch reaches the size); that step must still be read before the next is scheduled (its drafts are verified
+    # on the host), while the steps after it overlap.
+    ids, params = spec_requests(prompt_ids)
+    ref, _ = run(tiny, ids, params, max_running_requests=2)
+    got, info = run(
+        tiny,
+        ids,
+        params,
+        max_running_requests=2,
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=4,
+        speculative_disable_by_batch_size=2,
+    )
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    assert info["spec_rows"] > 0 and info["overlapped_steps"] > 0
