@@ -7,8 +7,7 @@ Workloads (chat-templated, greedy, --max-new-tokens each; built from the package
   summarize   a SQuAD paragraph, "summarize it in a few sentences"
   rag         three SQuAD paragraphs and a question about one of them, "answer quoting the passages"
   chat        a ShareGPT conversation's first two turns replayed as history, then its next question
-  json        a SQuAD paragraph, "extract title, topic, three facts and the numbers as JSON" (unconstrained text:
-              a grammar row does not draft)
+  json        a SQuAD paragraph, "extract title, topic, three facts and the numbers as JSON" (unconstrained text)
 Both engines are the defaults plus --speculative-algorithm NGRAM for one; each (workload, concurrency) runs plain
 and then speculative, interleaved, and the greedy outputs must agree (a disagreement is reported, never hidden).
 Rows: tok/s per request (completion tokens / its latency, mean over requests), total tok/s, accept length (tokens a

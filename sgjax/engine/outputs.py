@@ -48,22 +48,21 @@ class Outputs:
             self.finish(req, {"type": "length", "length": 0})
             return
         count, req.new_tokens = req.new_tokens, 1
-        if count > 1:
-            self._verified(req, count)
-            return
+        finished = self._verified(req, count) if count > 1 else self._take(req, req.output_ids[-1])
+        if not finished and req.grammar is not None:
+            self.jump(req)
+
+    def _take(self, req: Req, token: int) -> bool:
+        """One new token (already on output_ids): the FSM, then the stop checks. True when the request finished."""
         self.sampled_tokens += 1
-        token = req.output_ids[-1]
         if req.grammar is not None:
             req.fsm_state = req.grammar.next_state(req.fsm_state, token)
             if req.fsm_state < 0:  # the mask forbade it: only an all-masked row (a broken grammar) gets here
                 self.finish(req, abort_reason(f"token {token} violates the grammar", "internal"))
-                return
-        if self.check_stop(req, [token]):
-            return
-        if req.grammar is not None:
-            self.jump(req)
+                return True
+        return self.check_stop(req, [token])
 
-    def _verified(self, req: Req, count: int) -> None:
+    def _verified(self, req: Req, count: int) -> bool:
         """A verified draft's tokens (speculative decoding), checked one at a time as decoding them would: a stop
         among them ends the output there, and the KV of the tokens dropped after it is not the request's."""
         new = req.output_ids[-count:]
@@ -79,9 +78,9 @@ class Outputs:
                 req.output_logprobs.append(logprobs[j])
                 req.output_top_logprobs.append(tops[j])
             req.kv_len = min(computed, req.fill_len)  # what is cached at a finish is the kept tokens' KV only
-            self.sampled_tokens += 1
-            if self.check_stop(req, [token]):
-                return
+            if self._take(req, token):
+                return True
+        return False
 
     def check_stop(self, req: Req, new_tokens: list[int]) -> bool:
         """Stream the new tokens' text and finish the request if it is done. True when it finished."""

@@ -59,6 +59,7 @@ class Req:
     # speculative decoding: the draft planned for the next step, tokens the last commit added (outputs.on_token
     # checks each), and the verify steps and accepted drafted tokens so far
     draft: list = field(default_factory=list)
+    draft_states: list = field(default_factory=list)  # a grammar's state at each of the draft's rows
     new_tokens: int = 1
     spec_steps: int = 0
     spec_accepted: int = 0

@@ -276,10 +276,14 @@ class Runner:
         words = -(-self.cfg.vocab_size // 32)
         masks = np.full((num_logits, words), -1, np.int32)
         for w, row in constrained:
-            if w.req.grammar is not None:  # within the tokens the request has left (fsm/completion.py)
-                bits = w.req.grammar.mask_within(w.req.fsm_state, w.req.remaining_new_tokens)
-                masks[row, : len(bits)] = bits
-                masks[row, len(bits) :] = 0  # model ids past the tokenizer's vocabulary are never allowed
+            req = w.req
+            if req.grammar is not None:  # within the tokens the request has left (fsm/completion.py)
+                # a draft's rows (just before its sample row): the state its drafted tokens reach, one token less left
+                for j, state in enumerate(w.fsm_states or [req.fsm_state]):
+                    r = row - len(w.draft) + j
+                    bits = req.grammar.mask_within(state, req.remaining_new_tokens - j)
+                    masks[r, : len(bits)] = bits
+                    masks[r, len(bits) :] = 0  # model ids past the tokenizer's vocabulary are never allowed
             banned = [t for t in _banned(w.req) if 0 <= t < self.cfg.vocab_size]
             if banned:
                 cleared = masks[row].view(np.uint32).copy()

@@ -94,6 +94,7 @@ class Work:
     # chunk's rows samples, and the host keeps the drafted tokens its rows sampled too (commit)
     draft: list[int] = field(default_factory=list)
     draft_results: list = field(default_factory=list)  # (token, logprob, top logprobs) per drafted row, the runner's
+    fsm_states: list = field(default_factory=list)  # a constrained draft: the grammar's state at each of its rows
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (row in chunk, target prompt token)
     # (row in chunk, target token, output index): a jump-forward's forced token, whose logprob the extend's rows give
     # at no extra pass; index -1 is a prefill-only request's look at the next token (its top logprobs only)
@@ -179,9 +180,10 @@ class Scheduler:
         for req, n, decode in plan:
             self._grow(req, req.kv_len + n)
             if decode and n > 1:  # a draft to verify: the newest output token, then the drafted ones
-                drafted = req.draft
-                req.draft = []
-                works.append(Work(req, req.kv_len, [req.output_ids[-1], *drafted], sample=True, draft=drafted))
+                drafted, states = req.draft, req.draft_states
+                req.draft, req.draft_states = [], []
+                tokens = [req.output_ids[-1], *drafted]
+                works.append(Work(req, req.kv_len, tokens, sample=True, draft=drafted, fsm_states=states))
             elif decode:  # the newest output token is not part of the fill: its KV is computed now
                 works.append(Work(req, req.kv_len, [req.output_ids[-1]], sample=True, decode=True))
             else:
@@ -230,17 +232,28 @@ class Scheduler:
 
     def _draft(self, req: Req) -> list[int]:
         """An n-gram draft for a decoding request, within its token budget; none for the rows whose sampling depends
-        on the tokens before it on the host (a grammar's mask, penalty windows, logit bias, min_new_tokens)."""
+        on the tokens before it on the host (penalty windows, logit bias, min_new_tokens). Under a grammar the draft
+        ends before its first token the grammar forbids, and each row gets the state its drafted tokens reach."""
         p = req.params
         k = min(self.cfg.num_draft_tokens - 1, p.max_new_tokens - len(req.output_ids) - 1)
-        if k <= 0 or req.grammar is not None or req.output_ids[-1] < 0:
+        if k <= 0 or req.output_ids[-1] < 0:
             return []
         if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 or p.logit_bias:
             return []
         if len(req.output_ids) < p.min_new_tokens:
             return []
         tokens = np.concatenate([req.input_array, np.asarray(req.output_ids, np.int32)])
-        return ngram.draft(tokens, k)
+        draft = ngram.draft(tokens, k)
+        if req.grammar is not None and draft:
+            states = [req.fsm_state]
+            for t in draft:
+                state = req.grammar.next_state(states[-1], t)
+                if state < 0:
+                    break
+                states.append(state)
+            draft = draft[: len(states) - 1]
+            req.draft_states = states if draft else []
+        return draft
 
     def _prefill_budget(self, decode_rows: int) -> int:
         """Prefill tokens this step may take: chunked_prefill_size less the step's decode rows, so that a mixed step

@@ -149,3 +149,41 @@ def test_a_step_that_admits_past_the_batch_size_still_verifies_its_drafts(tiny, 
     )
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
     assert info["spec_rows"] > 0 and info["overlapped_steps"] > 0
+
+
+def test_constrained_rows_draft_within_the_grammar_and_keep_their_outputs(tiny, prompt_ids):
+    # A draft under a grammar ends before its first forbidden token; each drafted row samples under the mask of the
+    # state the draft reaches there (and the budget left there), and jump-forward still appends forced text after
+    # the verified tokens. Repetitive languages, so that drafts exist; greedy and seeded sampling.
+    regexes = ["(yes|no)( (yes|no)){4,60}\\.", "(ab|ba|abc)+;", "\\[(1|22|333)(, (1|22|333)){2,40}\\]"]
+    ids = [prompt_ids[i] * 2 for i in range(6)]
+    params = [
+        {
+            "max_new_tokens": 40 + 8 * i,
+            "regex": regexes[i % 3],
+            **({"temperature": 0.9, "sampling_seed": 7 + i} if i % 2 else {"temperature": 0}),
+        }
+        for i in range(6)
+    ]
+    ref, _ = run(tiny, ids, params)
+    got, info = run(tiny, ids, params, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    assert [o["meta_info"]["finish_reason"] for o in got] == [o["meta_info"]["finish_reason"] for o in ref]
+    assert info["spec_rows"] > 5 and info["spec_accepted_tokens"] > 0, info
+
+
+def test_speculation_under_memory_pressure_retracts_and_keeps_the_outputs(tiny, prompt_ids):
+    # 20 pages for 12 requests: drafts need pages for their rows too, and retracted requests resume with the same
+    # tokens; one prompt asks for two samples (n = 2), each drafting on its own.
+    ids, params = spec_requests(prompt_ids)
+    params = [{**p, "max_new_tokens": p["max_new_tokens"] + 24} for p in params]
+    params[1] = {**params[1], "n": 2}
+    pressure = dict(max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16, schedule_conservativeness=0)
+    ref, ref_info = run(tiny, ids, params, **pressure)
+    got, info = run(tiny, ids, params, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4, **pressure)
+
+    def flat(outs):
+        return [[x["output_ids"] for x in o] if isinstance(o, list) else o["output_ids"] for o in outs]
+
+    assert flat(got) == flat(ref)
+    assert ref_info["retractions"] > 0 and info["retractions"] > 0 and info["spec_accepted_tokens"] > 0, info
