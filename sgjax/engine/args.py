@@ -29,8 +29,11 @@ class ServerArgs:
     dtype: str | None = None
     # The matrices' dtype: auto (engine/plan.py: a GGUF's own int4 / int8 blocks, or bf16, on a CPU with the dot
     # instructions, for a float32 model), float32, bfloat16 (bf16 dots with float32 accumulation under float32
-    # activations), int8 or int4.
+    # activations), int8, int4 or fp8 (e4m3, a scale per output row; the layers' projections only).
     weight_dtype: str = "auto"
+    # SGLang's --quantization, weights only (w8a16): fp8 (e4m3, a scale per output row, quantized at load) or int8
+    # (w8a16_int8); the matrices' dtype as --weight-dtype fp8 / int8 sets it. Other methods are refused by name.
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto (bfloat16 beside narrowed matrices on a CPU), float32 or bfloat16
     # Refuse to start unless a request's greedy tokens cannot depend on the other requests of its steps (SGLang's
     # flag; the plan says which runs promise it: engine/plan.py, docs/engine.md).
@@ -140,13 +143,21 @@ ENGINE_FLAGS = [
     (
         "weight_dtype",
         dict(
-            choices=["auto", "float32", "bfloat16", "int8", "int4"],
+            choices=["auto", "float32", "bfloat16", "int8", "int4", "fp8"],
             help="the weight matrices' dtype: auto (--dtype's when given; else on a CPU, for a float32 "
             "model, a GGUF's Q4_0 / Q4_1 / Q8_0 blocks kept as int4 / int8 where the CPU has int8 "
             "dot instructions, else bfloat16 where it has bf16 ones; else the model's), float32, "
             "bfloat16 (bf16 dots with float32 accumulation under float32 activations), int8 "
             "(a scale per 32 weights of a row, or per row) or int4 (groups of 32 weights along a "
-            "row, 4 bits each with a scale and a minimum, as llama.cpp's Q4_1)",
+            "row, 4 bits each with a scale and a minimum, as llama.cpp's Q4_1) or fp8 (e4m3 with a scale "
+            "per output row, the layers' projections only)",
+        ),
+    ),
+    (
+        "quantization",
+        dict(
+            help="weights-only quantization at load (SGLang's flag): fp8 (e4m3, a scale per output row) or "
+            "int8 / w8a16_int8; others (awq, gptq, compressed-tensors, ...) are refused by name",
         ),
     ),
     (

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from sgjax.engine.args import DTYPES, ServerArgs
 from sgjax.model.config import ModelConfig
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4")
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "fp8")
+# SGLang's --quantization values built here -> the matrices' dtype (weights only: activations stay bf16 / float32)
+QUANTIZATIONS = {"fp8": "fp8", "w8a16_int8": "int8", "int8": "int8"}
 KV_DTYPES = ("float32", "bfloat16")
 BF16_POOL_BACKENDS = ("cpu", "ref")  # the attention backends that read a bf16 pool under float32 queries
 # A GGUF's layer matrix types -> the weight dtype that holds them exactly (loading.block_dtype).
@@ -165,10 +167,11 @@ def resolve(
         platform == "cpu"
         and one_device
         and machine.native
+        and weight_dtype in NATIVE_FLAGS
         and machine.has(*NATIVE_FLAGS[weight_dtype])
         and _native_shapes(cfg, weight_dtype)
     )
-    if weight_dtype in ("int8", "int4") and not one_device:
+    if weight_dtype in ("int8", "int4", "fp8") and not one_device:
         raise ValueError(
             f"weight_dtype {weight_dtype} runs on one device: tensor parallelism shards float matrices only"
         )
@@ -201,6 +204,16 @@ def resolve(
 def _weight_dtype(args, dtype, platform, machine, block_dtype, given, chosen) -> str:
     if args.weight_dtype not in ("auto", *WEIGHT_DTYPES):
         raise ValueError(f"weight_dtype must be auto, {', '.join(WEIGHT_DTYPES)}, got {args.weight_dtype!r}")
+    if args.quantization is not None:
+        if args.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization {args.quantization!r} is not built in sgjax (built: {', '.join(QUANTIZATIONS)}); "
+                "pre-quantized checkpoints (awq, gptq, compressed-tensors, block fp8) are not read yet"
+            )
+        asked = QUANTIZATIONS[args.quantization]
+        if args.weight_dtype not in ("auto", asked):
+            raise ValueError(f"quantization {args.quantization!r} and weight_dtype {args.weight_dtype!r} disagree")
+        return asked
     if args.weight_dtype != "auto":
         return args.weight_dtype
     if explicit_dtype(args) is not None:  # --dtype fixes the matrices too
@@ -277,6 +290,6 @@ def _why_not_invariant(plan: StepPlan, cfg: ModelConfig) -> str:
         return (
             "XLA's CPU dots change a row's summation order with the row count; the native kernel needs one device "
             f"and the CPU's dot instructions for {plan.weight_dtype} "
-            f"({', '.join(sorted(NATIVE_FLAGS[plan.weight_dtype]))})"
+            f"({', '.join(sorted(NATIVE_FLAGS.get(plan.weight_dtype, {'no native kernel'})))})"
         )
     return f"the {plan.attention!r} attention backend's reductions depend on the step's page-table width (use cpu)"

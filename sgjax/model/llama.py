@@ -22,7 +22,7 @@ import numpy as np
 from sgjax.model.batch import StepBatch
 from sgjax.model.config import ModelConfig, RopeScaling
 from sgjax.model.moe import moe_mlp
-from sgjax.model.quant import Int8Matrix, is_quantized
+from sgjax.model.quant import Fp8Matrix, Int8Matrix, is_quantized
 from sgjax.model.weights import DENSE_LEAVES, Weights
 
 
@@ -88,7 +88,8 @@ def dot(h, w, nk: bool = False, out_dtype=None):
     another dtype (bf16 under float32 activations) takes h in its dtype, with float32 accumulation; one row of such
     a product is computed as two (XLA's CPU runs a one-row bf16 product several times slower than a two-row one)."""
     out_dtype = out_dtype or h.dtype
-    if isinstance(w, Int8Matrix) and not w.grouped:  # bf16 holds every int8 exactly; the scale is per output row
+    if isinstance(w, Fp8Matrix) or (isinstance(w, Int8Matrix) and not w.grouped):
+        # bf16 holds every int8 and every e4m3 value exactly; the scale is per output row
         out = dot(h.astype(jnp.bfloat16), w.q.astype(jnp.bfloat16), True, jnp.float32)
         return (out * w.scale).astype(out_dtype)
     if is_quantized(w):  # [out, in] always; scales per group along a row

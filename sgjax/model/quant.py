@@ -52,8 +52,48 @@ class Int8Matrix:
         return groups.reshape(q.shape).astype(dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Matrix:
+    """--weight-dtype fp8 (SGLang's --quantization fp8, weights only: w8a16): q float8_e4m3fn[..., N, K] ([out, in])
+    and scale f32[..., N], one per output row (the row's largest magnitude / 448, e4m3's largest finite value), so
+    w ~ q * scale. A product widens q to bf16 (every e4m3 value is exact there) and scales its output rows."""
+
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+    def rows(self, ids):
+        return Fp8Matrix(self.q[ids], self.scale[ids]).widened(jnp.float32)
+
+    def widened(self, dtype=jnp.float32):
+        return (self.q.astype(jnp.float32) * self.scale[..., None]).astype(dtype)
+
+
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite magnitude
+
+
+def quantize_fp8(w) -> Fp8Matrix:
+    """Per-row e4m3 of w [..., N, K]: scale = the row's largest magnitude / 448 (rows of zeros: 1), q = w / scale
+    rounded to nearest even; the clip keeps a rounding at the top inside the finite range. numpy in, numpy out."""
+    host = isinstance(w, np.ndarray)
+    xp = np if host else jnp
+    w32 = w.astype(xp.float32)
+    peak = xp.max(xp.abs(w32), axis=-1)
+    scale = xp.where(peak > 0, peak / E4M3_MAX, 1.0).astype(xp.float32)
+    q = xp.clip(w32 / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return Fp8Matrix(q, scale)
+
+
 def is_quantized(w) -> bool:
-    return isinstance(w, (Int8Matrix, Int4Matrix))
+    return isinstance(w, (Int8Matrix, Int4Matrix, Fp8Matrix))
 
 
 def quantize(w) -> Int8Matrix:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgjax.model.config import ModelConfig
-from sgjax.model.quant import Int4Matrix, Int8Matrix, is_quantized, quantize, quantize_int4
+from sgjax.model.quant import Fp8Matrix, Int4Matrix, Int8Matrix, is_quantized, quantize, quantize_fp8, quantize_int4
 
 Array = Any
 
@@ -224,6 +224,7 @@ QUANTIZED_LEAVES = DENSE_LEAVES | {"embed"}
 # int4 keeps these in int8: in 4 bits the tied head lost SmolLM2's greedy answers (docs/engine.md), and llama.cpp's
 # Q4 files keep them wider too.
 TOP_MATRICES = frozenset({"embed", "lm_head"})
+QUANTIZED_DTYPES = ("int8", "int4", "fp8")
 
 
 def matrices_dtype(weights: Weights) -> str:
@@ -234,6 +235,8 @@ def matrices_dtype(weights: Weights) -> str:
         return "int4"
     if isinstance(wq, Int8Matrix):
         return "int8"
+    if isinstance(wq, Fp8Matrix):
+        return "fp8"
     return getattr(wq, "kind", None) or jnp.dtype(wq.dtype).name
 
 
@@ -242,15 +245,17 @@ def cast_matrices(weights: Weights, weight_dtype: str) -> Weights:
     along each output row ([out, in], model/quant.py; int4 keeps TOP_MATRICES in int8). Matrices already quantized
     (a GGUF's kept blocks) stay. numpy leaves stay numpy; stacked and unrolled layers alike."""
     current = matrices_dtype(weights)
-    if current == weight_dtype and current not in ("int8", "int4"):
+    if current == weight_dtype and current not in QUANTIZED_DTYPES:
         return weights
-    if current in ("int8", "int4") and current != weight_dtype:
+    if current in QUANTIZED_DTYPES and current != weight_dtype:
         raise ValueError(f"{current} matrices cannot be cast to {weight_dtype}: load the model's weights")
 
     def quantized(name, a):
         rows = (
             a if name == "embed" else (np.swapaxes(a, -1, -2) if isinstance(a, np.ndarray) else jnp.swapaxes(a, -1, -2))
         )
+        if weight_dtype == "fp8":
+            return quantize_fp8(rows)
         return (quantize_int4 if weight_dtype == "int4" and name not in TOP_MATRICES else quantize)(rows)
 
     def cast(obj):
@@ -259,9 +264,12 @@ def cast_matrices(weights: Weights, weight_dtype: str) -> Weights:
             a = getattr(obj, f.name)
             if a is None or is_quantized(a):
                 continue
-            if weight_dtype in ("int8", "int4") and f.name in QUANTIZED_LEAVES:
+            if weight_dtype == "fp8":  # the layers' projections, as SGLang's fp8 does; the rest as loaded
+                if f.name in DENSE_LEAVES and f.name not in TOP_MATRICES:
+                    changes[f.name] = quantized(f.name, a)
+            elif weight_dtype in ("int8", "int4") and f.name in QUANTIZED_LEAVES:
                 changes[f.name] = quantized(f.name, a)
-            elif weight_dtype not in ("int8", "int4") and f.name in MATMUL_LEAVES:
+            elif weight_dtype not in QUANTIZED_DTYPES and f.name in MATMUL_LEAVES:
                 changes[f.name] = a.astype(jnp.dtype(weight_dtype))
         return dataclasses.replace(obj, **changes)
 

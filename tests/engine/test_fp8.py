@@ -1,0 +1,104 @@
+"""--quantization fp8 (weights e4m3 with a scale per output row, quantized at load; w8a16): the quantizer against a
+numpy reference, which leaves it takes, the plan and the flag's table, and the engine's answers against bf16 on the
+tiny model and the real SmolLM2."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from sgjax.engine.args import ServerArgs
+from sgjax.engine.engine import Engine
+from sgjax.engine.plan import Machine, resolve
+from sgjax.model.quant import E4M3_MAX, Fp8Matrix, quantize_fp8
+from sgjax.model.weights import DENSE_LEAVES, TOP_MATRICES, cast_matrices, matrices_dtype
+from tests.conftest import SMALL
+from tests.engine.conftest import tiny_engine
+
+
+def e4m3_grid() -> np.ndarray:
+    """Every finite float8_e4m3fn value, as float32."""
+    every = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return np.unique(every[np.isfinite(every)])
+
+
+def test_quantizer_rounds_each_row_to_the_nearest_e4m3_step_of_its_scale():
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.02, (3, 8, 64)).astype(np.float32) * rng.uniform(0.1, 10, (3, 8, 1)).astype(np.float32)
+    w[1, 2] = 0.0  # a row of zeros: scale 1, not 0/0
+    m = quantize_fp8(w)
+    assert m.q.dtype == ml_dtypes.float8_e4m3fn and m.scale.shape == (3, 8) and m.scale.dtype == np.float32
+    peak = np.abs(w).max(axis=-1)
+    np.testing.assert_allclose(m.scale, np.where(peak > 0, peak / E4M3_MAX, 1.0), rtol=1e-6)
+    # the reference: the nearest grid value of w / scale (ties aside), found by brute force
+    grid = e4m3_grid()
+    x = w / m.scale[..., None]
+    nearest = grid[np.abs(x[..., None] - grid).argmin(axis=-1)]
+    q = m.q.astype(np.float32)
+    assert (np.abs(q - x) <= np.abs(nearest - x) + 1e-6).all()
+    # each row's largest magnitude is exactly the top of the range; nothing saturates past it
+    assert np.allclose(np.abs(q).max(axis=-1)[peak > 0], E4M3_MAX) and np.isfinite(q).all()
+    # the round trip: within half a step of e4m3 (3 mantissa bits: 1/16 relative), or the subnormal step
+    back = np.asarray(m.widened())
+    bound = np.maximum(np.abs(w) / 16, m.scale[..., None] * 2.0**-10)
+    assert (np.abs(back - w) <= bound + 1e-12).all()
+    assert (back[1, 2] == 0).all()
+
+
+def test_saturation_at_the_top_of_the_range():
+    w = np.array([[1.0, -1.0, 0.5, 1.0 - 1e-7, 3e-3]], np.float32)
+    m = quantize_fp8(w)
+    assert float(m.scale[0]) == pytest.approx(1 / E4M3_MAX)
+    assert np.asarray(m.q.astype(np.float32))[0, :2].tolist() == [E4M3_MAX, -E4M3_MAX]
+
+
+def test_the_layers_projections_are_quantized_the_embedding_and_head_kept(tiny):
+    cfg, weights, _ = tiny
+    cast = cast_matrices(weights, "fp8")
+    assert matrices_dtype(cast) == "fp8"
+    for name in DENSE_LEAVES - TOP_MATRICES:
+        leaf = getattr(cast.layers, name, None)
+        if leaf is not None:
+            assert isinstance(leaf, Fp8Matrix) and leaf.shape == getattr(weights.layers, name).shape[:-2] + (
+                getattr(weights.layers, name).shape[-1],
+                getattr(weights.layers, name).shape[-2],
+            ), name
+    assert cast.embed is weights.embed  # as loaded (SGLang's fp8 keeps the embedding and the head too)
+
+
+def test_the_quantization_flag_picks_the_matrices_and_refuses_the_rest(tiny):
+    cfg, _, _ = tiny
+    here = Machine.here()
+    assert resolve(ServerArgs(quantization="fp8"), cfg, here).weight_dtype == "fp8"
+    assert resolve(ServerArgs(quantization="w8a16_int8"), cfg, here).weight_dtype == "int8"
+    with pytest.raises(ValueError, match="quantization 'awq' is not built"):
+        resolve(ServerArgs(quantization="awq"), cfg, here)
+    with pytest.raises(ValueError, match="disagree"):
+        resolve(ServerArgs(quantization="fp8", weight_dtype="int4"), cfg, here)
+    with pytest.raises(ValueError, match="runs on one device"):
+        resolve(ServerArgs(quantization="fp8", tp_size=2), cfg, here)
+
+
+def test_tiny_engine_with_fp8_matrices_stays_close_to_float32(tiny):
+    prompts = [[5, 9, 27, 101, 3], list(range(200, 231)), list(range(1000, 1040, 3))]
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    runs = {}
+    for kw in ({}, {"quantization": "fp8"}):
+        with tiny_engine(tiny, **kw) as eng:
+            runs[bool(kw)] = eng.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True)
+            assert eng.get_server_info()["step_plan"]["weight_dtype"] == ("fp8" if kw else "float32")
+    for a, b in zip(runs[False], runs[True]):
+        (lp_a, tok_a, _), (lp_b, tok_b, _) = (
+            a["meta_info"]["output_token_logprobs"][0],
+            b["meta_info"]["output_token_logprobs"][0],
+        )
+        if tok_a == tok_b:  # the first token comes from the same prompt: its logprob differs by the rounding only
+            assert abs(lp_a - lp_b) < 0.15
+        assert sum(x == y for x, y in zip(a["output_ids"], b["output_ids"])) >= 3
+
+
+def test_real_smollm2_fp8_keeps_the_greedy_answers(smollm2):
+    cfg, weights, tok = smollm2
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    with Engine.from_weights(cfg, weights, tok, **{**SMALL, "quantization": "fp8"}) as eng:
+        texts = [o["text"] for o in eng.generate(prompts, sampling_params={"max_new_tokens": 8, "temperature": 0})]
+    assert texts[0].startswith(" Paris") and texts[1].startswith("\n    if n == "), texts
