@@ -203,10 +203,10 @@ class Scheduler:
             # a decoding request at max_new_tokens has its last token still on the device (overlap): it finishes
             # when that lands
             rows = [(r, d) for r, d in rows if not d or len(r.output_ids) < r.params.max_new_tokens]
-            if self.speculating:
+            if self.cfg.num_draft_tokens > 1:  # every round: a draft left from a planning that retracted is stale
+                speculating = self.speculating
                 for req, decode in rows:
-                    if decode:
-                        req.draft = self._draft(req)
+                    req.draft = self._draft(req) if speculating and decode else []
             budget = self._prefill_budget(sum(1 + len(r.draft) for r, d in rows if d))
             for req, decode in rows:
                 if decode:
@@ -235,6 +235,7 @@ class Scheduler:
         on the tokens before it on the host (penalty windows, logit bias, min_new_tokens). Under a grammar the draft
         ends before its first token the grammar forbids, and each row gets the state its drafted tokens reach."""
         p = req.params
+        req.draft_states = []
         k = min(self.cfg.num_draft_tokens - 1, p.max_new_tokens - len(req.output_ids) - 1)
         if k <= 0 or req.output_ids[-1] < 0:
             return []

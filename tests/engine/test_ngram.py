@@ -187,3 +187,24 @@ def test_speculation_under_memory_pressure_retracts_and_keeps_the_outputs(tiny, 
 
     assert flat(got) == flat(ref)
     assert ref_info["retractions"] > 0 and info["retractions"] > 0 and info["spec_accepted_tokens"] > 0, info
+
+
+def test_a_draft_never_outlives_its_planning():
+    # A planning that drafted and then had to retract (or found the batch past the cut) leaves drafts on requests;
+    # the next planning must draft again or clear them, never reuse drafts (and grammar states) of an older context.
+    import dataclasses
+
+    from sgjax.engine.params import SamplingParams
+    from sgjax.engine.request import Req
+    from sgjax.engine.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4, num_draft_tokens=4))
+    req = Req(rid="0", input_ids=[5, 6, 7, 5, 6, 7, 5, 6], params=SamplingParams(max_new_tokens=20), seed=0)
+    sched.add(req)
+    works = sched.schedule()
+    for w in works:
+        w.target_results = []
+    sched.commit(works, [7], [0.0], None)
+    assert [(n, decode) for _, n, decode in sched._plan_running()] == [(4, True)] and req.draft == [5, 6, 7]
+    sched.cfg = dataclasses.replace(sched.cfg, spec_below_running=1)  # now past the cut: no drafts
+    assert [(n, decode) for _, n, decode in sched._plan_running()] == [(1, True)] and req.draft == []
