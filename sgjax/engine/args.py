@@ -353,7 +353,7 @@ ENGINE_FLAGS = [
         "disable_overlap_schedule",
         dict(
             action="store_true",
-            help="wait for each step's tokens before scheduling the next (no overlap of host work with decode steps)",
+            help="wait for each step's tokens before scheduling the next (no overlap of host work with the steps)",
         ),
     ),
     (
