@@ -1,4 +1,6 @@
-"""The n-gram drafter (`--speculative-algorithm NGRAM`): prompt lookup over the request's own tokens.
+"""Speculative decoding's host side (`--speculative-algorithm NGRAM`): the n-gram drafter (prompt lookup over the
+request's own tokens), which rows may draft, and the accept rule of a verified draft. The scheduler calls these;
+the runner samples a draft's rows (docs/engine.md, "Speculative decoding verifies by sampling").
 
 The last few tokens of a request (its prompt and output so far) are looked up earlier in the same sequence; the
 tokens that followed the most recent earlier occurrence are the draft. Model-free, it drafts well where the answer
@@ -11,6 +13,8 @@ when the occurrence is less than k tokens back (a loop drafts its whole period a
 from __future__ import annotations
 
 import numpy as np
+
+from sgjax.engine.params import uses_penalties
 
 MAX_MATCH = 4  # the longest suffix looked up
 MIN_MATCH = 2  # shorter suffixes match by chance too often to be worth a verify row
@@ -36,3 +40,57 @@ def draft(tokens: np.ndarray, k: int, max_match: int = MAX_MATCH, min_match: int
                 out.append(out[len(out) - offset])
             return out
     return []
+
+
+def draft_for(req, width: int) -> tuple[list[int], list[int]]:
+    """(draft, grammar states) for a decoding request verifying at most `width` tokens (its last one included),
+    within its token budget; no draft for rows whose sampling reads the tokens before it on the host (penalty
+    windows, logit bias, min_new_tokens). Under a grammar the draft ends before its first token the grammar
+    forbids, and the states are the grammar's at each of the draft's rows (empty without a grammar)."""
+    p = req.params
+    k = min(width - 1, p.max_new_tokens - len(req.output_ids) - 1)
+    if k <= 0 or req.output_ids[-1] < 0 or uses_penalties(p) or p.logit_bias:
+        return [], []
+    if len(req.output_ids) < p.min_new_tokens:
+        return [], []
+    drafted = draft(np.concatenate([req.input_array, np.asarray(req.output_ids, np.int32)]), k)
+    if req.grammar is None or not drafted:
+        return drafted, []
+    states = [req.fsm_state]
+    for t in drafted:
+        state = req.grammar.next_state(states[-1], t)
+        if state < 0:
+            break
+        states.append(state)
+    drafted = drafted[: len(states) - 1]
+    return drafted, (states if drafted else [])
+
+
+def accepted(drafted: list[int], sampled: list[int]) -> int:
+    """How many drafted tokens stand: row i sampled the token decoding would sample after the first i drafted
+    tokens (same logits, seed and step), so a drafted token stands while it equals its row's sample."""
+    n = 0
+    while n < len(drafted) and sampled[n] == drafted[n]:
+        n += 1
+    return n
+
+
+ALGORITHMS = ("NGRAM",)  # built; SGLang's others are refused by name
+
+
+def num_draft_tokens(args) -> int:
+    """The verify width from the speculative flags (0: off); a draft model's algorithm is refused by name."""
+    algo = args.speculative_algorithm
+    if algo is None:
+        return 0
+    if algo.upper() not in ALGORITHMS:
+        raise ValueError(
+            f"speculative_algorithm {algo!r} is not built in sgjax (built: {', '.join(ALGORITHMS)}); "
+            "a draft model's algorithms (EAGLE, EAGLE3, STANDALONE, NEXTN) are planned"
+        )
+    if args.speculative_num_draft_tokens < 2:
+        raise ValueError(
+            f"speculative_num_draft_tokens must be >= 2 (the last token and one drafted), got "
+            f"{args.speculative_num_draft_tokens}"
+        )
+    return args.speculative_num_draft_tokens

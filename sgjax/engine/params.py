@@ -309,3 +309,8 @@ def _check_float(name: str, value) -> None:
 def _check_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise SamplingParamsError(f"{name} must be an int, got {value!r}", name)
+
+
+def uses_penalties(p) -> bool:
+    """Whether a request's sampling reads its token history (the sampler's penalty window)."""
+    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0

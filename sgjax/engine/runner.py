@@ -22,6 +22,7 @@ import numpy as np
 from sgjax.engine import mesh as tp
 from sgjax.engine.buckets import Buckets, bucket
 from sgjax.engine.embed import READOUTS, readout
+from sgjax.engine.params import uses_penalties
 from sgjax.engine.plan import StepPlan
 from sgjax.engine.programs import COMPILE_LOCK, compiles, jitted_step
 from sgjax.engine.sampler import default_rows, uses_filter
@@ -450,10 +451,6 @@ class Runner:
 def _local(x):
     """A replicated step output as this process can read it: across hosts, its copy on a local device."""
     return x if x.is_fully_addressable else x.addressable_data(0)
-
-
-def uses_penalties(p) -> bool:
-    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
 def _window(req, vocab: int) -> tuple[np.ndarray, np.ndarray]:

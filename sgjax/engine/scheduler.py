@@ -66,7 +66,7 @@ class SchedulerConfig:
             init_new_token_ratio=0.7 * args.schedule_conservativeness,
             min_new_token_ratio=0.1 * args.schedule_conservativeness,
             seed=args.random_seed,
-            num_draft_tokens=_num_draft_tokens(args),
+            num_draft_tokens=ngram.num_draft_tokens(args),
             spec_below_running=args.speculative_disable_by_batch_size,
         )
 
@@ -206,7 +206,9 @@ class Scheduler:
             if self.cfg.num_draft_tokens > 1:  # every round: a draft left from a planning that retracted is stale
                 speculating = self.speculating
                 for req, decode in rows:
-                    req.draft = self._draft(req) if speculating and decode else []
+                    req.draft, req.draft_states = (
+                        ngram.draft_for(req, self.cfg.num_draft_tokens) if speculating and decode else ([], [])
+                    )
             budget = self._prefill_budget(sum(1 + len(r.draft) for r, d in rows if d))
             for req, decode in rows:
                 if decode:
@@ -229,32 +231,6 @@ class Scheduler:
         """Whether the next step drafts (then the loop must read this step's tokens before scheduling it)."""
         cap = self.cfg.spec_below_running
         return self.cfg.num_draft_tokens > 1 and (cap is None or len(self.running) < cap)
-
-    def _draft(self, req: Req) -> list[int]:
-        """An n-gram draft for a decoding request, within its token budget; none for the rows whose sampling depends
-        on the tokens before it on the host (penalty windows, logit bias, min_new_tokens). Under a grammar the draft
-        ends before its first token the grammar forbids, and each row gets the state its drafted tokens reach."""
-        p = req.params
-        req.draft_states = []
-        k = min(self.cfg.num_draft_tokens - 1, p.max_new_tokens - len(req.output_ids) - 1)
-        if k <= 0 or req.output_ids[-1] < 0:
-            return []
-        if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 or p.logit_bias:
-            return []
-        if len(req.output_ids) < p.min_new_tokens:
-            return []
-        tokens = np.concatenate([req.input_array, np.asarray(req.output_ids, np.int32)])
-        draft = ngram.draft(tokens, k)
-        if req.grammar is not None and draft:
-            states = [req.fsm_state]
-            for t in draft:
-                state = req.grammar.next_state(states[-1], t)
-                if state < 0:
-                    break
-                states.append(state)
-            draft = draft[: len(states) - 1]
-            req.draft_states = states if draft else []
-        return draft
 
     def _prefill_budget(self, decode_rows: int) -> int:
         """Prefill tokens this step may take: chunked_prefill_size less the step's decode rows, so that a mixed step
@@ -440,15 +416,12 @@ class Scheduler:
         return updated
 
     def _commit_draft(self, w: Work, token: int, logprob: float, top) -> None:
-        """A verified draft: row i sampled the token decoding would sample after the first i drafted tokens (same
-        logits, same seed and step), so the drafted tokens up to the first that differs from its row's sample are
-        accepted, and that row's sample (or the last row's, when all were) comes after them. The rejected rows'
-        KV lies past kv_len, where the next tokens overwrite it."""
+        """A verified draft (ngram.accepted): the drafted tokens that stand, then the sample of the row after them
+        (the last row's when all stand). The rejected rows' KV lies past kv_len, where the next tokens overwrite
+        it."""
         req = w.req
         sampled = [t for t, _, _ in w.draft_results] + [token]
-        accepted = 0
-        while accepted < len(w.draft) and sampled[accepted] == w.draft[accepted]:
-            accepted += 1
+        accepted = ngram.accepted(w.draft, sampled)
         new = sampled[: accepted + 1]
         req.kv_len = w.start + 1 + accepted
         req.output_ids.extend(new)
@@ -609,27 +582,6 @@ class Scheduler:
     @property
     def hit_rate(self) -> float:
         return self.stats.cached_tokens / self.stats.prompt_tokens if self.stats.prompt_tokens else 0.0
-
-
-SPEC_ALGORITHMS = ("NGRAM",)  # built; SGLang's others are refused by name
-
-
-def _num_draft_tokens(args) -> int:
-    """The verify width from the speculative flags (0: off); a draft model's algorithm is refused by name."""
-    algo = args.speculative_algorithm
-    if algo is None:
-        return 0
-    if algo.upper() not in SPEC_ALGORITHMS:
-        raise ValueError(
-            f"speculative_algorithm {algo!r} is not built in sgjax (built: {', '.join(SPEC_ALGORITHMS)}); "
-            "a draft model's algorithms (EAGLE, EAGLE3, STANDALONE, NEXTN) are planned"
-        )
-    if args.speculative_num_draft_tokens < 2:
-        raise ValueError(
-            f"speculative_num_draft_tokens must be >= 2 (the last token and one drafted), got "
-            f"{args.speculative_num_draft_tokens}"
-        )
-    return args.speculative_num_draft_tokens
 
 
 def _output_rows(req: Req, fill: list[int], start: int, end: int) -> list[tuple[int, int, int]]:
