@@ -32,6 +32,8 @@ namespace sgjax_cpu {
 constexpr int64_t kSpinMicros = 300;
 constexpr int64_t kMinParallelBytes = 128 << 10;  // the bytes a job reads below which it is not shared
 constexpr int64_t kPauses = 256;                  // pause instructions before a helper starts yielding
+constexpr uint64_t kItemMask = 0xffffffffu;
+constexpr uint64_t kClosed = kItemMask;  // the item of a finished job: past any job's n
 
 inline void Pause() {
 #if defined(__x86_64__)
@@ -42,8 +44,14 @@ inline void Pause() {
 }
 
 // Jobs of n independent items, fn(ctx, i), run by the caller and the helpers. `next` packs the job's generation
-// (high 32 bits) with the next unclaimed item (low 32 bits), so a helper late from one job can never claim an item
-// of the next. One job at a time: a caller that finds the pool busy (another thread's job) runs its own items.
+// (high 32 bits) with the next unclaimed item (low 32 bits); a finished job is closed (item kClosed) before its
+// caller returns. One job at a time: a caller that finds the pool busy (another thread's job) runs its own items.
+//
+// A helper reads a job's fields (call, ctx, n) only inside `active_` and only after it saw the job open there; the
+// caller returns only once the job is closed and no helper is inside. Without that, a helper delayed between seeing
+// job G and reading its fields read the next job's n (or ctx) and claimed items of G past G's end: it ran items of
+// the next job twice and counted them done, so a caller could return while an item still wrote its output: heap
+// corruption, the likely cause of test workers crashing far from here (tests/kernels/test_cpu_pool.py hammers this).
 class Pool {
  public:
   static Pool& Get() {
@@ -77,6 +85,14 @@ class Pool {
     }
     Work(gen, call, &fn, n);
     while (done_.load(std::memory_order_acquire) < n) Pause();
+    next_.store((gen << 32) | kClosed, std::memory_order_seq_cst);
+    for (int spins = 0; active_.load(std::memory_order_seq_cst) != 0; ++spins) {
+      if (spins < kPauses) {
+        Pause();
+      } else {
+        sched_yield();  // a helper descheduled inside: let it run
+      }
+    }
   }
 
  private:
@@ -92,9 +108,9 @@ class Pool {
   // Claims and runs items of job `gen` until none is left.
   void Work(uint64_t gen, void (*call)(void*, int64_t), void* ctx, int64_t n) {
     uint64_t v = next_.load(std::memory_order_acquire);
-    while ((v >> 32) == gen && static_cast<int64_t>(v & 0xffffffffu) < n) {
+    while ((v >> 32) == gen && static_cast<int64_t>(v & kItemMask) < n) {
       if (next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) {
-        call(ctx, static_cast<int64_t>(v & 0xffffffffu));
+        call(ctx, static_cast<int64_t>(v & kItemMask));
         done_.fetch_add(1, std::memory_order_release);
         v = next_.load(std::memory_order_acquire);
       }
@@ -123,9 +139,15 @@ class Pool {
         v = next_.load(std::memory_order_acquire);
       }
       seen = v >> 32;
-      // The fields may already be a later job's: then the claim below fails (its generation differs).
-      Work(seen, call_.load(std::memory_order_relaxed), ctx_.load(std::memory_order_relaxed),
-           n_.load(std::memory_order_relaxed));
+      if ((v & kItemMask) == kClosed) continue;
+      active_.fetch_add(1, std::memory_order_seq_cst);
+      v = next_.load(std::memory_order_seq_cst);
+      if ((v >> 32) == seen && (v & kItemMask) != kClosed) {
+        // open, and it stays job `seen` (its fields unchanged) until this helper leaves `active_`
+        Work(seen, call_.load(std::memory_order_relaxed), ctx_.load(std::memory_order_relaxed),
+             n_.load(std::memory_order_relaxed));
+      }
+      active_.fetch_sub(1, std::memory_order_seq_cst);
     }
   }
 
@@ -136,7 +158,7 @@ class Pool {
   uint64_t gen_ = 0;
   std::atomic<uint64_t> next_{0};
   std::atomic<int64_t> done_{0}, n_{0};
-  std::atomic<int> sleeping_{0};
+  std::atomic<int> sleeping_{0}, active_{0};
   std::atomic<void (*)(void*, int64_t)> call_{nullptr};
   std::atomic<void*> ctx_{nullptr};
 };
