@@ -38,8 +38,28 @@ def split_kv(kv: Array) -> tuple[Array, Array]:
     return kv[..., 0::2, :], kv[..., 1::2, :]
 
 
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def to_pool(x: Array, dtype) -> Array:
+    """x stored as the pool's dtype. An fp8 pool saturates at its largest finite value: a plain cast gives NaN (e4m3fn)
+    or inf past it, which one outlier key would spread through every later score. No scale (1.0, as SGLang and vLLM
+    use when the checkpoint gives none)."""
+    if is_fp8(dtype):
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -big, big)
+    return x.astype(dtype)
+
+
+def read_pool(x: Array, dtype) -> Array:
+    """Keys or values read from the pool, widened to `dtype` (the queries') when the pool is fp8; others as stored
+    (a bf16 pool under float32 queries keeps its dtype: the backends' dots widen it)."""
+    return x.astype(dtype) if is_fp8(x.dtype) else x
+
+
 def write_kv(pool: Array, layer: Array, k: Array, v: Array, slot_mapping: Array) -> Array:
     """Scatter the new tokens' K/V into `layer` of the pool (in place when the pool is donated)."""
     page_size = pool.shape[2]
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
-    return pool.at[layer, pages, offsets].set(interleave_kv(k, v).astype(pool.dtype))
+    return pool.at[layer, pages, offsets].set(to_pool(interleave_kv(k, v), pool.dtype))

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from sgjax.kernels.kv_pool import to_pool
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # jax 0.11 deprecates the Triton backend
     from jax.experimental.pallas import triton as plgpu
@@ -33,7 +35,7 @@ def _kernel(
     k_col = (c // head_dim) * (2 * head_dim) + c % head_dim  # K of head h at combined index 2h
     for src, col in ((k_ref, k_col), (v_ref, k_col + head_dim)):
         x = plgpu.load(src.at[t[:, None], c[None, :]], mask=ok, other=0)
-        plgpu.store(pool_ref.at[row[:, None], col[None, :]], x.astype(pool_ref.dtype), mask=ok)
+        plgpu.store(pool_ref.at[row[:, None], col[None, :]], to_pool(x, pool_ref.dtype), mask=ok)
 
 
 def _kernel_by_head(
@@ -51,7 +53,7 @@ def _kernel_by_head(
         x = plgpu.load(src.at[idx], mask=ok, other=0)
         plgpu.store(
             pool_ref.at[row[:, None, None], (2 * h + part)[None, :, None], d[None, None, :]],
-            x.astype(pool_ref.dtype),
+            to_pool(x, pool_ref.dtype),
             mask=ok,
         )
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from sgjax.kernels import ragged_blocks as rb
-from sgjax.kernels.kv_pool import write_kv
+from sgjax.kernels.kv_pool import read_pool, write_kv
 from sgjax.kernels.kv_write_gpu import pallas_write_kv
 from sgjax.kernels.metadata import AttentionMetadata
 
@@ -122,8 +122,8 @@ def _kernel(
         else:
             page = next_page = pages_of(t)
         slot = (layer_base + page) * page_size + key % page_size
-        k = kv_ref[slot[:, None], k_col[None, :]]
-        v = kv_ref[slot[:, None], v_col[None, :]]
+        k = read_pool(kv_ref[slot[:, None], k_col[None, :]], q.dtype)  # an fp8 pool widened in registers
+        v = read_pool(kv_ref[slot[:, None], v_col[None, :]], q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
         # scores in log2 units: scale is sm_scale * log2(e); a soft cap applies to the natural-unit score
         s = (softcap * _LOG2E) * jnp.tanh(s * (scale / _LOG2E / softcap)) if softcap else s * scale
@@ -257,7 +257,8 @@ def pallas_gpu_attention(
         from sgjax.kernels import pallas_mgpu
 
         mgpu = dict(mgpu or {}, interpret=interpret)
-        if pallas_mgpu.supported(q.dtype, head_dim, page_size, mgpu.get("block_kv")):
+        # the Hopper kernel copies pages to shared memory as the queries' dtype: an fp8 pool stays on Triton
+        if pool.dtype == q.dtype and pallas_mgpu.supported(q.dtype, head_dim, page_size, mgpu.get("block_kv")):
             if num_rows >= MGPU_MIN_ROWS_PER_REQ * num_reqs:  # prefill-shaped: every request on the Hopper kernel
                 return pallas_mgpu.mgpu_prefill_attention(
                     q, pool, layer, meta, sm_scale=sm_scale, **mgpu, **masks

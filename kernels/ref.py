@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from sgjax.kernels.kv_pool import split_kv, write_kv
+from sgjax.kernels.kv_pool import read_pool, split_kv, write_kv
 from sgjax.kernels.metadata import AttentionMetadata
 
 _BLOCK_ELEMENTS = 1 << 25  # intermediates per block of query rows (~128 MB in f32)
@@ -88,7 +88,7 @@ def ref_attention(
 
     if strategy == "segment":
         all_kv = pool[layer, meta.page_table].reshape(num_reqs * ctx, 2 * num_kv_heads, head_dim)
-        all_keys, all_values = split_kv(all_kv)
+        all_keys, all_values = split_kv(read_pool(all_kv, q.dtype))
         key_pos = jnp.tile(jnp.arange(ctx), num_reqs)
         key_req = jnp.repeat(jnp.arange(num_reqs), ctx)
 
@@ -113,7 +113,7 @@ def ref_attention(
 
     def gathered(table_rows):
         kv = pool[layer, table_rows].reshape(*table_rows.shape[:-1], ctx, 2 * num_kv_heads, head_dim)
-        return split_kv(kv)
+        return split_kv(read_pool(kv, q.dtype))
 
     def per_row(qb, req_b, pos_b, len_b):
         keys, values = gathered(meta.page_table[req_b])
@@ -133,7 +133,7 @@ def ref_attention(
             m, den, acc = carry
             cols = jnp.minimum(i * PAGES_PER_STEP + jnp.arange(PAGES_PER_STEP), pages_per_req - 1)
             kv = pool[layer, tables[..., cols]].reshape(*tables.shape[:-1], chunk, 2 * num_kv_heads, head_dim)
-            keys, values = split_kv(kv)  # a clipped column's keys lie past every length: masked
+            keys, values = split_kv(read_pool(kv, q.dtype))  # a clipped column's keys lie past every length: masked
             kpos = i * chunk + jnp.arange(chunk)[None, :]
             s = jnp.einsum(f"bhgd,{spec}->bhgk", qg, keys, preferred_element_type=jnp.float32) * sm_scale
             if softcap:

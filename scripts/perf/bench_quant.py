@@ -1,10 +1,12 @@
-"""Weight quantization's accuracy against bf16 on the real SmolLM2, all configurations in one run.
+"""Quantization's accuracy against bf16 on the real SmolLM2, all configurations in one run.
 
-    python scripts/perf/bench_quant.py                       # fp8 and int8 against bf16
-    python scripts/perf/bench_quant.py --prompts 50 --new-tokens 200 --mmlu-per-subject 50
+    python scripts/perf/bench_quant.py                       # fp8 and int8 weights against bf16
+    python scripts/perf/bench_quant.py --quantization --kv-cache-dtype fp8_e4m3 fp8_e5m2 --attention-backend ref
 
-Every configuration is an engine over the same checkpoint with --dtype bfloat16 (the reference: bf16 matrices) and
---quantization fp8 / int8 (weights only; activations and the KV pool stay bf16). Per configuration:
+Every configuration is an engine over the same checkpoint with --dtype bfloat16 (the reference: bf16 matrices and
+pool) and either --quantization fp8 / int8 (weights only; activations and the KV pool stay bf16) or --kv-cache-dtype
+fp8_e4m3 / fp8_e5m2 (the pool only). An fp8 pool is read by the ref backend on a CPU: give every configuration that
+backend (--attention-backend ref) so the reference differs in the pool alone. Per configuration:
   kl           mean and p99 KL(bf16 || quantized) of the next-token distribution (the engine's full-vocabulary
                logprobs readout) after --kl-prompts prefixes of ShareGPT turns, cut at 16-256 tokens
   agreement    greedy decoding of --prompts chat prompts for --new-tokens tokens: the share of outputs identical to
@@ -81,7 +83,9 @@ def logprobs(engine, prompts, chunk: int = 8) -> np.ndarray:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quantization", nargs="+", default=["fp8", "int8"])
+    ap.add_argument("--quantization", nargs="*", default=["fp8", "int8"])
+    ap.add_argument("--kv-cache-dtype", nargs="*", default=[], help="fp8_e4m3 / fp8_e5m2 pools against bf16's")
+    ap.add_argument("--attention-backend", default=None, help="every configuration's (default: the platform's)")
     ap.add_argument("--kl-prompts", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=200)
@@ -95,7 +99,13 @@ def main():
     from sgjax.engine.engine import Engine
 
     common = dict(model_path=args.model_path, dtype="bfloat16", max_total_tokens=65536, max_running_requests=16)
-    configs = {"bf16": {}, **{q: {"quantization": q} for q in args.quantization}}
+    if args.attention_backend:
+        common["attention_backend"] = args.attention_backend
+    configs = {
+        "bf16": {},
+        **{q: {"quantization": q} for q in args.quantization},
+        **{f"kv-{k}": {"kv_cache_dtype": k} for k in args.kv_cache_dtype},
+    }
     rows, ref = [], {}
     for name, extra in configs.items():
         with Engine(**common, **extra) as eng:
@@ -127,6 +137,8 @@ def main():
             {
                 "configuration": name,
                 "weight_dtype": plan["weight_dtype"],
+                "kv_dtype": plan["kv_dtype"],
+                "attention": plan["attention"],
                 "matmul": plan["matmul"],
                 "kl_mean": float(kl.mean()),
                 "kl_p99": float(np.percentile(kl, 99)),
@@ -143,8 +155,8 @@ def main():
         )
         r = rows[-1]
         print(
-            f"{name:5} {r['weight_dtype']:9} KL mean {r['kl_mean']:.5f} p99 {r['kl_p99']:.4f}  greedy identical "
-            f"{r['greedy_identical']:.2f} prefix {r['greedy_prefix_share']:.2f}  MMLU {acc:.3f}",
+            f"{name:11} {r['weight_dtype']:9} {r['kv_dtype']:13} KL mean {r['kl_mean']:.5f} p99 {r['kl_p99']:.4f}  "
+            f"greedy identical {r['greedy_identical']:.2f} prefix {r['greedy_prefix_share']:.2f}  MMLU {acc:.3f}",
             flush=True,
         )
     with open(args.out, "a") as f:

@@ -34,7 +34,7 @@ class ServerArgs:
     # SGLang's --quantization, weights only (w8a16): fp8 (e4m3, a scale per output row, quantized at load) or int8
     # (w8a16_int8); the matrices' dtype as --weight-dtype fp8 / int8 sets it. Other methods are refused by name.
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # auto (bfloat16 beside narrowed matrices on a CPU), float32 or bfloat16
+    kv_cache_dtype: str = "auto"  # auto (bfloat16 beside narrowed matrices on a CPU), float32, bfloat16, fp8_e4m3/e5m2
     # Refuse to start unless a request's greedy tokens cannot depend on the other requests of its steps (SGLang's
     # flag; the plan says which runs promise it: engine/plan.py, docs/engine.md).
     enable_deterministic_inference: bool = False
@@ -167,7 +167,8 @@ ENGINE_FLAGS = [
             help="KV cache dtype: auto (--dtype's when given; bfloat16 for a float32 model on a CPU "
             "where auto narrowed the matrices; else the model's), the model's, or bfloat16 "
             "under a float32 model (cpu and ref attention: keys and values stored rounded, "
-            "scores in float32); fp8 caches are refused",
+            "scores in float32); fp8_e4m3 / fp8_e5m2: keys and values stored in fp8 (saturated at its "
+            "range, no scale) and widened as attention reads them (ref and pallas backends)",
         ),
     ),
     (

@@ -8,6 +8,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.plan import BLOCK_DTYPES, StepPlan
@@ -155,7 +156,7 @@ def pool_pages(args: ServerArgs, cfg: ModelConfig, kv_dtype: str) -> int:
         if args.max_total_tokens < args.page_size:
             raise ValueError(f"max_total_tokens must be >= page_size, got {args.max_total_tokens}")
         return -(-args.max_total_tokens // args.page_size)
-    itemsize = 2 if kv_dtype == "bfloat16" else 4
+    itemsize = jnp.dtype(kv_dtype).itemsize
     # per device: with tensor parallelism each holds its share of the KV heads (args.tp_size divides them, mesh.py)
     bytes_per_token = cfg.num_layers * 2 * (cfg.num_kv_heads // args.tp_size) * cfg.head_dim * itemsize
     stats = jax.devices()[0].memory_stats() or {}

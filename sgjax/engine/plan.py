@@ -30,6 +30,9 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "fp8")
 QUANTIZATIONS = {"fp8": "fp8", "w8a16_int8": "int8", "int8": "int8"}
 KV_DTYPES = ("float32", "bfloat16")
 BF16_POOL_BACKENDS = ("cpu", "ref")  # the attention backends that read a bf16 pool under float32 queries
+FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # SGLang's names: the pool's dtype
+# the backends that widen an fp8 pool to the queries' dtype as they read it (pallas: its Triton kernel on GPUs)
+FP8_POOL_BACKENDS = ("ref", "pallas")
 # A GGUF's layer matrix types -> the weight dtype that holds them exactly (loading.block_dtype).
 BLOCK_DTYPES = {
     frozenset({"Q4_0"}): "int4",
@@ -160,7 +163,7 @@ def resolve(
         )
     chosen: list[str] = []
     weight_dtype = _weight_dtype(args, dtype, platform, machine, block_dtype, given, chosen)
-    attention = args.attention_backend or _default_attention(platform, machine)
+    attention = args.attention_backend or _default_attention(platform, machine, args.kv_cache_dtype, chosen)
     kv_dtype = _kv_dtype(args, dtype, weight_dtype, attention, machine, chosen)
     one_device = args.tp_size == 1 and args.nnodes == 1
     native = (
@@ -232,10 +235,15 @@ def _weight_dtype(args, dtype, platform, machine, block_dtype, given, chosen) ->
 
 def _kv_dtype(args, dtype, weight_dtype, attention, machine, chosen) -> str:
     given = args.kv_cache_dtype
-    if given in ("fp8_e4m3", "fp8_e5m2"):
-        raise ValueError(f"kv_cache_dtype {given!r}: an fp8 KV cache is not supported; use auto, float32 or bfloat16")
+    if given in FP8_KV_DTYPES:
+        if attention not in FP8_POOL_BACKENDS or machine.platform == "tpu":
+            raise ValueError(
+                f"kv_cache_dtype {given!r} needs an attention backend that reads an fp8 pool "
+                f"({', '.join(FP8_POOL_BACKENDS)}; not the TPU kernel yet), not {attention!r} on {machine.platform}"
+            )
+        return FP8_KV_DTYPES[given]
     if given not in ("auto", *KV_DTYPES):
-        raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {given!r}")
+        raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16, fp8_e4m3 or fp8_e5m2, got {given!r}")
     if given == "auto":
         if explicit_dtype(args) is not None:
             return dtype
@@ -266,9 +274,12 @@ def _kv_dtype(args, dtype, weight_dtype, attention, machine, chosen) -> str:
     return given
 
 
-def _default_attention(platform: str, machine: Machine) -> str:
+def _default_attention(platform: str, machine: Machine, kv_cache_dtype: str, chosen: list[str]) -> str:
     if platform != "cpu":
         return "pallas"
+    if kv_cache_dtype in FP8_KV_DTYPES and machine.native:
+        chosen.append("attention_backend=ref (the cpu kernel reads float32 and bfloat16 pools only)")
+        return "ref"
     return "cpu" if machine.native else "ref"
 
 

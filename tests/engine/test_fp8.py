@@ -1,6 +1,7 @@
-"""--quantization fp8 (weights e4m3 with a scale per output row, quantized at load; w8a16): the quantizer against a
-numpy reference, which leaves it takes, the plan and the flag's table, and the engine's answers against bf16 on the
-tiny model and the real SmolLM2."""
+"""--quantization fp8 (weights e4m3 with a scale per output row, quantized at load; w8a16) and --kv-cache-dtype fp8:
+the quantizer against a numpy reference, which leaves it takes, the plan and the flag's table, and the engine's
+answers against bf16 / a float32 pool on the tiny model and the real SmolLM2 (the fp8 pool's kernels:
+tests/kernels/test_fp8_pool.py)."""
 
 import ml_dtypes
 import numpy as np
@@ -13,6 +14,8 @@ from sgjax.model.quant import E4M3_MAX, Fp8Matrix, quantize_fp8
 from sgjax.model.weights import DENSE_LEAVES, TOP_MATRICES, cast_matrices, matrices_dtype
 from tests.conftest import SMALL
 from tests.engine.conftest import tiny_engine
+
+FP8_POOL = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def e4m3_grid() -> np.ndarray:
@@ -100,5 +103,34 @@ def test_real_smollm2_fp8_keeps_the_greedy_answers(smollm2):
     cfg, weights, tok = smollm2
     prompts = ["The capital of France is", "def fibonacci(n):"]
     with Engine.from_weights(cfg, weights, tok, **{**SMALL, "quantization": "fp8"}) as eng:
+        texts = [o["text"] for o in eng.generate(prompts, sampling_params={"max_new_tokens": 8, "temperature": 0})]
+    assert texts[0].startswith(" Paris") and texts[1].startswith("\n    if n == "), texts
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_tiny_engine_with_an_fp8_kv_cache_stays_close_to_float32(tiny, kv):
+    """--kv-cache-dtype fp8: the pool stores fp8 (the plan says so), and every prompt token's logprob (each read
+    over the fp8 keys and values before it) stays near a float32 pool's under the same attention backend (ref: the
+    one that reads fp8 on a CPU). The tiny random model's near-flat logits make its greedy tokens a poor judge."""
+    prompts = [[5, 9, 27, 101, 3, 77, 12], list(range(200, 231)), list(range(1000, 1040, 3))]
+    params = {"max_new_tokens": 1, "temperature": 0.0}
+    logprobs = []
+    for kw in ({"attention_backend": "ref"}, {"kv_cache_dtype": kv}):
+        with tiny_engine(tiny, **kw) as eng:
+            outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, logprob_start_len=0)
+            logprobs.append(np.array([lp for o in outs for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]))
+            want = "float32" if len(logprobs) == 1 else FP8_POOL[kv]
+            assert eng.get_server_info()["step_plan"]["kv_dtype"] == want
+            assert eng.get_server_info()["step_plan"]["attention"] == "ref"
+    diff = np.abs(logprobs[0] - logprobs[1])
+    bound = {"fp8_e4m3": 1, "fp8_e5m2": 2}[kv]  # e5m2 keeps a mantissa bit less
+    assert 0 < diff.mean() < 0.06 * bound and diff.max() < 0.3 * bound, (diff.mean(), diff.max())
+
+
+def test_real_smollm2_fp8_kv_cache_keeps_the_greedy_answers(smollm2):
+    cfg, weights, tok = smollm2
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    with Engine.from_weights(cfg, weights, tok, **{**SMALL, "kv_cache_dtype": "fp8_e4m3"}) as eng:
+        assert eng.get_server_info()["step_plan"]["kv_dtype"] == "float8_e4m3fn"
         texts = [o["text"] for o in eng.generate(prompts, sampling_params={"max_new_tokens": 8, "temperature": 0})]
     assert texts[0].startswith(" Paris") and texts[1].startswith("\n    if n == "), texts
