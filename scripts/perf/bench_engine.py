@@ -206,7 +206,7 @@ def model_setup(args):
     return name, dtype, lambda **kw: Engine(args.model_path, dtype=dtype, load_format=args.load_format, **kw), cfg
 
 
-def roofline_terms(cfg, dtype: str, quantization: str | None = None):
+def roofline_terms(cfg, dtype: str, quantization: str | None = None, kv_cache_dtype: str | None = None):
     itemsize = 2 if dtype == "bfloat16" else 4
     embed = cfg.vocab_size * cfg.hidden_size
     matmul_params = cfg.num_params() - (0 if cfg.tie_word_embeddings else embed)  # the embedding is a gather
@@ -214,12 +214,13 @@ def roofline_terms(cfg, dtype: str, quantization: str | None = None):
     if quantization:  # the layers' matrices at one byte (and a scale per output row); embedding and head as loaded
         layer_params = cfg.num_params() - embed * (1 if cfg.tie_word_embeddings else 2)
         weight_bytes -= layer_params * (itemsize - 1)
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    kv_itemsize = 1 if kv_cache_dtype and kv_cache_dtype.startswith("fp8") else itemsize
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
     return matmul_params, weight_bytes, kv_per_token
 
 
-def ideal_seconds(reqs, computed_prompt_tokens, cfg, dtype, max_running, bw, rate, quantization=None) -> float:
-    matmul_params, weight_bytes, kv_per_token = roofline_terms(cfg, dtype, quantization)
+def ideal_seconds(reqs, computed_prompt_tokens, cfg, dtype, max_running, bw, rate, quantization=None, kv=None) -> float:
+    matmul_params, weight_bytes, kv_per_token = roofline_terms(cfg, dtype, quantization, kv)
     decode = [r["max_new_tokens"] - 1 for r in reqs]
     steps = max(max(decode, default=0), math.ceil(sum(decode) / max_running))
     kv_tokens = sum(d * len(r["input_ids"]) + d * (d + 1) // 2 for r, d in zip(reqs, decode))
@@ -352,6 +353,7 @@ def main() -> None:
         "--attention-backend", default=None, help="ref | pallas | pallas:triton | pallas:mgpu (default: the platform's)"
     )
     ap.add_argument("--quantization", default=None, help="fp8 | int8: the layers' matrices quantized at load")
+    ap.add_argument("--kv-cache-dtype", default=None, help="fp8_e4m3 | fp8_e5m2 | bfloat16 | float32 (default auto)")
     args = ap.parse_args()
     args.workloads = [w for w in args.workloads.split(",") if w]
     configs = [c for c in args.configs.split(",") if c]
@@ -401,6 +403,7 @@ def main() -> None:
         "max_total_tokens": max_total,
         **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
         **({"quantization": args.quantization} if args.quantization else {}),
+        **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}),
         "max_running_requests": args.max_running_requests,
         "chunked_prefill_size": args.chunked_prefill_size,
     }
@@ -417,6 +420,7 @@ def main() -> None:
         "dtype": dtype,
         "attention_backend": args.attention_backend or "default",
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype or "auto",
         "page_size": args.page_size,
         "max_total_tokens": max_total,
         "max_running_requests": args.max_running_requests,
@@ -428,7 +432,7 @@ def main() -> None:
         common.update(copy_gb_per_s=bw / 1e9, bf16_tflop_per_s=rate / 1e12)
     if args.tag:
         common["tag"] = args.tag
-    _, weight_bytes, kv_per_token = roofline_terms(cfg, dtype, args.quantization)
+    _, weight_bytes, kv_per_token = roofline_terms(cfg, dtype, args.quantization, args.kv_cache_dtype)
     min_rows = args.roof_min_rows or min(32, args.max_running_requests)
     print(f"{model} {dtype} on {platform} ({device_kind}), page {args.page_size}, pool {max_total} tokens", flush=True)
 
@@ -482,6 +486,7 @@ def main() -> None:
                     bw,
                     rate,
                     args.quantization,
+                    args.kv_cache_dtype,
                 )
                 row.update(ideal_s=ideal, roofline_ratio=ideal / m["wall"])
             rows.append(row)

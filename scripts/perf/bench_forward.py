@@ -167,7 +167,7 @@ def run_sgjax(args):
                 return logits
 
             logits = np.asarray(call(), np.float32)  # one step on the fresh pool: the same input for every backend
-            key = (name, batch, context)
+            key = (name, batch, context, new)
             first_logits.setdefault(key, logits)
             err = float(np.linalg.norm(logits - first_logits[key]) / np.linalg.norm(first_logits[key]))
             seconds = time_fn(call, warmup=2, iters=5 if name == "prefill" else 20)
