@@ -23,15 +23,19 @@ VISION: dict = {}  # the vision tower of a LLaVA checkpoint, beside its text mod
 
 
 def block_dtype(path: str | None) -> str | None:
-    """The weight dtype that holds a GGUF's layer matrices exactly as its blocks, where they are all of such
-    types: int4 for Q4_0 and Q4_1 (the default SmolLM2's: a scale and a low per 32 weights), int8 with a scale per
-    32 for Q8_0 (tests/engine/test_weight_dtype.py); else None. With it the model runs the file's own weights,
-    where bf16 rounds them."""
+    """The weight dtype that holds a checkpoint's layer matrices exactly as stored, where it is quantized: for a
+    GGUF whose layer matrices are all of such types, int4 for Q4_0 and Q4_1 (the default SmolLM2's: a scale and a
+    low per 32 weights), int8 with a scale per 32 for Q8_0 (tests/engine/test_weight_dtype.py); fp8 for an HF
+    directory of fp8 weights (model/fp8_checkpoint.py; a quantization sgjax does not read raises ValueError naming
+    it); else None. With it the model runs the file's own weights, where bf16 rounds them."""
     from sgjax.model.gguf_meta import GGUFError, layer_matrix_types
+    from sgjax.model.loader import hf_quantization
     from sgjax.model.paths import resolve_model_path
 
     try:
         path = resolve_model_path(path)
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return "fp8" if hf_quantization(path) else None
         if not (path.endswith(".gguf") and os.path.isfile(path)):
             return None
         return BLOCK_DTYPES.get(layer_matrix_types(path))
@@ -81,10 +85,13 @@ def load_model_cached(path, dtype, load_format="auto", mesh=None, plan: StepPlan
     run_key = key + (plan.weight_dtype, plan.matmul, plan.layer_loop)
     if run_key not in RUN_WEIGHTS:
         if mesh is None and load_format == "auto" and plan.weight_dtype == block_dtype(path):
-            from sgjax.model.loader import load_gguf
+            from sgjax.model.loader import load_gguf, load_hf_dir
             from sgjax.model.paths import resolve_model_path
 
-            cfg, weights = load_gguf(resolve_model_path(path), dtype, keep_blocks=True)
+            if plan.weight_dtype == "fp8":  # an fp8 HF checkpoint's own matrices
+                cfg, weights = load_hf_dir(resolve_model_path(path), dtype, keep_fp8=True)
+            else:
+                cfg, weights = load_gguf(resolve_model_path(path), dtype, keep_blocks=True)
         else:
             cfg, weights = _loaded(key, path, dtype, load_format, mesh, ep)
         RUN_WEIGHTS[run_key] = cfg, run_weights(cfg, weights, plan, mesh)

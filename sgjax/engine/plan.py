@@ -211,7 +211,8 @@ def _weight_dtype(args, dtype, platform, machine, block_dtype, given, chosen) ->
         if args.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization {args.quantization!r} is not built in sgjax (built: {', '.join(QUANTIZATIONS)}); "
-                "pre-quantized checkpoints (awq, gptq, compressed-tensors, block fp8) are not read yet"
+                "pre-quantized fp8 checkpoints (compressed-tensors, per-channel or per-tensor scales) are read as "
+                "they are without the flag; awq, gptq and block-scaled fp8 are not read yet"
             )
         asked = QUANTIZATIONS[args.quantization]
         if args.weight_dtype not in ("auto", asked):
@@ -219,6 +220,9 @@ def _weight_dtype(args, dtype, platform, machine, block_dtype, given, chosen) ->
         return asked
     if args.weight_dtype != "auto":
         return args.weight_dtype
+    if block_dtype == "fp8":  # a pre-quantized checkpoint is served as it is, whatever --dtype (SGLang's rule)
+        chosen.append("weight_dtype=fp8 (the checkpoint's own fp8 matrices)")
+        return "fp8"
     if explicit_dtype(args) is not None:  # --dtype fixes the matrices too
         return dtype
     if given is not None:  # weights handed in ready: as they are

@@ -10,7 +10,7 @@ import os
 import jax
 import numpy as np
 
-from sgjax.model import gguf_meta
+from sgjax.model import fp8_checkpoint, gguf_meta
 from sgjax.model import weights as W
 from sgjax.model.checkpoint import config_from_gguf, config_from_hf_dir
 from sgjax.model.config import ModelConfig
@@ -158,17 +158,29 @@ def _assemble(cfg, flat, path, host=False):
 # --- HF safetensors directory ------------------------------------------------------------------------
 
 
-def load_hf_dir(path: str, dtype: str = "float32", host: bool = False) -> tuple[ModelConfig, W.Weights]:
+def hf_quantization(path: str) -> str | None:
+    """The fp8 scheme of an HF directory's checkpoint (model/fp8_checkpoint.py), None when it is not quantized;
+    ValueError naming a quantization sgjax does not read."""
+    with open(os.path.join(path, "config.json")) as f:
+        return fp8_checkpoint.scheme(json.load(f))
+
+
+def load_hf_dir(
+    path: str, dtype: str = "float32", host: bool = False, keep_fp8: bool = False
+) -> tuple[ModelConfig, W.Weights]:
+    """An HF safetensors directory. A pre-quantized fp8 checkpoint's matrices stay Fp8Matrix [out, in] with
+    keep_fp8 (what weights.cast_matrices(.., "fp8") gives, from the file's bytes), else widened (q * scale)."""
     from safetensors import safe_open
 
     cfg = config_from_hf_dir(path, dtype)
+    quantized = hf_quantization(path) is not None
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelNotFoundError(f"{path} has no *.safetensors files")
     handles, where = [], {}
     try:
         for f in files:
-            h = safe_open(f, framework="numpy")
+            h = fp8_checkpoint.RawSafetensors(f) if quantized else safe_open(f, framework="numpy")
             handles.append(h)
             for name in h.keys():
                 where[name] = h
@@ -177,7 +189,11 @@ def load_hf_dir(path: str, dtype: str = "float32", host: bool = False) -> tuple[
 
     def get(name):
         try:
-            return np.asarray(where[name].get_tensor(name), dtype=np.float32)
+            a = where[name].get_tensor(name)
+            if quantized and name.endswith(".weight") and name + "_scale" in where:
+                m = fp8_checkpoint.fp8_matrix(a, where[name + "_scale"].get_tensor(name + "_scale"), name)
+                return m if keep_fp8 else m.widened(np.float32)
+            return np.asarray(a, dtype=np.float32)
         except Exception as e:
             raise WeightFileError(f"{path}: cannot read tensor {name!r}: {e}") from e
 

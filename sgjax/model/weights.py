@@ -443,6 +443,8 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool =
     flat: dict[str, Any] = {}
 
     def ours(leaf, a):
+        if is_quantized(a):  # a pre-quantized checkpoint's matrix: kept [out, in], as assemble takes it
+            return a
         a = a + _plus_one(cfg, leaf) if _plus_one(cfg, leaf) else a
         return a.T if leaf.transposed else a
 
@@ -466,7 +468,7 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool =
             a, start = get(name), 0
             for leaf in (LEAF[n] for n in fused[rest]):
                 rows = leaf.shape(cfg)[1]
-                per_layer[leaf.name][i] = ours(leaf, a[start : start + rows])
+                per_layer[leaf.name][i] = ours(leaf, _rows(a, start, start + rows))
                 start += rows
             if start != a.shape[0]:
                 raise ValueError(f"tensor {name!r} has {a.shape[0]} rows, its parts {list(fused[rest])} {start}")
@@ -478,15 +480,27 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool =
             if len(missing) < len(items):
                 if missing:
                     raise ValueError(f"checkpoint has {leaf_name} of layer {i} for some experts but not for {missing}")
-                per_layer[leaf_name][i] = np.stack(items)
+                per_layer[leaf_name][i] = _stack(items)
     for leaf_name, items in per_layer.items():
         got = [x is not None for x in items]
         if all(got):
-            flat[leaf_name] = np.stack(items)
+            if len({is_quantized(x) for x in items}) > 1:
+                raise ValueError(f"checkpoint has {leaf_name} quantized in some layers and not in others")
+            flat[leaf_name] = _stack(items)
         elif any(got):
             missing = [i for i, p in enumerate(got) if not p]
             raise ValueError(f"checkpoint has {leaf_name} for some layers but not for layers {missing}")
     return assemble(cfg, flat, host)
+
+
+def _rows(a, start: int, stop: int):
+    return type(a)(a.q[start:stop], a.scale[start:stop]) if is_quantized(a) else a[start:stop]
+
+
+def _stack(items: list):
+    if is_quantized(items[0]):
+        return type(items[0])(np.stack([x.q for x in items]), np.stack([x.scale for x in items]))
+    return np.stack(items)
 
 
 def to_hf_state_dict(cfg: ModelConfig, weights: Weights, convert: Any = np.asarray) -> dict[str, Any]:

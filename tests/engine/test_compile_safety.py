@@ -4,7 +4,10 @@ runner now compiles a new shape only once the step in flight is done and under a
 (engine/runner.py `execute`). This reproduction keeps that path busy: a fresh persistent cache (every shape is
 written), client threads sending requests of random lengths, sampling settings and logprob counts (many shapes),
 and the main thread compiling jitted programs of its own meanwhile, in a child process (a crash ends it alone).
-The same reproduction ran clean 24 times, 16 on this code and 8 on the code CI crashed on."""
+The same reproduction ran clean 24 times, 16 on this code and 8 on the code CI crashed on, and CI crashed again
+after it: its tiny model's kernel calls are too small to share work with the native kernels' helper threads, where
+the likely cause was found later (a helper running a finished job's items into the next one's memory; the fix and
+its stress test: kernels/cpu_parallel.h, tests/kernels/test_cpu_pool.py). The serialisation lock stays: it is cheap."""
 
 import os
 import subprocess
