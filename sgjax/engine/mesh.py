@@ -147,17 +147,22 @@ def place_weights(
         if a is None:
             out[name] = None
             continue
-        # by shape, so that placing placed weights again (another rule table) does not expand twice
         sharding = target[name]
-        expand = name in KV_LEAVES and tp > cfg.num_kv_heads and a.shape[-1] == cfg.num_kv_heads * cfg.head_dim
-        if isinstance(a, jax.Array) and not expand and a.sharding.is_equivalent_to(sharding, a.ndim):
-            out[name] = a
+        if W.is_quantized(a):  # an Fp8Matrix: q and its row scales, each placed by its own sharding
+            out[name] = type(a)(*(_placed(x, s) for x, s in ((a.q, sharding.q), (a.scale, sharding.scale))))
             continue
-        host = np.asarray(a)
-        if expand:
-            host = expand_kv(host, cfg, tp)
-        out[name] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+        # by shape, so that placing placed weights again (another rule table) does not expand twice
+        expand = name in KV_LEAVES and tp > cfg.num_kv_heads and a.shape[-1] == cfg.num_kv_heads * cfg.head_dim
+        out[name] = _placed(expand_kv(np.asarray(a), cfg, tp) if expand else a, sharding)
     return _from_leaves(out)
+
+
+def _placed(a, sharding: NamedSharding):
+    """a on the mesh, each device given only its slice; kept where it is placed so already."""
+    if isinstance(a, jax.Array) and a.sharding.is_equivalent_to(sharding, a.ndim):
+        return a
+    host = np.asarray(a)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
 
 
 def _expanded_struct(cfg, weights, tp):
@@ -166,6 +171,10 @@ def _expanded_struct(cfg, weights, tp):
     def struct(name, a):
         if a is None:
             return None
+        if W.is_quantized(a):
+            if name in KV_LEAVES and tp > cfg.num_kv_heads:
+                raise ValueError(f"{name}: fp8 K/V projections are not copied for tp_size > {cfg.num_kv_heads} heads")
+            return type(a)(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (a.q, a.scale)))
         shape = a.shape
         if name in KV_LEAVES and tp > cfg.num_kv_heads and shape[-1] == cfg.num_kv_heads * cfg.head_dim:
             shape = shape[:-1] + (tp * cfg.head_dim,)

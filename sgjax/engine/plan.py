@@ -174,9 +174,9 @@ def resolve(
         and machine.has(*NATIVE_FLAGS[weight_dtype])
         and _native_shapes(cfg, weight_dtype)
     )
-    if weight_dtype in ("int8", "int4", "fp8") and not one_device:
+    if weight_dtype in ("int8", "int4") and not one_device:
         raise ValueError(
-            f"weight_dtype {weight_dtype} runs on one device: tensor parallelism shards float matrices only"
+            f"weight_dtype {weight_dtype} runs on one device: tensor parallelism shards float and fp8 matrices only"
         )
     if args.step_buckets not in (None, "fine", "coarse"):
         raise ValueError(f"step_buckets must be 'fine' or 'coarse', got {args.step_buckets!r}")

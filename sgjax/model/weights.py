@@ -295,15 +295,27 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
 }
 
 
+def quantized_axes(name: str, a, axes: tuple[str, ...]):
+    """An Fp8Matrix's axes: q [..., out, in] as its float matrix's axes swapped, the scale [..., out] its output
+    axis, so a matrix sharded on either axis keeps each row's scale beside the row. Other quantized formats (int8,
+    int4: blocks along the input axis) are not sharded."""
+    if not isinstance(a, Fp8Matrix) or not LEAF[name].transposed:
+        raise ValueError(f"{name}: {type(a).__name__} matrices cannot be sharded (tensor parallelism shards fp8 only)")
+    lead, (inp, out) = axes[:-2], axes[-2:]
+    return Fp8Matrix(lead + (out, inp), lead + (out,))
+
+
 def logical_axes(weights: Weights) -> Weights:
     """A Weights-shaped pytree of logical axis-name tuples (None where the leaf is None)."""
 
     def axes_of(obj, drop_layer_axis=False):
-        return {
-            f.name: LOGICAL_AXES[f.name][drop_layer_axis:] if getattr(obj, f.name) is not None else None
-            for f in dataclasses.fields(obj)
-            if f.name != "layers"
-        }
+        out = {}
+        for f in dataclasses.fields(obj):
+            if f.name == "layers":
+                continue
+            a, axes = getattr(obj, f.name), LOGICAL_AXES[f.name][drop_layer_axis:]
+            out[f.name] = None if a is None else quantized_axes(f.name, a, axes) if is_quantized(a) else axes
+        return out
 
     if isinstance(weights.layers, (tuple, list)):
         layers = tuple(LayerWeights(**axes_of(w, True)) for w in weights.layers)

@@ -1,12 +1,13 @@
-"""--quantization fp8 (weights e4m3 with a scale per output row, quantized at load; w8a16) and --kv-cache-dtype fp8:
-the quantizer against a numpy reference, which leaves it takes, the plan and the flag's table, and the engine's
-answers against bf16 / a float32 pool on the tiny model and the real SmolLM2 (the fp8 pool's kernels:
-tests/kernels/test_fp8_pool.py)."""
+"""--quantization fp8 (weights e4m3 with a scale per output row, quantized at load; w8a16; under tensor parallelism
+too) and --kv-cache-dtype fp8: the quantizer against a numpy reference, which leaves it takes, the plan and the
+flag's table, and the engine's answers against bf16 / a float32 pool / one device on the tiny model and the real
+SmolLM2 (the fp8 pool's kernels: tests/kernels/test_fp8_pool.py)."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from sgjax.engine import mesh as tp
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.engine import Engine
 from sgjax.engine.plan import Machine, resolve
@@ -78,7 +79,8 @@ def test_the_quantization_flag_picks_the_matrices_and_refuses_the_rest(tiny):
     with pytest.raises(ValueError, match="disagree"):
         resolve(ServerArgs(quantization="fp8", weight_dtype="int4"), cfg, here)
     with pytest.raises(ValueError, match="runs on one device"):
-        resolve(ServerArgs(quantization="fp8", tp_size=2), cfg, here)
+        resolve(ServerArgs(quantization="w8a16_int8", tp_size=2), cfg, here)
+    assert resolve(ServerArgs(quantization="fp8", tp_size=2), cfg, here).weight_dtype == "fp8"
 
 
 def test_tiny_engine_with_fp8_matrices_stays_close_to_float32(tiny):
@@ -134,3 +136,27 @@ def test_real_smollm2_fp8_kv_cache_keeps_the_greedy_answers(smollm2):
         assert eng.get_server_info()["step_plan"]["kv_dtype"] == "float8_e4m3fn"
         texts = [o["text"] for o in eng.generate(prompts, sampling_params={"max_new_tokens": 8, "temperature": 0})]
     assert texts[0].startswith(" Paris") and texts[1].startswith("\n    if n == "), texts
+
+
+def test_tensor_parallel_fp8_equals_one_device(tiny):
+    """--quantization fp8 under TP=2 (CPU host devices): each device holds its half of every sharded e4m3 matrix
+    with its rows' scales beside them, and the engine's answers equal one device's."""
+    from tests.engine.test_tp import assert_same, workload
+
+    runs = {}
+    for tp_size in (1, 2):
+        # a float32 pool on both: auto narrows one device's pool to bf16 beside narrowed matrices
+        with tiny_engine(tiny, quantization="fp8", kv_cache_dtype="float32", tp_size=tp_size) as eng:
+            wq = eng.runner.weights.layers.wq
+            assert isinstance(wq, Fp8Matrix)
+            if tp_size == 2:  # q [L, out, in] split on its output rows, the scale [L, out] likewise
+                assert wq.q.sharding.shard_shape(wq.q.shape)[1] == wq.q.shape[1] // 2
+                assert wq.scale.sharding.shard_shape(wq.scale.shape)[1] == wq.scale.shape[1] // 2
+                w_o = eng.runner.weights.layers.wo  # row-parallel: split on its input axis, scales whole
+                assert w_o.q.sharding.shard_shape(w_o.q.shape)[2] == w_o.q.shape[2] // 2
+                assert w_o.scale.sharding.shard_shape(w_o.scale.shape) == w_o.scale.shape
+                # the accelerators' unrolled layers keep each slice's partitioning
+                first = tp.unstack_placed(eng.runner.weights, eng.runner.mesh).layers[0].wq
+                assert first.q.sharding.shard_shape(first.q.shape)[0] == first.q.shape[0] // 2
+            runs[tp_size] = workload(eng)
+    assert_same(runs[2], runs[1])
