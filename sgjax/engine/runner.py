@@ -136,9 +136,9 @@ class Runner:
         if shape in self.shapes_seen:
             out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
             return out
-        # A new shape compiles here, on the engine thread, and jax writes the executable to its persistent cache.
-        # Never beside this engine's step in flight, nor beside another thread's compile (COMPILE_LOCK): executable
-        # serialization crashed CI workers twice while a step ran (docs/engine.md, "Compiles while serving").
+        # A new shape compiles here, on the engine thread, with no persistent-cache write (engine.no_cache_writes:
+        # executable serialization crashed CI workers there), never beside this engine's step in flight, nor beside
+        # another thread's compile (COMPILE_LOCK) (docs/engine.md, "Compiles while serving").
         jax.block_until_ready(self.state)
         with COMPILE_LOCK:
             out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
