@@ -51,7 +51,7 @@ inline void Pause() {
 // caller returns only once the job is closed and no helper is inside. Without that, a helper delayed between seeing
 // job G and reading its fields read the next job's n (or ctx) and claimed items of G past G's end: it ran items of
 // the next job twice and counted them done, so a caller could return while an item still wrote its output: heap
-// corruption, the likely cause of test workers crashing far from here (tests/kernels/test_cpu_pool.py hammers this).
+// corruption, a suspect in test workers crashing far from here (tests/kernels/test_cpu_pool.py hammers this).
 class Pool {
  public:
   static Pool& Get() {

@@ -2,9 +2,10 @@
 more threads than this machine has cores and checks that each item runs exactly once and is done on return.
 
 A helper delayed between seeing a job and reading its fields once ran the next job's items with a stale claim and
-counted them done, so a kernel could return while a helper still wrote its output: heap corruption, the likely cause
-of test workers crashing inside XLA (issue #42). On a busy 2-core machine the old header failed the 8-thread case in
-5 of 6 runs (4 threads and 300000 jobs: 5 of 20); this header passed 20 of 20."""
+counted them done, so a kernel could return while a helper still wrote its output: heap corruption, a suspect in
+test workers crashing inside XLA (issue #42; not the only cause: engine.no_cache_writes). On a busy 2-core machine
+the old header failed the 8-thread case in 5 of 6 runs (4 threads and 300000 jobs: 5 of 20); this header passed
+20 of 20."""
 
 import os
 import shutil
