@@ -57,9 +57,9 @@ ENGINE_STACK_BYTES = 64 << 20
 def no_cache_writes():
     """On this thread, jax compiles without writing executables to its persistent cache (reads still hit it): the
     engine thread's compiles of new step shapes while serving. XLA's CPU executable serialization segfaulted CI
-    workers there, in the same test in two runs (stop 49's and this stop's), after the native pool's race was
-    fixed; the write is the crashing call and nothing needs it at run time (start-up precompiles still write). A
-    thread-local jax setting (jax._src.config): a no-op where a jax version lacks it."""
+    workers there in five stops; nothing needs the write at run time (start-up precompiles still write). Not the
+    cure: a later crash came in the compile itself (issue #42). A thread-local jax setting (jax._src.config): a
+    no-op where a jax version lacks it."""
     state = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
     return state(float("inf")) if state is not None else contextlib.nullcontext()
 
