@@ -16,7 +16,7 @@ from sgjax.model.checkpoint import config_from_gguf, config_from_hf_dir
 from sgjax.model.config import ModelConfig
 from sgjax.model.families import FAMILY
 from sgjax.model.paths import ModelNotFoundError, resolve_model_path
-from sgjax.model.quant import int4_from_q4_0, int4_from_q4_1, int8_from_q8_0, is_quantized
+from sgjax.model.quant import int4_from_q4_0, int4_from_q4_1, int8_from_q8_0
 
 ORBAX_CONFIG = "sgjax_config.json"
 
@@ -141,10 +141,7 @@ def load_gguf(
         kinds = {type(x) for x in items}
         if len(kinds) > 1:
             raise WeightFileError(f"{path}: tensor {ours} is stored in different formats across layers")
-        if is_quantized(items[0]):
-            flat[ours] = type(items[0])(np.stack([x.q for x in items]), np.stack([x.scale for x in items]))
-        else:
-            flat[ours] = np.stack(items)
+        flat[ours] = W.stack_arrays(items)
     return cfg, _assemble(cfg, flat, path, host)
 
 

@@ -492,13 +492,13 @@ def from_hf_state_dict(cfg: ModelConfig, get: Any, names: set[str], host: bool =
             if len(missing) < len(items):
                 if missing:
                     raise ValueError(f"checkpoint has {leaf_name} of layer {i} for some experts but not for {missing}")
-                per_layer[leaf_name][i] = _stack(items)
+                per_layer[leaf_name][i] = stack_arrays(items)
     for leaf_name, items in per_layer.items():
         got = [x is not None for x in items]
         if all(got):
             if len({is_quantized(x) for x in items}) > 1:
                 raise ValueError(f"checkpoint has {leaf_name} quantized in some layers and not in others")
-            flat[leaf_name] = _stack(items)
+            flat[leaf_name] = stack_arrays(items)
         elif any(got):
             missing = [i for i, p in enumerate(got) if not p]
             raise ValueError(f"checkpoint has {leaf_name} for some layers but not for layers {missing}")
@@ -509,7 +509,8 @@ def _rows(a, start: int, stop: int):
     return type(a)(a.q[start:stop], a.scale[start:stop]) if is_quantized(a) else a[start:stop]
 
 
-def _stack(items: list):
+def stack_arrays(items: list):
+    """numpy arrays, or quantized matrices of one kind, stacked on a new leading axis (layers, experts)."""
     if is_quantized(items[0]):
         return type(items[0])(np.stack([x.q for x in items]), np.stack([x.scale for x in items]))
     return np.stack(items)
