@@ -6,8 +6,6 @@ the radix cache are untouched):
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +14,7 @@ from sgjax.engine import mesh as tp
 from sgjax.engine.buckets import bucket
 from sgjax.engine.plan import StepPlan
 from sgjax.engine.programs import ops_for
+from sgjax.engine.shared import Shared
 from sgjax.kernels import allocate_pool, get_backend
 from sgjax.model.batch import build_batch
 from sgjax.model.config import ModelConfig
@@ -25,8 +24,7 @@ from sgjax.model.llama import forward
 READOUTS = ("embedding", "logprobs")
 
 
-@functools.lru_cache(maxsize=None)
-def jitted_readout(cfg: ModelConfig, plan: StepPlan, readout: str, mesh=None):
+def _jitted_readout(cfg: ModelConfig, plan: StepPlan, readout: str, mesh=None):
     """With a mesh: attention under shard_map over the heads as in the step (a Pallas kernel cannot be split by
     GSPMD), and a replicated output, so each process reads its own copy. `plan`: the step plan's program part."""
     attend = get_backend(plan.attention)
@@ -49,6 +47,9 @@ def jitted_readout(cfg: ModelConfig, plan: StepPlan, readout: str, mesh=None):
         return out
 
     return jax.jit(run)
+
+
+jitted_readout = Shared(_jitted_readout, keep=2)  # the few readouts asked for last (engine/shared.py)
 
 
 def readout(

@@ -10,7 +10,6 @@ error message and returns their pages; the loop keeps serving.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -18,8 +17,6 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-from jax._src import config as jax_config
 
 from sgjax.engine import distributed, scoring, sinks
 from sgjax.engine import mesh as tp
@@ -52,16 +49,6 @@ from sgjax.model.weights import Weights, matrices_dtype
 
 log = logging.getLogger("sgjax.engine")
 ENGINE_STACK_BYTES = 64 << 20
-
-
-def no_cache_writes():
-    """On this thread, jax compiles without writing executables to its persistent cache (reads still hit it): the
-    engine thread's compiles of new step shapes while serving. XLA's CPU executable serialization segfaulted CI
-    workers there in five stops; nothing needs the write at run time (start-up precompiles still write). Not the
-    cure: a later crash came in the compile itself (issue #42). A thread-local jax setting (jax._src.config): a
-    no-op where a jax version lacks it."""
-    state = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
-    return state(float("inf")) if state is not None else contextlib.nullcontext()
 
 
 class Engine(EngineLoop):
@@ -189,17 +176,13 @@ class Engine(EngineLoop):
             )
         if follower is not None:  # a follower runs no loop thread: `follow` executes rank 0's steps
             return
-        self._thread = threading.Thread(target=self._engine_thread, name="sgjax-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="sgjax-engine", daemon=True)
         # XLA compiles new step shapes on this thread: the main thread's stack size, not a small default
         previous = threading.stack_size(ENGINE_STACK_BYTES)
         try:
             self._thread.start()
         finally:
             threading.stack_size(previous)
-
-    def _engine_thread(self) -> None:
-        with no_cache_writes():
-            self._loop()
 
     # -- multi-host ------------------------------------------------------------------------------------
     def follow(self) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import threading
 
 import jax
@@ -15,6 +14,7 @@ from sgjax.engine import mesh as tp
 from sgjax.engine.plan import StepPlan
 from sgjax.engine.sampler import sample
 from sgjax.engine.sentinels import future_history, future_input, resolve_future
+from sgjax.engine.shared import Shared
 from sgjax.engine.step import DeviceState, StepShape, unpack
 from sgjax.fsm.device import unpack_bits
 from sgjax.kernels import get_backend
@@ -79,15 +79,18 @@ def ops_for(plan: StepPlan):
     return XLA
 
 
-def jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | None = None):
-    return _jitted_step(cfg, plan.program(), mesh)
+def jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | None = None, renew: bool = False):
+    """The shared step; `renew`: a new one, whose programs compile again (the old one's go with its last holder)."""
+    if renew:
+        STEPS.forget((cfg, plan.program(), mesh))
+    return STEPS(cfg, plan.program(), mesh)
 
 
-@functools.lru_cache(maxsize=None)
 def _jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | None = None):
     """The jitted (weights, state, buffer, shape, image_features) -> (SampleOutput, state); one per (model, plan,
-    mesh) per process, so every engine in a process shares its compiled executables. The DeviceState (pool and
-    future tokens) is donated. `compiles(fn)` counts the executables it got (tests, benchmarks).
+    mesh) while an engine holds it (STEPS, engine/shared.py), so a process's engines share its compiled
+    executables. The DeviceState (pool and future tokens) is donated. `compiles(fn)` counts the executables it
+    got (tests, benchmarks).
 
     With a mesh (tensor parallelism, engine/mesh.py) attention runs under shard_map over the heads, the logits are
     gathered to every device before the sampler (which runs replicated), and the state keeps its sharding."""
@@ -128,9 +131,12 @@ def _jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | Non
     step.__name__ = step.__qualname__ = name
     fn = jax.jit(step, donate_argnames=("state",), static_argnames=("shape",))
     fn.step_name = name
-    fn.precompile = lambda weights, state, buffer, shape: fn.lower(weights, state, buffer, shape).compile()
     return fn
 
 
+STEPS = Shared(_jitted_step, keep=1)
+
+
 def compiles(fn) -> int:
-    return _COMPILES[fn.step_name]
+    """Executables a jitted step (or the step of that name) got so far."""
+    return _COMPILES[fn if isinstance(fn, str) else fn.step_name]

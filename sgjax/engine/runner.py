@@ -12,6 +12,7 @@ penalties), top-logprobs K and mask words. Everything else is an array, so a ste
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -28,6 +29,7 @@ from sgjax.engine.programs import COMPILE_LOCK, compiles, jitted_step
 from sgjax.engine.sampler import default_rows, uses_filter
 from sgjax.engine.scheduler import Work
 from sgjax.engine.sentinels import bias_entry, future_history, future_slot, prompt_entry
+from sgjax.engine.shared import maps_near_limit
 from sgjax.engine.step import DeviceState, StepShape
 from sgjax.engine.step import pack as pack_step
 from sgjax.kernels import allocate_pool
@@ -37,6 +39,8 @@ from sgjax.model.weights import Weights
 
 # A sampling row's temperature is float32: far above any logit range, larger values change nothing.
 MAX_TEMPERATURE = 1e6
+
+log = logging.getLogger("sgjax.engine")
 
 
 class Runner:
@@ -72,7 +76,9 @@ class Runner:
         )
         self.reset_pool()
         self.step = jitted_step(cfg, plan, mesh)
+        self.step_name = self.step.step_name
         self.shapes_seen: set[StepShape] = set()
+        self.renewals = 0  # times the step's compiled shapes were dropped near the memory-map limit
 
     def reset_pool(self) -> None:
         """A fresh DeviceState (donated to every step, so a failed step may take it)."""
@@ -108,6 +114,7 @@ class Runner:
             "matmul": plan.matmul,
             "step_plan": plan.describe(),
             "compiled_shapes": len(self.shapes_seen),
+            "step_renewals": self.renewals,
             "traces": self.traces,
         }
         if cfg.is_moe:
@@ -136,15 +143,33 @@ class Runner:
         if shape in self.shapes_seen:
             out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
             return out
-        # A new shape compiles here, on the engine thread, with no persistent-cache write (engine.no_cache_writes:
-        # executable serialization crashed CI workers there), never beside this engine's step in flight, nor beside
-        # another thread's compile (COMPILE_LOCK) (docs/engine.md, "Compiles while serving").
+        # A new shape compiles here, on the engine thread (jax writes it to its persistent cache), once the step in
+        # flight is done and never beside another thread's compile (COMPILE_LOCK): one compile's memory at a time.
         jax.block_until_ready(self.state)
+        self._renew_if_near_the_map_limit()
         with COMPILE_LOCK:
             out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
             jax.block_until_ready(out)
         self.shapes_seen.add(shape)
         return out
+
+    def _renew_if_near_the_map_limit(self) -> None:
+        """Each compiled shape holds memory maps of its own, and a process past vm.max_map_count cannot map the next
+        program (XLA fails to link it, and the process dies: issue #42). Past MAP_BUDGET of the limit this step's
+        shapes are dropped, to compile again (from the persistent cache) as traffic needs them."""
+        near = maps_near_limit()
+        if near is None:
+            return
+        log.warning(
+            "this process holds %d memory maps of the %d allowed (vm.max_map_count): dropping this engine's %d "
+            "compiled step shapes, which compile again as they are needed",
+            *near,
+            len(self.shapes_seen),
+        )
+        self.step = jitted_step(self.cfg, self.plan, self.mesh, renew=True)
+        self.step_name = self.step.step_name
+        self.shapes_seen.clear()
+        self.renewals += 1
 
     def readout(self, kind: str, prompts: list[list[int]]) -> np.ndarray:
         """A whole-prompt readout (engine/embed.py) on the serving weights over a scratch pool; rank 0 announces
@@ -154,8 +179,11 @@ class Runner:
         return readout(self.cfg, self.weights, self.plan, self.page_size, prompts, kind, self.mesh, self._to_device)
 
     def release(self) -> None:
-        """Drop the device state (shutdown): the pool's memory goes back to the device."""
+        """Drop the device state and the step (shutdown): the pool's memory goes back to the device, and the
+        step's compiled programs are freed once no engine holds it (engine/shared.py), even while this runner
+        itself is still referenced."""
         self.state = None
+        self.step = None
 
     @property
     def pool(self):
@@ -167,7 +195,7 @@ class Runner:
     @property
     def traces(self) -> int:
         """Executables of this runner's step so far (shared by every engine on the same model and backend)."""
-        return compiles(self.step)
+        return compiles(self.step_name)
 
     def _width(self, pages: int) -> int:
         # the kernels read only each row's pages (kv_lens), so a wide table costs nothing and compiles nothing new
@@ -393,7 +421,7 @@ class Runner:
             buffer = jax.ShapeDtypeStruct(
                 (shape.size,), jnp.int32, sharding=None if self.mesh is None else tp.replicated(self.mesh)
             )
-            self.step.precompile(self.weights, self.state, buffer, shape)
+            self.step.lower(self.weights, self.state, buffer, shape).compile()
             return shape
 
         if threads <= 1:
