@@ -40,6 +40,7 @@ from sgjax.engine.requests import GenerateCall, RequestBuilder, asks_for_grammar
 from sgjax.engine.runner import Runner
 from sgjax.engine.scheduler import Scheduler, SchedulerConfig
 from sgjax.engine.steplog import StepRecord, StepWatcher
+from sgjax.engine.training import WeightsControl
 from sgjax.errors import INTERNAL, SHUTDOWN, EngineError
 from sgjax.model import chat_templates
 from sgjax.model.config import ModelConfig
@@ -51,7 +52,7 @@ log = logging.getLogger("sgjax.engine")
 ENGINE_STACK_BYTES = 64 << 20
 
 
-class Engine(EngineLoop):
+class Engine(EngineLoop, WeightsControl):
     def __init__(self, model_path: str | None = None, **kwargs):
         """Load a model (None: the default SmolLM2) and start serving. kwargs: ServerArgs fields."""
         args = ServerArgs.from_kwargs(model_path, kwargs)
@@ -166,6 +167,8 @@ class Engine(EngineLoop):
         self._queue = sinks.Queue(add=lambda req: self._inbox.put(Add(req)), abort=self.abort)
         self._step_seconds = 0.0
         self._closed = False
+        self._paused = False  # pause_generation (engine/training.py): the loop runs no step
+        self.weights_version = "default"
         self._preparing = 0  # async_generate calls being tokenized (read by queued_requests, event-loop thread)
         if args.precompile if args.precompile is not None else plan.platform != "cpu":
             # a follower compiles the same shapes and runs rank 0's broadcast warm-up steps in `follow`

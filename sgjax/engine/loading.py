@@ -85,17 +85,27 @@ def load_model_cached(path, dtype, load_format="auto", mesh=None, plan: StepPlan
     run_key = key + (plan.weight_dtype, plan.matmul, plan.layer_loop)
     if run_key not in RUN_WEIGHTS:
         if mesh is None and load_format == "auto" and plan.weight_dtype == block_dtype(path):
-            from sgjax.model.loader import load_gguf, load_hf_dir
-            from sgjax.model.paths import resolve_model_path
-
-            if plan.weight_dtype == "fp8":  # an fp8 HF checkpoint's own matrices
-                cfg, weights = load_hf_dir(resolve_model_path(path), dtype, keep_fp8=True)
-            else:
-                cfg, weights = load_gguf(resolve_model_path(path), dtype, keep_blocks=True)
+            RUN_WEIGHTS[run_key] = read_for_plan(path, dtype, plan)
         else:
             cfg, weights = _loaded(key, path, dtype, load_format, mesh, ep)
-        RUN_WEIGHTS[run_key] = cfg, run_weights(cfg, weights, plan, mesh)
+            RUN_WEIGHTS[run_key] = cfg, run_weights(cfg, weights, plan, mesh)
     return RUN_WEIGHTS[run_key]
+
+
+def read_for_plan(path, dtype, plan: StepPlan, mesh=None):
+    """(cfg, weights as `plan`'s step reads them) read from `path` now, uncached (Engine.update_weights_from_disk):
+    a GGUF whose blocks are the plan's weight dtype, or an fp8 checkpoint, kept as stored, as at start."""
+    from sgjax.model.loader import load_gguf, load_hf_dir
+    from sgjax.model.paths import resolve_model_path
+
+    if mesh is None and plan.weight_dtype == block_dtype(path):
+        if plan.weight_dtype == "fp8":  # an fp8 HF checkpoint's own matrices
+            cfg, weights = load_hf_dir(resolve_model_path(path), dtype, keep_fp8=True)
+        else:
+            cfg, weights = load_gguf(resolve_model_path(path), dtype, keep_blocks=True)
+    else:
+        cfg, weights = load_model(path, dtype, host=mesh is not None)
+    return cfg, run_weights(cfg, weights, plan, mesh)
 
 
 def _loaded(key, path, dtype, load_format, mesh, ep):

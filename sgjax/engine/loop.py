@@ -37,6 +37,13 @@ class EngineLoop:
         ahead = None  # (works, handle, t0) of a dispatched step committed ahead, not yet for real
         while True:
             try:
+                if self._paused:  # pause_generation: no step runs, and none is in flight for the calls that follow
+                    if ahead is not None:
+                        self._commit(*ahead)
+                        ahead = None
+                    if not self._drain(block=True):
+                        break
+                    continue
                 if not self._drain(block=not sched.has_work and ahead is None):
                     break
                 had_ahead = ahead is not None
@@ -158,3 +165,5 @@ class EngineLoop:
                 finally:
                     self._in_call = None
                 msg.done.set()
+                if self._paused:  # back to the loop's top, which finishes the step in flight before the next call
+                    return True

@@ -44,6 +44,7 @@ class Req:
     # a chunk of its fill is in a step committed ahead (the overlap loop): its pages enter the cache at the real commit
     fill_in_flight: bool = False
     slot: int = -1  # while running: where the device keeps its newest sampled token (Runner.future)
+    generation: int = 0  # the weights its KV was computed with (Scheduler.generation when it last had none)
     match: Any = None  # while waiting: (limit, MatchResult, cache clock) of its last match: reused or resumed
 
     # reporting

@@ -132,6 +132,10 @@ class Scheduler:
         self.rng = np.random.default_rng(cfg.seed)
         self.stats = Stats()
         self._free_slots = list(range(cfg.max_running_requests - 1, -1, -1))
+        # Engine.update_weights: the weights' generation (cached prefixes of other generations are never matched),
+        # and whether waiting requests may start (off while running ones finish on the old weights)
+        self.generation = 0
+        self.admitting = True
 
     # -- queue ------------------------------------------------------------------------------------------
     @property
@@ -242,10 +246,14 @@ class Scheduler:
 
     def _retract_one(self) -> None:
         """Retract the running request with the least output (the longest prompt among ties), as SGLang does."""
+        self.retract(min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids), -r.arrival)))
+
+    def retract(self, victim: Req, keep: bool = True) -> None:
+        """A running request back to the head of the queue, its output kept: it resumes by prefilling prompt and
+        output. `keep`: its whole computed pages go to the cache (else they are freed)."""
         t0 = time.perf_counter()
-        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids), -r.arrival))
         self.running.remove(victim)
-        self._release(victim, keep=True)
+        self._release(victim, keep=keep)
         self._free_slot(victim)
         if not victim.input_logprobs_complete:
             victim.input_logprobs.clear()
@@ -260,7 +268,7 @@ class Scheduler:
     def _admit(self, budget: int) -> list[Work]:
         cfg = self.cfg
         room = cfg.max_running_requests - len(self.running)
-        if not self.waiting or room <= 0 or budget <= 0:
+        if not self.waiting or room <= 0 or budget <= 0 or not self.admitting:
             return []
         t0 = time.perf_counter()
         policy = cfg.policy if len(self.waiting) <= cfg.max_match_queue else "fcfs"
@@ -456,6 +464,14 @@ class Scheduler:
                 req.prefill_done = True
 
     # -- pages ------------------------------------------------------------------------------------------
+    def _namespace(self, req: Req):
+        """The radix namespace of a request's KV: its own key (images) and the weights that computed it. A request
+        holding no KV takes the current weights' generation; one paused in place across an update keeps its own,
+        so nothing computed under old weights is ever matched under new ones."""
+        if not len(req.pages):
+            req.generation = self.generation
+        return req.extra_key if req.generation == 0 else (req.extra_key, req.generation)
+
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -471,10 +487,11 @@ class Scheduler:
         if req.wants_input_logprobs:
             limit = min(limit, max(req.logprob_start_len - 1, 0))
         prev, clock = (req.match[1], req.match[2]) if req.match is not None and req.match[0] == limit else (None, 0)
-        if self.cfg.match_cache and prev is not None and self.cache.unchanged_since(prev, clock, req.extra_key):
+        key = self._namespace(req)
+        if self.cfg.match_cache and prev is not None and self.cache.unchanged_since(prev, clock, key):
             m = self._timed(self.cache.touch, prev)
         else:
-            m = self._timed(self.cache.rematch, prev, req.fill_prefix(limit), req.extra_key)
+            m = self._timed(self.cache.rematch, prev, req.fill_prefix(limit), key)
         req.match = (limit, m, self.cache.clock)
         return m
 
@@ -505,9 +522,9 @@ class Scheduler:
         if full <= req.tree_pages:
             return
         tokens = req.fill_prefix(full * self.page_size)
-        held = self._held(req)
-        self.cache.insert(tokens, req.pages[:full], req.extra_key, below=held)
-        m = self.cache.rematch(held, tokens, req.extra_key)
+        held, key = self._held(req), self._namespace(req)
+        self.cache.insert(tokens, req.pages[:full], key, below=held)
+        m = self.cache.rematch(held, tokens, key)
         if m.num_tokens != len(tokens):
             raise RuntimeError(f"scheduler bug: inserted {len(tokens)} tokens but matched {m.num_tokens}")
         self.cache.lock(m.last_node)
@@ -528,7 +545,7 @@ class Scheduler:
         full = req.kv_len // self.page_size
         if keep and self.cfg.cache != "none" and full > req.tree_pages:
             self.cache.insert(
-                req.fill_prefix(full * self.page_size), req.pages[:full], req.extra_key, below=self._held(req)
+                req.fill_prefix(full * self.page_size), req.pages[:full], self._namespace(req), below=self._held(req)
             )
             self.allocator.free(req.pages[full:])
         else:

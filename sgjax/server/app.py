@@ -39,28 +39,34 @@ from sgjax.server.protocol import (
     read_body,
 )
 from sgjax.server.serving import HttpWork, Serving
+from sgjax.server.training_routes import ROUTES as TRAINING_ROUTES
+from sgjax.server.training_routes import add_training_routes
 
 log = logging.getLogger("sgjax.server")
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
-ROUTES = GENERATION_ROUTES + (
-    "/v1/models",
-    "/health",
-    "/health_generate",
-    "/get_model_info",
-    "/get_server_info",
-    "/model_info",
-    "/server_info",
-    "/ready",
-    "/flush_cache",
-    "/abort_request",
-    "/metrics",
-    "/tokenize",
-    "/detokenize",
-    "/v1/embeddings",
-    "/v1/score",
-    "/start_profile",
-    "/stop_profile",
+ROUTES = (
+    GENERATION_ROUTES
+    + (
+        "/v1/models",
+        "/health",
+        "/health_generate",
+        "/get_model_info",
+        "/get_server_info",
+        "/model_info",
+        "/server_info",
+        "/ready",
+        "/flush_cache",
+        "/abort_request",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+        "/v1/embeddings",
+        "/v1/score",
+        "/start_profile",
+        "/stop_profile",
+    )
+    + TRAINING_ROUTES
 )
 OPEN_ROUTES = ("/health", "/ready")  # probes answer without --api-key's header, as in SGLang and vLLM
 
@@ -251,6 +257,8 @@ def build_app(serving: Serving) -> FastAPI:
         else:
             raise ApiError("rid: required unless abort_all is true", param="rid")
         return {"success": True}
+
+    add_training_routes(app, serving)
 
     @app.post("/start_profile")
     async def start_profile(request: Request):

@@ -194,6 +194,15 @@ SCORE = {
     "return_pooled_hidden_states": Unsupported("pooled hidden states are for classification models", (False,)),
     "score_extraction_token": Unsupported("setwise scoring is not supported by sgjax"),
 }
+# SGLang's /update_weights_from_disk beyond a checkpoint swapped in place.
+UPDATE_WEIGHTS = {
+    "load_format": Unsupported("the loader reads the checkpoint's own format", ("auto",)),
+    "is_async": _FALSE,
+    "keep_pause": _FALSE,
+    "torch_empty_cache": Meta("a torch allocator setting; sgjax has none"),
+    "recapture_cuda_graph": Meta("sgjax captures no CUDA graphs"),
+    "token_step": Meta("a trainer's step counter; not read"),
+}
 # A chat message's fields beyond ChatMessage's.
 MESSAGE = {
     "refusal": Meta("the assistant's refusal text; not read"),
@@ -253,6 +262,12 @@ def screener(route: str):
         "/tokenize": plain(P.TokenizeRequest),
         "/detokenize": plain(P.DetokenizeRequest),
         "/abort_request": plain(P.AbortRequest),
+        "/update_weights_from_disk": lambda body: screen(
+            body, P.UpdateWeightsFromDiskRequest.model_fields, UPDATE_WEIGHTS, route
+        ),
+        "/pause_generation": plain(P.PauseGenerationRequest),
+        "/release_memory_occupation": plain(P.MemoryOccupationRequest),
+        "/resume_memory_occupation": plain(P.MemoryOccupationRequest),
         "/v1/score": lambda body: screen(body, P.ScoreRequest.model_fields, SCORE, route),
     }
     return table[route]

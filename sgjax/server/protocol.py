@@ -154,6 +154,22 @@ class AbortRequest(Strict):
     abort_all: bool | None = None
 
 
+# -- serving a training loop (engine/training.py) ---------------------------------------------------------------
+class UpdateWeightsFromDiskRequest(Strict):
+    model_path: str
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class PauseGenerationRequest(Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class MemoryOccupationRequest(Strict):
+    tags: list[Literal["kv_cache"]] | None = None  # SGLang's "weights" / "cuda_graph": the KV cache only here
+
+
 # -- OpenAI ----------------------------------------------------------------------------------------------------
 class StreamOptions(Strict):
     include_usage: bool | None = None
