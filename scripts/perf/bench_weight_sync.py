@@ -85,8 +85,9 @@ def main() -> None:
             jax.block_until_ready(engine.runner.weights)
             times.append(time.perf_counter() - t0)
         same = engine.generate(**probe)[0]["output_ids"] == want
+        gc.collect()
         rows.append({"workload": "weight_sync", "configuration": way, "seconds": statistics.median(times)})
-        rows[-1]["outputs_unchanged"] = same
+        rows[-1].update(outputs_unchanged=same, memory_after_way=memory_bytes())
     gc.collect()
     after = memory_bytes()
     engine.shutdown()
@@ -104,11 +105,11 @@ def main() -> None:
             ratio_to_aliased=r["seconds"] / base if base else None,
             repeat=args.repeat,
         )
-    print(f"\n{'way':10} {'seconds':>9} {'vs aliased':>10} {'same out':>8}")
+    print(f"\n{'way':10} {'seconds':>9} {'vs aliased':>10} {'same out':>8} {'memory +MiB':>11}")
     for r in rows:
         print(
             f"{r['configuration']:10} {r['seconds']:9.4f} {r['ratio_to_aliased']:10.1f} "
-            f"{str(r['outputs_unchanged']):>8}"
+            f"{str(r['outputs_unchanged']):>8} {(r['memory_after_way'] - before) / 2**20:11.0f}"
         )
     print(
         f"weights {weight_bytes / 2**20:.0f} MiB; memory before the updates {before / 2**20:.0f} MiB, after "

@@ -92,6 +92,18 @@ def load_model_cached(path, dtype, load_format="auto", mesh=None, plan: StepPlan
     return RUN_WEIGHTS[run_key]
 
 
+def forget(weights: Weights) -> None:
+    """Stop caching `weights` (and the loaded form they were made from): an engine that serves others now
+    (Engine.update_weights) must not leave a second copy behind. Engines still serving them keep theirs."""
+    for run_key, (_, cached) in list(RUN_WEIGHTS.items()):
+        if cached is weights:
+            del RUN_WEIGHTS[run_key]
+            MODELS.pop(run_key[:-3], None)  # RUN_WEIGHTS' key is MODELS' key and the plan's three weight fields
+    for key, (_, cached) in list(MODELS.items()):
+        if cached is weights:
+            del MODELS[key]
+
+
 def read_for_plan(path, dtype, plan: StepPlan, mesh=None):
     """(cfg, weights as `plan`'s step reads them) read from `path` now, uncached (Engine.update_weights_from_disk):
     a GGUF whose blocks are the plan's weight dtype, or an fp8 checkpoint, kept as stored, as at start."""

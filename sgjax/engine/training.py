@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from sgjax.engine.loading import read_for_plan, run_weights
+from sgjax.engine.loading import forget, read_for_plan, run_weights
 from sgjax.errors import RequestError
 from sgjax.model.weights import Weights, dummy_weights, from_hf_state_dict
 
@@ -139,6 +139,7 @@ class WeightsControl:
     def _swap_weights(self, weights: Weights, version: str | None, flush_cache: bool) -> str:
         """On the engine thread, paused (no step in flight)."""
         sched = self.scheduler
+        forget(self.runner.weights)  # the process's cache of them: no second copy stays
         self.runner.weights = weights
         sched.generation += 1
         sched.admitting = True

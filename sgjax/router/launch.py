@@ -64,6 +64,14 @@ def add_dp_flags(serve: argparse.ArgumentParser) -> None:
         default="cache_aware",
         help="with --dp-size > 1: how the router picks a worker (default: cache_aware)",
     )
+    group.add_argument(
+        "--router",
+        choices=("sgjax", "sglang"),
+        default="sgjax",
+        help="with --dp-size > 1: sgjax's own router, or SGLang's Rust router (`pip install sglang-router`: "
+        "circuit breakers, retries, rate limits, Prometheus; policies cache_aware, round_robin, random) "
+        "(default: sgjax)",
+    )
 
 
 def add_router_command(commands) -> None:
@@ -243,6 +251,9 @@ def serve_dp(ns: argparse.Namespace) -> None:
                 "worker %d: %s (pid %d%s)", i, workers[-1].url, workers[-1].proc.pid, f", GPU {gpu}" if gpu else ""
             )
         wait_ready(workers)
+        if ns.router == "sglang":
+            run_sglang_router(ns, [w.url for w in workers])
+            return
         policy = make_policy(ns.router_policy)
         run_router(
             [w.url for w in workers],
@@ -257,6 +268,37 @@ def serve_dp(ns: argparse.Namespace) -> None:
         )
     finally:
         stop_workers(workers)
+
+
+SGLANG_POLICIES = ("cache_aware", "round_robin", "random")  # ours that sglang-router also has, by the same name
+
+
+def sglang_router_command(ns: argparse.Namespace, urls: list[str]) -> list[str]:
+    """`python -m sglang_router.launch_router` in front of the workers, with the launcher's host, port, policy and
+    API key (the router sends it on to the workers)."""
+    if ns.router_policy not in SGLANG_POLICIES:
+        raise SystemExit(f"--router sglang: --router-policy must be one of {', '.join(SGLANG_POLICIES)}")
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", ns.host, "--port", str(ns.port)]
+    level = {"warning": "warn", "critical": "error", "trace": "debug"}.get(ns.log_level.lower(), ns.log_level.lower())
+    cmd += ["--worker-urls", *urls, "--policy", ns.router_policy, "--log-level", level]
+    return cmd + (["--api-key", ns.api_key] if ns.api_key else [])
+
+
+def run_sglang_router(ns: argparse.Namespace, urls: list[str]) -> None:
+    """Run SGLang's router until it exits or the launcher is asked to stop (then it gets SIGTERM first)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang_router") is None:
+        raise SystemExit("--router sglang needs SGLang's router: pip install sglang-router")
+    router = subprocess.Popen(sglang_router_command(ns, urls))
+    log.info("sglang-router on %s:%d (pid %d) in front of %s", ns.host, ns.port, router.pid, " ".join(urls))
+
+    def stop(sig, frame):
+        router.terminate()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    router.wait()
 
 
 def worker_flags(ns: argparse.Namespace) -> list[str]:

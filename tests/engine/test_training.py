@@ -190,3 +190,17 @@ def test_the_rl_loop_example_trains_and_syncs_every_step():
     rows = module.main(["--tiny", "--steps", "2", "--batch", "4", "--new-tokens", "6"])
     assert [r["version"] for r in rows] == ["step-1", "step-2"]
     assert all(r["sync_s"] > 0 and 0 <= r["reward"] <= 1 for r in rows)
+
+
+def test_an_update_leaves_no_cached_copy_of_the_old_weights(monkeypatch):
+    from sgjax.engine import loading
+
+    old, loaded, other = object(), object(), object()
+    monkeypatch.setattr(
+        loading, "MODELS", {("m.gguf", "float32", "auto"): ("cfg", loaded), ("n", "f", "a"): ("c", other)}
+    )
+    monkeypatch.setattr(
+        loading, "RUN_WEIGHTS", {("m.gguf", "float32", "auto", "float32", "native", "scan"): ("cfg", old)}
+    )
+    loading.forget(old)
+    assert loading.RUN_WEIGHTS == {} and list(loading.MODELS) == [("n", "f", "a")]

@@ -1,16 +1,20 @@
 """The router with real processes: `sgjax serve --dp-size 2` (two SmolLM2 workers behind a cache_aware router) and
-a round_robin `sgjax router` in front of the same workers.
+a round_robin `sgjax router` in front of the same workers, and SGLang's own Rust router (sglang-router) too.
 
 The tests run in file order and the last two change the fleet: one kills a worker, the last stops the launcher."""
 
+import argparse
 import os
 import signal
 import time
 
 import httpx
 import openai
+import pytest
 
+from sgjax.router.launch import sglang_router_command
 from sgjax.router.proxy import WORKER_HEADER
+from sgjax.server.process import ServerProcess
 from tests.server.conftest import sse_events, wait_idle
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
@@ -135,6 +139,53 @@ def test_cache_aware_keeps_prefixes_together_and_caches_more_than_round_robin(ca
     # Each hit reuses its group's prefix pages: cache_aware hits on A2, A3, B2, B3, round_robin only on A3 and B3
     # (A1, A2 and B1, B2 land on different workers).
     assert ca_cached == 2 * rr_cached > 0, (ca_cached, rr_cached)
+
+
+@pytest.fixture(scope="module")
+def sgl(workers):
+    """SGLang's Rust router (sglang-router) in front of the same two workers, started with the command
+    `sgjax serve --dp-size N --router sglang` runs (router/launch.py)."""
+    ns = argparse.Namespace(host="127.0.0.1", port="{port}", router_policy="cache_aware", log_level="warning")
+    ns.api_key = None
+    proc = ServerProcess(argv=sglang_router_command(ns, [w["url"] for w in workers]), log_prefix="sglang-router-")
+    proc.wait_ready(timeout=120)
+    with httpx.Client(base_url=proc.url, timeout=300) as c:
+        yield c
+    assert proc.stop() == 0, proc.log_text()
+    proc.remove_log()
+
+
+def _cached(workers) -> list[int]:
+    return [httpx.get(w["url"] + "/get_server_info", timeout=60).json()["cached_tokens"] for w in workers]
+
+
+def test_sglang_router_serves_generate_the_openai_routes_and_streams(sgl, workers):
+    prompt = "The three primary colors are"
+    direct = httpx.post(workers[0]["url"] + "/generate", json={"text": prompt, "sampling_params": GREEDY}, timeout=300)
+    r = generate(sgl, prompt)
+    assert r.json()["text"] == direct.json()["text"] and r.json()["output_ids"] == direct.json()["output_ids"]
+    assert sgl.get("/health").status_code == 200
+    client = openai.OpenAI(base_url=str(sgl.base_url) + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    own = openai.OpenAI(base_url=workers[1]["url"] + "/v1", api_key="none")
+    want = own.chat.completions.create(model="default", messages=messages, max_tokens=12, temperature=0)
+    got = client.chat.completions.create(model="default", messages=messages, max_tokens=12, temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    stream = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.choices[0].message.content
+    assert [m.id for m in client.models.list().data]
+
+
+def test_sglang_router_cache_aware_keeps_a_prefix_on_one_worker(sgl, ca, workers):
+    assert ca.post("/flush_cache").status_code == 200
+    before = _cached(workers)
+    for q in (1, 2, 3):
+        generate(sgl, few_shot("A", q), max_new_tokens=2)
+    gained = [a - b for a, b in zip(_cached(workers), before)]
+    assert sorted(gained)[0] == 0 and sorted(gained)[1] > 0, gained  # every hit on one worker
+    assert sgl.post("/flush_cache").status_code == 200  # passed on to the workers
 
 
 def test_a_client_that_leaves_a_stream_aborts_it_on_the_worker(ca, workers):
