@@ -176,6 +176,8 @@ def test_sglang_router_serves_generate_the_openai_routes_and_streams(sgl, worker
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.choices[0].message.content
     assert [m.id for m in client.models.list().data]
+    two = client.chat.completions.create(model="default", messages=messages, max_tokens=12, temperature=0, n=2)
+    assert [c.message.content for c in two.choices] == [want.choices[0].message.content] * 2
 
 
 def test_sglang_router_cache_aware_keeps_a_prefix_on_one_worker(sgl, ca, workers):
@@ -215,7 +217,7 @@ def _dead(pid: int) -> bool:
         return True
 
 
-def test_killing_a_worker_sends_later_requests_to_the_other(ca, workers):
+def test_killing_a_worker_sends_later_requests_to_the_other(ca, workers, sgl):
     assert ca.post("/flush_cache").status_code == 200
     first = generate(ca, few_shot("A", 7), max_new_tokens=2).headers[WORKER_HEADER]
     victim = next(w for w in workers if w["url"] == first)
@@ -236,6 +238,9 @@ def test_killing_a_worker_sends_later_requests_to_the_other(ca, workers):
     state = {w["url"]: w for w in info["router"]["workers"]}
     assert not state[victim["url"]]["healthy"] and state[survivor["url"]]["healthy"]
     assert info["healthy_workers"] == 1 and "error" in info["workers"][workers.index(victim)]
+    # SGLang's router retries a request that met the dead worker on the other one (non-streamed requests)
+    for q in range(4):
+        assert generate(sgl, few_shot("A", 10 + q), max_new_tokens=2).json()["text"] is not None
 
 
 def test_sigterm_on_the_launcher_exits_0_and_stops_its_workers(launcher, workers, rr_router):
