@@ -27,11 +27,11 @@ from sgjax.engine.params import uses_penalties
 from sgjax.engine.plan import StepPlan
 from sgjax.engine.programs import COMPILE_LOCK, compiles, jitted_step
 from sgjax.engine.sampler import default_rows, uses_filter
-from sgjax.engine.scheduler import Work
 from sgjax.engine.sentinels import bias_entry, future_history, future_slot, prompt_entry
 from sgjax.engine.shared import maps_near_limit
 from sgjax.engine.step import DeviceState, StepShape
 from sgjax.engine.step import pack as pack_step
+from sgjax.engine.work import Work
 from sgjax.kernels import allocate_pool
 from sgjax.model.batch import BatchShape, build_batch
 from sgjax.model.config import ModelConfig
@@ -157,7 +157,7 @@ class Runner:
         """Each compiled shape holds memory maps of its own, and a process past vm.max_map_count cannot map the next
         program (XLA fails to link it, and the process dies: issue #42). Past MAP_BUDGET of the limit this step's
         shapes are dropped, to compile again (from the persistent cache) as traffic needs them."""
-        near = maps_near_limit()
+        near = maps_near_limit() if self.shapes_seen else None  # a step holding no shape frees nothing
         if near is None:
             return
         log.warning(

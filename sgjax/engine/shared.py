@@ -47,11 +47,8 @@ class Shared:
             value = self._live.get(key)
             return self.put(key, self.make(*key) if value is None else value)
 
-    def __contains__(self, key: tuple) -> bool:
-        return key in self._live
-
     def put(self, key: tuple, value: Any) -> Any:
-        """Share `value` under `key` (made elsewhere) as if `make` had made it."""
+        """Share `value` under `key`, and count it as the latest asked for."""
         with self._lock:
             self._live[key] = value
             self._recent[key] = value
@@ -59,9 +56,6 @@ class Shared:
             while len(self._recent) > self.keep:
                 self._recent.popitem(last=False)
             return value
-
-    def get(self, key: tuple) -> Any:
-        return self._live.get(key)
 
     def forget(self, key: tuple) -> None:
         """Stop sharing `key`'s value (its holders keep theirs): the next ask makes it anew."""
@@ -73,10 +67,6 @@ class Shared:
         """Let go of the cache's own references: what no engine holds is freed."""
         with self._lock:
             self._recent.clear()
-
-    def held(self) -> int:
-        """Values alive now (held by anyone)."""
-        return len(self._live)
 
 
 def memory_maps() -> int | None:

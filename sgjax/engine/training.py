@@ -12,6 +12,7 @@ pages where no later request looks.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 
@@ -46,6 +47,12 @@ def mismatch(given, reference) -> str | None:
                 f"{np.dtype(b.dtype).name}{list(b.shape)}"
             )
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def _param_spec(cfg):
+    """The model's params as loaded: shapes and dtypes only (traced once per config, nothing allocated)."""
+    return jax.eval_shape(lambda: dummy_weights(cfg))
 
 
 class WeightsControl:
@@ -121,7 +128,7 @@ class WeightsControl:
         served = self.runner.weights
         if mismatch(params, served) is None:  # the step's own layout: served as it is, placed like the engine's
             return jax.tree.map(lambda a, b: a if a is None else jax.device_put(a, b.sharding), params, served)
-        why = mismatch(params, jax.eval_shape(lambda: dummy_weights(cfg)))
+        why = mismatch(params, _param_spec(cfg))
         if why is not None:
             raise RequestError(f"params: {why}", "params")
         return run_weights(cfg, params, self.plan, self._tp_mesh)
