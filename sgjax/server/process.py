@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,9 +15,56 @@ import httpx
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host=host)[0]
+
+
+def free_ports(*widths: int, host: str = "127.0.0.1") -> list[int]:
+    """One port per width, each the first of `width` consecutive free ports, no two runs overlapping.
+
+    Ports come from below the kernel's ephemeral range, so no outgoing connection or `bind(0)` elsewhere can take
+    one between our pick and the child's bind (--dist-init-addr's port + 1 once met another server's port that way);
+    all are held while choosing, so the runs cannot overlap each other."""
+    low, high = 10_000, _ephemeral_start()
+    held: list[socket.socket] = []
+    try:
+        firsts = []
+        for width in widths:
+            for _ in range(200):
+                run = _bind_run(host, random.randrange(low, high - width), width)
+                if run:
+                    held += run
+                    firsts.append(run[0].getsockname()[1])
+                    break
+            else:
+                raise OSError(f"no {width} consecutive free ports on {host} in [{low}, {high})")
+        return firsts
+    finally:
+        for s in held:
+            s.close()
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            start = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        start = 32768
+    return start if start > 12_000 else 32768
+
+
+def _bind_run(host: str, first: int, width: int) -> list[socket.socket] | None:
+    run: list[socket.socket] = []
+    for port in range(first, first + width):
+        s = socket.socket()
+        try:
+            s.bind((host, port))
+        except OSError:
+            s.close()
+            for r in run:
+                r.close()
+            return None
+        run.append(s)
+    return run
 
 
 class ServerProcess:

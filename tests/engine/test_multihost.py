@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from sgjax.server.process import free_port
+from sgjax.server.process import free_ports
 from tests.conftest import TINY_SERVE
 from tests.server.conftest import REPO
 
@@ -78,7 +78,8 @@ class Rank:
 
 
 def start_pair(model_dir, smollm2_path, *extra):
-    addr = f"127.0.0.1:{free_port()}"
+    coordinator, http, other_http = free_ports(2, 1, 1)  # the coordinator's port + 1 carries liveness
+    addr = f"127.0.0.1:{coordinator}"
     common = [
         *FLAGS,
         "--model-path",
@@ -93,8 +94,7 @@ def start_pair(model_dir, smollm2_path, *extra):
         addr,
         *extra,
     ]
-    http = free_port()
-    ranks = [Rank([*common, "--node-rank", "0"], http), Rank([*common, "--node-rank", "1"], free_port())]
+    ranks = [Rank([*common, "--node-rank", "0"], http), Rank([*common, "--node-rank", "1"], other_http)]
     url = f"http://127.0.0.1:{http}"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
