@@ -28,7 +28,17 @@ WORKLOADS = [  # (name, batch, context, new tokens per request)
     ("prefill", 1, 4096, 4096),
 ]
 # Speculative decoding's verify step: the last token and k drafted ones per request, against decode (k = 0)
-VERIFY_WORKLOADS = [("verify", b, 1024, k + 1) for b in (1, 32) for k in (1, 2, 4, 8)]
+VERIFY_WORKLOADS = [("verify", b, 1024, k + 1) for b in (1, 8, 32, 64) for k in (1, 2, 3, 4, 6, 8)]
+DECODE_64 = ("decode", 64, 1024, 1)  # verify's 64-row baseline
+# --variants: (weights, KV pool). fp8: e4m3 matrices widened to bf16 (w8a16); w8a8: activations e4m3 per token too
+VARIANTS = {
+    "bf16": (None, "bfloat16"),
+    "fp8": ("fp8", "bfloat16"),
+    "w8a8": ("w8a8_fp8", "bfloat16"),
+    "fp8kv": (None, "float8_e4m3fn"),
+    "w8a8+fp8kv": ("w8a8_fp8", "float8_e4m3fn"),
+    "fp8+fp8kv": ("fp8", "float8_e4m3fn"),
+}
 SMALL_WORKLOADS = [("decode", 1, 64, 1), ("decode", 8, 64, 1), ("prefill", 1, 128, 128)]
 
 
@@ -61,22 +71,28 @@ def model_config(small: bool, model: str = "llama3-8b"):
     return BENCH_CONFIGS[model]("bfloat16")
 
 
-def cost(cfg, batch: int, context: int, new: int, logit_rows: int | None = None) -> tuple[float, float]:
+def cost(
+    cfg, batch: int, context: int, new: int, logit_rows: int | None = None, variant: str = "bf16"
+) -> tuple[float, float]:
     """(bytes, flops) a step must move and compute at least. A mixture of experts reads only the experts its rows
     pick: with uniform routing (the dummy router is random) E * (1 - (1 - k/E)^rows) distinct experts per layer, and
-    computes k experts per row."""
+    computes k experts per row. An fp8 variant's layer matrices (the embedding and head stay bf16) or pool are one
+    byte an element."""
     itemsize = 2 if cfg.dtype == "bfloat16" else 4
+    weights, kv = VARIANTS[variant]
+    matrix_size = 1 if weights else itemsize
+    kv_size = 1 if kv.startswith("float8") else itemsize
     rows = batch * new
     embed = cfg.vocab_size * cfg.hidden_size
     dense = cfg.num_params(active=True) - embed - (0 if cfg.tie_word_embeddings else embed)  # per-row matmul weights
     head = embed
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_size
     read = dense
     if cfg.is_moe:
         expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
         e, k = cfg.num_experts, cfg.num_experts_per_tok
         read = dense + cfg.num_layers * expert * (e * (1 - (1 - k / e) ** rows) - k)
-    bytes_moved = (read + head) * itemsize + batch * context * kv_per_token
+    bytes_moved = read * matrix_size + head * itemsize + batch * context * kv_per_token
     # Causal attention: row i of a request attends to (context - new + i + 1) keys; QK and PV are 2 flops each.
     keys = batch * (new * (context - new) + new * (new + 1) / 2)
     flops = (
@@ -96,50 +112,66 @@ def run_sgjax(args):
     from sgjax.engine.buckets import bucket
     from sgjax.kernels import allocate_pool, get_backend
     from sgjax.model.batch import build_batch
-    from sgjax.model.llama import forward
+    from sgjax.model.llama import XLA, XLA_W8A8, forward
     from sgjax.model.moe import experts
-    from sgjax.model.weights import dummy_layer_weights, dummy_weights
+    from sgjax.model.weights import cast_matrices, dummy_layer_weights, dummy_weights
 
     small = args.small
     bw = copy_bandwidth(1 << 26 if small else 4 << 30)
     rate = matmul_rate(512 if small else 8192)
+    w8a8 = any(VARIANTS[v][0] == "w8a8_fp8" for v in args.variants)
+    rate_fp8 = matmul_rate(512 if small else 8192, jnp.float8_e4m3fn) if w8a8 else None
+    device = jax.devices()[0]
     rows = [
         {
             "kind": "ceiling",
             "copy_gb_per_s": bw / 1e9,
             "bf16_tflop_per_s": rate / 1e12,
-            "device": str(jax.devices()[0].device_kind),
+            "fp8_tflop_per_s": rate_fp8 / 1e12 if rate_fp8 else None,
+            "device": str(device.device_kind),
+            "memory_bytes_limit": (device.memory_stats() or {}).get("bytes_limit"),
             "jax": jax.__version__,
         }
     ]
     cfg = model_config(small, args.model)
     platform = jax.devices()[0].platform
     # on an accelerator made layer by layer: Mixtral-8x7B's 93 GB would not fit twice (stacked, then sliced)
-    weights = dummy_weights(cfg) if platform == "cpu" else dummy_layer_weights(cfg)
+    bf16_weights = dummy_weights(cfg) if platform == "cpu" else dummy_layer_weights(cfg)
     page = 16
-    workloads = SMALL_WORKLOADS if small else WORKLOADS + VERIFY_WORKLOADS
+    workloads = SMALL_WORKLOADS if small else WORKLOADS + [DECODE_64] + VERIFY_WORKLOADS
+    workloads = [
+        w
+        for w in workloads
+        if (not args.workloads or w[0] in args.workloads) and (not args.batches or w[1] in args.batches)
+    ]
     max_pages = max(b * -(-c // page) for _, b, c, _ in workloads) + 1
     first_logits = {}  # workload -> logits of the first backend, to compare the others against
     # "pallas:triton" / "pallas:mgpu": the pallas backend with that prefill kernel (kernels/pallas_gpu.py); a
     # mixture of experts runs each attention backend with each --moe-kernel
     moe_kernels = args.moe_kernel if cfg.is_moe else [None]
-    for backend, moe_kernel in [(b, m) for b in args.attention for m in moe_kernels]:
+    runs = [(v, b, m) for v in args.variants for b in args.attention for m in moe_kernels]
+    for variant, backend, moe_kernel in runs:
+        quantization, kv_dtype = VARIANTS[variant]
+        weights = cast_matrices(bf16_weights, "fp8") if quantization else bf16_weights
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights))
+        ops = XLA_W8A8 if quantization == "w8a8_fp8" else XLA
         name_, _, prefill = backend.partition(":")
         attend = get_backend(name_)
         if prefill:
             attend = functools.partial(attend, prefill_kernel=prefill)
         experts_fn = functools.partial(experts, activation=cfg.activation, kernel=moe_kernel) if moe_kernel else None
         step = jax.jit(
-            functools.partial(forward, cfg=cfg, attention=attend, experts_fn=experts_fn), donate_argnames=("pool",)
+            functools.partial(forward, cfg=cfg, attention=attend, experts_fn=experts_fn, ops=ops),
+            donate_argnames=("pool",),
         )
         impl = f"sgjax-{backend}" + (f"+moe-{moe_kernel}" if moe_kernel and moe_kernel != "xla" else "")
-        pool = allocate_pool(cfg.num_layers, max_pages, page, cfg.num_kv_heads, cfg.head_dim, dtype=jnp.bfloat16)
-        pool = jax.jit(lambda p: jax.random.normal(jax.random.PRNGKey(3), p.shape, p.dtype), donate_argnums=0)(
-            pool
-        )  # random, never zeros: zeros can run faster than real data
+        pool = allocate_pool(cfg.num_layers, max_pages, page, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
+        pool = jax.jit(
+            lambda p: jax.random.normal(jax.random.PRNGKey(3), p.shape, jnp.bfloat16).astype(p.dtype),
+            donate_argnums=0,
+        )(pool)  # random, never zeros: zeros can run faster than real data
+        kv_per_token = pool.nbytes // (pool.shape[1] * page)  # every layer's K and V
         for name, batch, context, new in workloads:
-            if args.workloads and name not in args.workloads:
-                continue
             pages_per_req = -(-context // page)
             tables = [list(range(1 + i * pages_per_req, 1 + (i + 1) * pages_per_req)) for i in range(batch)]
             chunks = [
@@ -172,17 +204,20 @@ def run_sgjax(args):
             err = float(np.linalg.norm(logits - first_logits[key]) / np.linalg.norm(first_logits[key]))
             seconds = time_fn(call, warmup=2, iters=5 if name == "prefill" else 20)
             pool = state["pool"]
-            nbytes, flops = cost(cfg, batch, context, new, batch * new if name == "verify" else batch)
+            nbytes, flops = cost(cfg, batch, context, new, batch * new if name == "verify" else batch, variant)
             rows.append(
                 {
                     "kind": "step",
                     "impl": impl,
+                    "variant": variant,
                     "workload": name,
                     "batch": batch,
                     "context": context,
                     "tokens": batch * new,
+                    "weight_bytes": weight_bytes,
+                    "kv_bytes_per_token": kv_per_token,
                     "logits_rel_err_vs_first_backend": err,
-                    **roofline(seconds, nbytes, flops, bw, rate),
+                    **roofline(seconds, nbytes, flops, bw, rate_fp8 if ops is XLA_W8A8 else rate),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -271,6 +306,14 @@ def main():
     parser.add_argument("--part", choices=["sgjax", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--workloads", nargs="*", default=[], help="only these workloads (decode, prefill, verify)")
+    parser.add_argument("--batches", nargs="*", type=int, default=[], help="only these batch sizes")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["bf16"],
+        choices=sorted(VARIANTS),
+        help="weights and pool: bf16, fp8 (w8a16), w8a8 (fp8 activations per token too), fp8kv (e4m3 pool), ...",
+    )
     parser.add_argument("--tag", default=None, help="a label copied into every row (e.g. the XLA_FLAGS tried)")
     args = parser.parse_args()
     if args.part:
@@ -291,9 +334,12 @@ def main():
             *args.attention,
             "--moe-kernel",
             *args.moe_kernel,
+            "--variants",
+            *args.variants,
         ]
         + (["--small"] * args.small)
         + (["--workloads", *args.workloads] if args.workloads else [])
+        + (["--batches", *map(str, args.batches)] if args.batches else [])
     )
     subprocess.run(base + ["--part", "sgjax"], check=True)
     rows = json.load(open(os.path.join(args.out, "part_sgjax.json")))
@@ -322,29 +368,37 @@ def report(rows, args):
                 )
             )
     hf = {(r["workload"], r["batch"], r["context"]): r["ms"] for r in steps if r["impl"] == "hf-transformers"}
+    ours = {(r["impl"], r.get("variant"), r["workload"], r["batch"], r["tokens"]): r["ms"] for r in steps}
+    for r in steps:  # the baselines of the same run: bf16 for a variant, the decode step for a verify step
+        if r["impl"] != "hf-transformers":
+            bf16 = ours.get((r["impl"], "bf16", r["workload"], r["batch"], r["tokens"]))
+            r["speedup_vs_bf16"] = bf16 / r["ms"] if bf16 else None
+            decode = ours.get((r["impl"], r.get("variant"), "decode", r["batch"], r["batch"]))
+            r["cost_vs_decode"] = r["ms"] / decode if decode and r["workload"] == "verify" else None
     print(
         f"\n{ceiling['device']}, jax {ceiling['jax']}: copy {ceiling['copy_gb_per_s']:.0f} GB/s, "
         f"bf16 matmul {ceiling['bf16_tflop_per_s']:.0f} TFLOP/s; model {cfg.num_params() / 1e9:.2f}B params bf16"
     )
     print("logit err: |logits - first backend's| / |first backend's| on the same first step (sgjax rows only)")
     print(
-        f"{'impl':18} {'workload':8} {'batch':>5} {'ctx':>5} {'ms':>9} {'GB/s':>7} {'bw%':>5} {'TFLOP/s':>8} "
-        f"{'mm%':>5} {'roof%':>6} {'vs HF':>6} {'logit err':>9}"
+        f"{'impl':18} {'variant':11} {'workload':8} {'batch':>5} {'tok':>5} {'ctx':>5} {'ms':>9} {'GB/s':>7} "
+        f"{'bw%':>5} {'TFLOP/s':>8} {'mm%':>5} {'roof%':>6} {'vs HF':>6} {'vs bf16':>7} {'/decode':>7} {'logit err':>9}"
     )
+    ratio = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
     with open(os.path.join(args.out, "bench_forward.jsonl"), "a") as f:
         for r in steps:
             key = (r["workload"], r["batch"], r["context"])
             r["speedup_vs_hf"] = hf[key] / r["ms"] if key in hf else None
-            r["config"] = f"dummy-{args.model}-bf16" if not args.small else "tiny-bf16"
+            r["config"] = f"dummy-{args.model}-{r.get('variant', 'bf16')}" if not args.small else "tiny-bf16"
             r["tag"] = args.tag
             r["xla_flags"] = os.environ.get("XLA_FLAGS", "")
             f.write(json.dumps({**r, "ceiling": ceiling}) + "\n")
-            vs = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] else "-"
             print(
-                f"{r['impl']:18} {r['workload']:8} {r['batch']:5d} {r['context']:5d} {r['ms']:9.2f} "
-                f"{r['gb_per_s']:7.0f} {100 * r['bw_ratio']:5.1f} {r['tflop_per_s']:8.1f} "
-                f"{100 * r['flop_ratio']:5.1f} {100 * r['roofline_ratio']:6.1f} {vs:>6} "
-                f"{r.get('logits_rel_err_vs_first_backend', 0.0):9.1e}"
+                f"{r['impl']:18} {r.get('variant', '-'):11} {r['workload']:8} {r['batch']:5d} {r['tokens']:5d} "
+                f"{r['context']:5d} {r['ms']:9.2f} {r['gb_per_s']:7.0f} {100 * r['bw_ratio']:5.1f} "
+                f"{r['tflop_per_s']:8.1f} {100 * r['flop_ratio']:5.1f} {100 * r['roofline_ratio']:6.1f} "
+                f"{ratio(r['speedup_vs_hf']):>6} {ratio(r.get('speedup_vs_bf16')):>7} "
+                f"{ratio(r.get('cost_vs_decode')):>7} {r.get('logits_rel_err_vs_first_backend', 0.0):9.1e}"
             )
 
 

@@ -39,11 +39,16 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * 2 * n * 4 / time_fn(copy, xs[0], xs[1], iters=10)
 
 
-def matmul_rate(n: int = 8192) -> float:
-    """FLOP/s of an n x n x n bf16 matmul with fp32 accumulation on random data."""
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+def matmul_rate(n: int = 8192, dtype=jnp.bfloat16) -> float:
+    """FLOP/s of an n x n x n matmul of `dtype` operands (bf16, or e4m3 for fp8 GEMMs) with fp32 accumulation on
+    random data; the second operand [n, n] is contracted on its last axis, the layout fp8 GEMMs take."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16).astype(dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16).astype(dtype)
+    mm = jax.jit(
+        lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(
+            jnp.bfloat16
+        )
+    )
     return 2 * n**3 / time_fn(mm, a, b, iters=20)
 
 

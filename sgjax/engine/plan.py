@@ -26,8 +26,8 @@ from sgjax.engine.args import DTYPES, ServerArgs
 from sgjax.model.config import ModelConfig
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "fp8")
-# SGLang's --quantization values built here -> the matrices' dtype (weights only: activations stay bf16 / float32)
-QUANTIZATIONS = {"fp8": "fp8", "w8a16_int8": "int8", "int8": "int8"}
+# SGLang's --quantization values built here -> the matrices' dtype (the activations: _fp8_activations)
+QUANTIZATIONS = {"fp8": "fp8", "w8a8_fp8": "fp8", "w8a16_int8": "int8", "int8": "int8"}
 KV_DTYPES = ("float32", "bfloat16")
 BF16_POOL_BACKENDS = ("cpu", "ref")  # the attention backends that read a bf16 pool under float32 queries
 FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # SGLang's names: the pool's dtype
@@ -58,14 +58,18 @@ class Machine:
     platform: str
     cpu_flags: frozenset = frozenset()
     native: bool = False
+    fp8_dots: bool = False  # a GPU whose matrix units multiply e4m3 (compute capability 8.9 and up)
 
     @classmethod
     def here(cls) -> "Machine":
         import jax
 
-        platform = jax.devices()[0].platform
+        device = jax.devices()[0]
+        platform = device.platform
         if platform != "cpu":
-            return cls(platform)
+            capability = getattr(device, "compute_capability", None)  # "9.0" on CUDA devices
+            fp8 = platform in ("gpu", "cuda") and capability is not None and float(capability) >= 8.9
+            return cls(platform, fp8_dots=fp8)
         from sgjax.kernels.cpu import available, cpu_flags
 
         return cls(platform, cpu_flags(), available())
@@ -91,6 +95,7 @@ class StepPlan:
     tp_size: int = 1
     expert_parallel: bool = False  # whole experts per device (--ep-size = --tp-size)
     batch_invariant: bool = False  # a row's result never depends on the other rows of its step
+    fp8_activations: bool = False  # fp8 matrices' products quantize their rows to e4m3 per token (w8a8)
     auto: tuple[str, ...] = ()  # the settings auto chose, as "name=value"
 
     @property
@@ -115,6 +120,7 @@ class StepPlan:
             attention=self.attention,
             moe_kernel=self.moe_kernel,
             expert_parallel=self.expert_parallel,
+            fp8_activations=self.fp8_activations,
         )
 
     def describe(self) -> dict:
@@ -194,6 +200,7 @@ def resolve(
         tp_size=args.tp_size,
         expert_parallel=cfg.is_moe and args.ep_size > 1,
         batch_invariant=invariant,
+        fp8_activations=_fp8_activations(args, weight_dtype, machine, chosen),
         auto=tuple(chosen),
     )
     if args.enable_deterministic_inference and not invariant:
@@ -235,6 +242,19 @@ def _weight_dtype(args, dtype, platform, machine, block_dtype, given, chosen) ->
             chosen.append("weight_dtype=bfloat16 (bf16 dot instructions)")
             return "bfloat16"
     return dtype
+
+
+def _fp8_activations(args, weight_dtype, machine, chosen) -> bool:
+    """w8a8 or w8a16 for fp8 matrices: --quantization w8a8_fp8 asks for w8a8; fp8 (and a pre-quantized checkpoint
+    under auto) means w8a8 where the GPU has fp8 dots, as in SGLang; --weight-dtype fp8 keeps the activations."""
+    if weight_dtype != "fp8":
+        return False
+    if args.quantization == "w8a8_fp8":
+        return True
+    if (args.quantization == "fp8" or args.weight_dtype == "auto") and machine.fp8_dots:
+        chosen.append("fp8_activations=True (the GPU's fp8 dots)")
+        return True
+    return False
 
 
 def _kv_dtype(args, dtype, weight_dtype, attention, machine, chosen) -> str:

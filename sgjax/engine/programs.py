@@ -19,7 +19,7 @@ from sgjax.engine.step import DeviceState, StepShape, unpack
 from sgjax.fsm.device import unpack_bits
 from sgjax.kernels import get_backend
 from sgjax.model.config import ModelConfig
-from sgjax.model.llama import XLA, embed_lookup, forward
+from sgjax.model.llama import XLA, XLA_W8A8, embed_lookup, forward
 
 # Held while a step compiles a new shape (engine/runner.py): one compile and persistent-cache write at a time in a
 # process, whatever its engines.
@@ -76,7 +76,7 @@ def ops_for(plan: StepPlan):
         from sgjax.model.native import NATIVE
 
         return NATIVE
-    return XLA
+    return XLA_W8A8 if plan.fp8_activations else XLA
 
 
 def jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | None = None, renew: bool = False):

@@ -22,7 +22,7 @@ import numpy as np
 from sgjax.model.batch import StepBatch
 from sgjax.model.config import ModelConfig, RopeScaling
 from sgjax.model.moe import moe_mlp
-from sgjax.model.quant import Fp8Matrix, Int8Matrix, is_quantized
+from sgjax.model.quant import Fp8Matrix, Int8Matrix, is_quantized, w8a8_dot
 from sgjax.model.weights import DENSE_LEAVES, Weights
 
 
@@ -83,11 +83,14 @@ def apply_rope(x, rope):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def dot(h, w, nk: bool = False, out_dtype=None):
+def dot(h, w, nk: bool = False, out_dtype=None, fp8_activations: bool = False):
     """h @ w (w [in, out]; nk: w [out, in], the tied head's embedding) in h's dtype or out_dtype. A matrix of
     another dtype (bf16 under float32 activations) takes h in its dtype, with float32 accumulation; one row of such
-    a product is computed as two (XLA's CPU runs a one-row bf16 product several times slower than a two-row one)."""
+    a product is computed as two (XLA's CPU runs a one-row bf16 product several times slower than a two-row one).
+    fp8_activations: an fp8 matrix's product quantizes h per token as well (w8a8; else w8a16)."""
     out_dtype = out_dtype or h.dtype
+    if isinstance(w, Fp8Matrix) and fp8_activations:
+        return w8a8_dot(h, w, out_dtype)
     if isinstance(w, Fp8Matrix) or (isinstance(w, Int8Matrix) and not w.grouped):
         # bf16 holds every int8 and every e4m3 value exactly; the scale is per output row
         out = dot(h.astype(jnp.bfloat16), w.q.astype(jnp.bfloat16), True, jnp.float32)
@@ -112,9 +115,11 @@ class Indexed:
     index: Any
 
 
-def xla_dots(h, matrices, out_dtype=None, tied: bool = False):
+def xla_dots(h, matrices, out_dtype=None, tied: bool = False, fp8_activations: bool = False):
     """h @ each matrix with XLA's dots (`dot`); tied: the matrices are [out, in] (the embedding as the head)."""
-    return [dot(h, m.stacked[m.index] if isinstance(m, Indexed) else m, tied, out_dtype) for m in matrices]
+    return [
+        dot(h, m.stacked[m.index] if isinstance(m, Indexed) else m, tied, out_dtype, fp8_activations) for m in matrices
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +138,7 @@ class Ops:
 
 
 XLA = Ops()
+XLA_W8A8 = Ops(functools.partial(xla_dots, fp8_activations=True))  # fp8 matrices' products quantize h too
 
 
 def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, experts_fn=None, ops: Ops = XLA):

@@ -80,6 +80,24 @@ class Fp8Matrix:
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite magnitude
 
 
+def quantize_rows_fp8(x):
+    """Per-row (per-token) dynamic e4m3 of activations x [T, K]: (q, scale f32[T, 1]), scale the row's largest
+    magnitude / 448 (rows of zeros: 1). A row's scale depends on that row alone, so outputs stay batch-invariant."""
+    x32 = x.astype(jnp.float32)
+    peak = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    scale = jnp.where(peak > 0, peak / E4M3_MAX, 1.0)
+    return jnp.clip(x32 / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn), scale
+
+
+def w8a8_dot(h, w: Fp8Matrix, out_dtype):
+    """h [T, K] @ w.T (w [N, K] e4m3) with h quantized per token to e4m3 too (w8a8, SGLang's fp8 on GPUs with fp8
+    dots): both operands fp8 with float32 accumulation, which XLA gives cuBLASLt's fp8 GEMM on Hopper; the output
+    scaled by each row's and each output channel's scale."""
+    xq, xs = quantize_rows_fp8(h)
+    out = jax.lax.dot_general(xq, w.q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (out * xs * w.scale).astype(out_dtype)
+
+
 def quantize_fp8(w) -> Fp8Matrix:
     """Per-row e4m3 of w [..., N, K]: scale = the row's largest magnitude / 448 (rows of zeros: 1), q = w / scale
     rounded to nearest even; the clip keeps a rounding at the top inside the finite range. numpy in, numpy out."""

@@ -1,8 +1,10 @@
-"""--quantization fp8 (weights e4m3 with a scale per output row, quantized at load; w8a16; under tensor parallelism
-too) and --kv-cache-dtype fp8: the quantizer against a numpy reference, which leaves it takes, the plan and the
-flag's table, and the engine's answers against bf16 / a float32 pool / one device on the tiny model and the real
-SmolLM2 (the fp8 pool's kernels: tests/kernels/test_fp8_pool.py)."""
+"""--quantization fp8 (weights e4m3 with a scale per output row, quantized at load; w8a16, or w8a8 with the
+activations in e4m3 per token; under tensor parallelism too) and --kv-cache-dtype fp8: the quantizers against numpy
+references, which leaves they take, the plan and the flag's table, and the engine's answers against bf16 / a
+float32 pool / one device on the tiny model and the real SmolLM2 (the fp8 pool's kernels:
+tests/kernels/test_fp8_pool.py)."""
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from sgjax.engine import mesh as tp
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.engine import Engine
 from sgjax.engine.plan import Machine, resolve
-from sgjax.model.quant import E4M3_MAX, Fp8Matrix, quantize_fp8
+from sgjax.model.quant import E4M3_MAX, Fp8Matrix, quantize_fp8, w8a8_dot
 from sgjax.model.weights import DENSE_LEAVES, TOP_MATRICES, cast_matrices, matrices_dtype
 from tests.conftest import SMALL
 from tests.engine.conftest import tiny_engine
@@ -83,22 +85,62 @@ def test_the_quantization_flag_picks_the_matrices_and_refuses_the_rest(tiny):
     assert resolve(ServerArgs(quantization="fp8", tp_size=2), cfg, here).weight_dtype == "fp8"
 
 
+def test_w8a8_product_quantizes_each_row_and_equals_numpys():
+    """w8a8_dot: each row of h to e4m3 with its own scale (largest magnitude / 448), both operands fp8, float32
+    accumulation, scaled back by the row's and the output channel's scales; a row's result is the same alone."""
+    rng = np.random.default_rng(1)
+    h = (rng.normal(0, 1, (5, 64)) * rng.uniform(0.01, 30, (5, 1))).astype(np.float32)
+    h[3] = 0.0  # a row of zeros: scale 1, output 0
+    w = quantize_fp8(rng.normal(0, 0.05, (24, 64)).astype(np.float32))
+    out = np.asarray(w8a8_dot(jnp.asarray(h), Fp8Matrix(jnp.asarray(w.q), jnp.asarray(w.scale)), jnp.float32))
+    peak = np.abs(h).max(axis=-1, keepdims=True)
+    xs = np.where(peak > 0, peak / E4M3_MAX, 1.0)
+    xq = (h / xs).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)  # ml_dtypes rounds to nearest even
+    want = (xq @ w.q.astype(np.float32).T) * xs * w.scale
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert (out[3] == 0).all()
+    exact = h @ w.widened().T  # w8a16's product: w8a8 adds only the activations' rounding (1/16 at most)
+    assert np.abs(out - exact).max() <= 0.1 * np.abs(exact).max()
+    alone = np.asarray(w8a8_dot(jnp.asarray(h[1:2]), Fp8Matrix(jnp.asarray(w.q), jnp.asarray(w.scale)), jnp.float32))
+    np.testing.assert_allclose(alone[0], out[1], rtol=1e-6)
+
+
+def test_w8a8_where_asked_or_where_the_gpu_multiplies_fp8(tiny):
+    """--quantization fp8 is SGLang's: activations e4m3 too on a GPU with fp8 dots (said as auto's choice), bf16
+    elsewhere; w8a8_fp8 asks for it everywhere; --weight-dtype fp8 is weights only. The step's program differs."""
+    cfg, _, _ = tiny
+    bf16 = cfg.replace(dtype="bfloat16")
+    hopper, ampere = Machine("gpu", fp8_dots=True), Machine("gpu")
+    on_hopper = resolve(ServerArgs(quantization="fp8"), bf16, hopper)
+    assert on_hopper.fp8_activations and "fp8_activations=True (the GPU's fp8 dots)" in on_hopper.auto
+    assert not resolve(ServerArgs(quantization="fp8"), bf16, ampere).fp8_activations
+    assert not resolve(ServerArgs(weight_dtype="fp8"), bf16, hopper).fp8_activations
+    assert not resolve(ServerArgs(quantization="w8a16_int8"), bf16, hopper).fp8_activations
+    asked = resolve(ServerArgs(quantization="w8a8_fp8"), cfg, Machine.here())
+    assert asked.fp8_activations and asked.weight_dtype == "fp8" and not any("fp8_act" in a for a in asked.auto)
+    assert asked.program() != resolve(ServerArgs(quantization="fp8"), cfg, Machine.here()).program()
+
+
 def test_tiny_engine_with_fp8_matrices_stays_close_to_float32(tiny):
+    """w8a16 and w8a8 (activations e4m3 per token as well) against float32 matrices."""
     prompts = [[5, 9, 27, 101, 3], list(range(200, 231)), list(range(1000, 1040, 3))]
     greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     runs = {}
-    for kw in ({}, {"quantization": "fp8"}):
-        with tiny_engine(tiny, **kw) as eng:
-            runs[bool(kw)] = eng.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True)
-            assert eng.get_server_info()["step_plan"]["weight_dtype"] == ("fp8" if kw else "float32")
-    for a, b in zip(runs[False], runs[True]):
-        (lp_a, tok_a, _), (lp_b, tok_b, _) = (
-            a["meta_info"]["output_token_logprobs"][0],
-            b["meta_info"]["output_token_logprobs"][0],
-        )
-        if tok_a == tok_b:  # the first token comes from the same prompt: its logprob differs by the rounding only
-            assert abs(lp_a - lp_b) < 0.15
-        assert sum(x == y for x, y in zip(a["output_ids"], b["output_ids"])) >= 3
+    for quantization in (None, "fp8", "w8a8_fp8"):
+        with tiny_engine(tiny, quantization=quantization) as eng:
+            runs[quantization] = eng.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True)
+            plan = eng.get_server_info()["step_plan"]
+            assert plan["weight_dtype"] == ("fp8" if quantization else "float32")
+            assert plan["fp8_activations"] == (quantization == "w8a8_fp8")
+    for quantization, bound in (("fp8", 0.15), ("w8a8_fp8", 0.25)):
+        for a, b in zip(runs[None], runs[quantization]):
+            (lp_a, tok_a, _), (lp_b, tok_b, _) = (
+                a["meta_info"]["output_token_logprobs"][0],
+                b["meta_info"]["output_token_logprobs"][0],
+            )
+            if tok_a == tok_b:  # the first token comes from the same prompt: its logprob differs by the rounding
+                assert abs(lp_a - lp_b) < bound, quantization
+            assert sum(x == y for x, y in zip(a["output_ids"], b["output_ids"])) >= 3, quantization
 
 
 def test_real_smollm2_fp8_keeps_the_greedy_answers(smollm2):
