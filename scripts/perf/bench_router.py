@@ -6,12 +6,14 @@ Without the data package it falls back to synthetic groups of the same shape (--
 requests are shuffled once (--seed) and the same order is sent, all at once (or --concurrency at a time), to:
 
 - `single`: worker 0 alone, directly (the one-worker baseline);
-- each policy (round_robin, shortest_queue, cache_aware): a `sgjax router --policy P` over all N workers.
+- each policy (round_robin, shortest_queue, cache_aware): a `sgjax router --policy P` over all N workers;
+- with `--routers sgjax,sglang`, also SGLang's own router (sglang-router, started as `sgjax serve --router sglang`
+  starts it) under each of those policies it has by the same name (`sglang:P` rows).
 
 Every run starts from flushed caches. Per run: throughput (requests/s, prompt and output tokens/s over first send ->
 last answer), latency p50 / p99 (send -> answer), the cache hit rate (cached / prompt tokens over the run's
-answers), requests per worker (the router's answer header) and each number's ratio to round_robin measured in the
-same invocation. A table is printed; one JSON line per run is appended to --out.
+answers), requests per worker (each worker's /metrics before and after) and each number's ratio to round_robin
+measured in the same invocation. A table is printed; one JSON line per run is appended to --out.
 
     .venv/bin/python scripts/perf/bench_router.py --num-workers 2 --groups 4 --questions 6 \
         --server-args "--max-total-tokens 8192 --chunked-prefill-size 256 --max-running-requests 8" --out r.jsonl
@@ -38,7 +40,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from sgjax.router.proxy import WORKER_HEADER  # noqa: E402
+from sgjax.router.launch import SGLANG_POLICIES as SGLANG  # noqa: E402
 
 POLICIES = ("round_robin", "shortest_queue", "cache_aware")
 
@@ -117,7 +119,6 @@ async def run(url: str, prompts: list[str], max_new_tokens: int, concurrency: in
             results.append(
                 {
                     "latency": time.perf_counter() - start,
-                    "worker": r.headers.get(WORKER_HEADER, url),
                     "prompt": meta["prompt_tokens"],
                     "cached": meta["cached_tokens"],
                     "completion": meta["completion_tokens"],
@@ -132,9 +133,6 @@ async def run(url: str, prompts: list[str], max_new_tokens: int, concurrency: in
         wall = time.perf_counter() - t0
     lat = np.array([r["latency"] for r in results])
     prompt, cached = sum(r["prompt"] for r in results), sum(r["cached"] for r in results)
-    per_worker: dict[str, int] = {}
-    for r in results:
-        per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + 1
     return {
         "requests": len(results),
         "wall_s": wall,
@@ -146,7 +144,6 @@ async def run(url: str, prompts: list[str], max_new_tokens: int, concurrency: in
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "hit_rate": cached / prompt if prompt else 0.0,
-        "per_worker": per_worker,
     }
 
 
@@ -181,12 +178,34 @@ def start_workers(n: int, flags: list[str]) -> list:
     return procs
 
 
-def start_router(urls: list[str], policy: str, extra: list[str]):
+def start_router(urls: list[str], policy: str, extra: list[str], kind: str = "sgjax"):
+    """`sgjax router`, or SGLang's own (sglang-router, as `sgjax serve --router sglang` starts it)."""
+    if kind == "sglang":
+        from sgjax.router.launch import sglang_router_command
+        from sgjax.server.process import ServerProcess
+
+        ns = argparse.Namespace(
+            host="127.0.0.1", port="{port}", router_policy=policy, log_level="warning", api_key=None
+        )
+        argv = sglang_router_command(ns, urls) + extra
+        return ServerProcess(argv=argv, env=_env(), cwd=REPO, log_prefix="sglang-router-").wait_ready(timeout=120)
     from sgjax.router.process import RouterProcess
 
     return RouterProcess("router", "--worker-urls", *urls, "--policy", policy, *extra, env=_env(), cwd=REPO).wait_ready(
         timeout=120
     )
+
+
+def served(urls: list[str]) -> list[int]:
+    """/generate requests each worker has answered with 200 (its /metrics): who served a run, whatever router."""
+    counts = []
+    for u in urls:
+        text = httpx.get(u + "/metrics", timeout=60).text
+        lines = [ln for ln in text.splitlines() if ln.startswith("sgjax:num_requests_total{")]
+        counts.append(
+            sum(int(float(ln.rsplit(" ", 1)[1])) for ln in lines if 'endpoint="/generate"' in ln and '"200"' in ln)
+        )
+    return counts
 
 
 # -- main ---------------------------------------------------------------------------------------------------------
@@ -203,6 +222,16 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=0, help="requests in flight at once; 0: all")
     ap.add_argument("--warmup", type=int, default=8, help="requests sent to each worker before the runs (compiles)")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument(
+        "--routers",
+        default="sgjax",
+        help="comma-separated: sgjax (`sgjax router`), sglang (SGLang's sglang-router, the policies it has by name)",
+    )
+    ap.add_argument(
+        "--sglang-router-args",
+        default="",
+        help="extra flags for sglang-router (e.g. --cache-threshold 0.3)",
+    )
     ap.add_argument("--no-single", action="store_true", help="skip the one-worker baseline")
     ap.add_argument("--synthetic", action="store_true", help="synthetic groups even if MMLU is installed")
     ap.add_argument("--seed", type=int, default=0)
@@ -220,22 +249,28 @@ def main() -> None:
             for u in urls:
                 flush([u])
                 asyncio.run(run(u, prompts[: args.warmup], args.max_new_tokens, 0))
-        runs = ([] if args.no_single else [("single", None)]) + [(p, p) for p in policies]
-        for name, policy in runs:
+        kinds = [k for k in args.routers.split(",") if k]
+        runs = [] if args.no_single else [("single", None, None, [])]
+        for kind in kinds:
+            extra = shlex.split(args.router_args if kind == "sgjax" else args.sglang_router_args)
+            named = [(p, p) if kind == "sgjax" else (f"sglang:{p}", p) for p in policies]
+            runs += [(name, p, kind, extra) for name, p in named if kind == "sgjax" or p in SGLANG]
+        for name, policy, kind, extra in runs:
             flush(urls)
+            before = served(urls)
             if policy is None:
                 result = asyncio.run(run(urls[0], prompts, args.max_new_tokens, args.concurrency))
                 workers = 1
             else:
-                router = start_router(urls, policy, shlex.split(args.router_args))
+                router = start_router(urls, policy, extra, kind)
                 try:
                     result = asyncio.run(run(router.url, prompts, args.max_new_tokens, args.concurrency))
                 finally:
                     router.stop()
                     router.remove_log()
                 workers = len(urls)
-            result["per_worker"] = [result["per_worker"].get(u, 0) for u in urls]
-            rows.append({"policy": name, "workers": workers, **result})
+            result["per_worker"] = [b - a for a, b in zip(before, served(urls))]
+            rows.append({"policy": name, "router": kind, "workers": workers, **result})
             print(f"{name}: {result['req_per_s']:.3f} req/s, hit {result['hit_rate']:.3f}", file=sys.stderr)
     finally:
         for p in procs:
