@@ -1,15 +1,17 @@
-"""Speculative decoding (NGRAM) against plain decoding, on the real SmolLM2, per workload and concurrency.
+"""Speculative decoding (NGRAM, SELF) against plain decoding, on the real SmolLM2, per workload and concurrency.
 
     python scripts/perf/bench_spec.py                              # 8 requests per workload, 1 / 4 / 16 at a time
     python scripts/perf/bench_spec.py --workloads rag --concurrency 1 --num-draft-tokens 4 6 8
+    python scripts/perf/bench_spec.py --self-draft-layers 20 28 --num-draft-tokens 4   # self-speculation too
 
 Workloads (chat-templated, greedy, --max-new-tokens each; built from the packaged data):
   summarize   a SQuAD paragraph, "summarize it in a few sentences"
   rag         three SQuAD paragraphs and a question about one of them, "answer quoting the passages"
   chat        a ShareGPT conversation's first two turns replayed as history, then its next question
   json        a SQuAD paragraph, "extract title, topic, three facts and the numbers as JSON" (unconstrained text)
-Both engines are the defaults plus --speculative-algorithm NGRAM for one; each (workload, concurrency) runs plain
-and then speculative, interleaved, and the greedy outputs must agree (a disagreement is reported, never hidden).
+Every engine is the defaults, plus --speculative-algorithm NGRAM (or SELF) for the speculative ones; each
+(workload, concurrency) runs plain and then each speculative engine, interleaved, and the greedy outputs must agree
+(a disagreement is reported, never hidden).
 Rows: tok/s per request (completion tokens / its latency, mean over requests), total tok/s, accept length (tokens a
 verifying row adds per step), the ratio to plain decoding measured in the same run. JSON lines go to --out.
 """
@@ -110,6 +112,14 @@ def main():
         default=None,
         help="--speculative-disable-by-batch-size for the speculative engines (named ngram-K-lt-N)",
     )
+    ap.add_argument(
+        "--self-draft-layers",
+        nargs="*",
+        type=int,
+        default=[],
+        help="also SELF (self-speculation) engines drafting with these many first layers (named self-L-K)",
+    )
+    ap.add_argument("--no-ngram", action="store_true", help="no NGRAM engines (SELF ones only)")
     ap.add_argument("--max-total-tokens", type=int, default=65536)
     ap.add_argument("--out", default="/tmp/bench_spec.jsonl")
     ap.add_argument("--tag", default=None)
@@ -121,12 +131,15 @@ def main():
     engines = {"plain": Engine(**common)}
     cap = args.disable_by_batch_size
     for k in args.num_draft_tokens:
-        engines[f"ngram-{k}" + (f"-lt-{cap}" if cap else "")] = Engine(
-            **common,
-            speculative_algorithm="NGRAM",
-            speculative_num_draft_tokens=k,
-            speculative_disable_by_batch_size=cap,
-        )
+        spec = dict(speculative_num_draft_tokens=k, speculative_disable_by_batch_size=cap)
+        if not args.no_ngram:
+            engines[f"ngram-{k}" + (f"-lt-{cap}" if cap else "")] = Engine(
+                **common, speculative_algorithm="NGRAM", **spec
+            )
+        for layers in args.self_draft_layers:
+            engines[f"self-{layers}-{k}" + (f"-lt-{cap}" if cap else "")] = Engine(
+                **common, speculative_algorithm="SELF", speculative_draft_layers=layers, **spec
+            )
     tok = engines["plain"].tokenizer
     rows = []
     for name in args.workloads:

@@ -84,10 +84,13 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     # Speculative decoding (SGLang's flags): NGRAM drafts each decoding row's next tokens from its own prompt and
     # output (engine/ngram.py); the step verifies them in the ragged batch by sampling every drafted row as decoding
-    # would (same seed and step), so outputs are unchanged. EAGLE / EAGLE3 / STANDALONE / NEXTN are refused by name.
+    # would (same seed and step), so outputs are unchanged; SELF drafts with the model's own first layers
+    # (engine/drafter.py). EAGLE / EAGLE3 / STANDALONE / NEXTN are refused by name.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4  # tokens verified per row and step: its last token and up to N - 1 drafted
     speculative_num_steps: int | None = None  # a draft model's steps; accepted for launch lines, unused by NGRAM
+    # SELF (self-speculation, engine/drafter.py): the target's first N layers draft (default: half of them)
+    speculative_draft_layers: int | None = None
     # Speculate only while fewer requests than this run (vLLM's flag): a full batch already keeps the device busy,
     # and verify rows then cost more than they save (docs/engine.md); above it the loop overlaps again. None: always.
     speculative_disable_by_batch_size: int | None = None
@@ -266,9 +269,10 @@ ENGINE_FLAGS = [
         "speculative_algorithm",
         dict(
             type=str.upper,
-            choices=["NGRAM", "EAGLE", "EAGLE3", "STANDALONE", "NEXTN"],
-            help="speculative decoding: NGRAM (prompt lookup over each request's own tokens, verified in the step; "
-            "outputs unchanged); the draft-model algorithms are refused until they exist",
+            choices=["NGRAM", "SELF", "EAGLE", "EAGLE3", "STANDALONE", "NEXTN"],
+            help="speculative decoding, verified in the step with outputs unchanged: NGRAM (prompt lookup over "
+            "each request's own tokens) or SELF (the model's first --speculative-draft-layers layers draft); the "
+            "draft-model algorithms are refused until they exist",
         ),
     ),
     (
@@ -276,6 +280,10 @@ ENGINE_FLAGS = [
         dict(type=int, help="tokens verified per decoding row and step: its last token and up to N - 1 drafted"),
     ),
     ("speculative_num_steps", dict(type=int, help="a draft model's steps per round (accepted; NGRAM ignores it)")),
+    (
+        "speculative_draft_layers",
+        dict(type=int, help="SELF: the first N layers, then the final norm and head, draft (default: half)"),
+    ),
     (
         "speculative_disable_by_batch_size",
         dict(type=int, help="speculate only while fewer requests than this run (default: always)"),

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sgjax.engine import distributed, scoring, sinks
 from sgjax.engine import mesh as tp
 from sgjax.engine.args import ServerArgs
+from sgjax.engine.drafter import draft_layers
 from sgjax.engine.images import ImageEncoder
 from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
 from sgjax.engine.loading import (
@@ -130,6 +131,9 @@ class Engine(EngineLoop, WeightsControl):
         )
         self.runner.leader = leader
         self._follower = follower
+        if self.scheduler.cfg.model_drafts:  # self-speculation: the first layers draft on the device
+            self.runner.enable_drafts(draft_layers(args, cfg), self.scheduler.cfg.num_draft_tokens - 1)
+            self.scheduler.drafter = self.runner.draft
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self.images = None if vision is None else ImageEncoder(*vision)  # a vision-language model (LLaVA)
         self.requests = RequestBuilder(

@@ -42,18 +42,29 @@ def draft(tokens: np.ndarray, k: int, max_match: int = MAX_MATCH, min_match: int
     return []
 
 
-def draft_for(req, width: int) -> tuple[list[int], list[int]]:
-    """(draft, grammar states) for a decoding request verifying at most `width` tokens (its last one included),
-    within its token budget; no draft for rows whose sampling reads the tokens before it on the host (penalty
-    windows, logit bias, min_new_tokens). Under a grammar the draft ends before its first token the grammar
-    forbids, and the states are the grammar's at each of the draft's rows (empty without a grammar)."""
+def room(req, width: int) -> int:
+    """Tokens a decoding request may draft when it verifies at most `width` (its last one included): within its
+    token budget; none for rows whose sampling reads the tokens before it on the host (penalty windows, logit
+    bias, min_new_tokens) or whose last token is still on the device (overlap)."""
     p = req.params
     k = min(width - 1, p.max_new_tokens - len(req.output_ids) - 1)
     if k <= 0 or req.output_ids[-1] < 0 or uses_penalties(p) or p.logit_bias:
+        return 0
+    return 0 if len(req.output_ids) < p.min_new_tokens else k
+
+
+def draft_for(req, width: int) -> tuple[list[int], list[int]]:
+    """(draft, grammar states) for a decoding request verifying at most `width` tokens (`room`), by prompt
+    lookup; `constrained` cuts it under a grammar."""
+    k = room(req, width)
+    if k == 0:
         return [], []
-    if len(req.output_ids) < p.min_new_tokens:
-        return [], []
-    drafted = draft(np.concatenate([req.input_array, np.asarray(req.output_ids, np.int32)]), k)
+    return constrained(req, draft(np.concatenate([req.input_array, np.asarray(req.output_ids, np.int32)]), k))
+
+
+def constrained(req, drafted: list[int]) -> tuple[list[int], list[int]]:
+    """(draft, grammar states): under a grammar the draft ends before its first token the grammar forbids, and the
+    states are the grammar's at each of the draft's rows (empty without a grammar)."""
     if req.grammar is None or not drafted:
         return drafted, []
     states = [req.fsm_state]
@@ -75,7 +86,9 @@ def accepted(drafted: list[int], sampled: list[int]) -> int:
     return n
 
 
-ALGORITHMS = ("NGRAM",)  # built; SGLang's others are refused by name
+# built: NGRAM (prompt lookup, here) and SELF (the target's first layers draft: engine/drafter.py); SGLang's others
+# are refused by name
+ALGORITHMS = ("NGRAM", "SELF")
 
 
 def num_draft_tokens(args) -> int:

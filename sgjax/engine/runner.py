@@ -12,6 +12,7 @@ penalties), top-logprobs K and mask words. Everything else is an array, so a ste
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ import numpy as np
 
 from sgjax.engine import mesh as tp
 from sgjax.engine.buckets import Buckets, bucket
+from sgjax.engine.drafter import jitted_draft
 from sgjax.engine.embed import READOUTS, readout
 from sgjax.engine.params import uses_penalties
 from sgjax.engine.plan import StepPlan
@@ -79,6 +81,8 @@ class Runner:
         self.step_name = self.step.step_name
         self.shapes_seen: set[StepShape] = set()
         self.renewals = 0  # times the step's compiled shapes were dropped near the memory-map limit
+        self.drafter = None  # self-speculation's jitted draft (engine/drafter.py), set by enable_drafts
+        self._draft_shapes: set[tuple[int, int, int]] = set()
 
     def reset_pool(self) -> None:
         """A fresh DeviceState (donated to every step, so a failed step may take it)."""
@@ -171,6 +175,42 @@ class Runner:
         self.shapes_seen.clear()
         self.renewals += 1
 
+    def enable_drafts(self, layers: int, k: int) -> None:
+        """Self-speculation: k drafted tokens a row from the first `layers` layers (engine/drafter.py)."""
+        if self.leader is not None or self.multiprocess:
+            raise ValueError("speculative_algorithm SELF runs on one host (its drafts are not sent to followers)")
+        self.drafter = jitted_draft(self.cfg, self.plan, self.mesh, self.page_size, layers, k)
+
+    def draft(self, works: list[Work]) -> list[list[int]]:
+        """Each decoding work's k drafted tokens after its newest one (tokens[0], at position start), written into
+        the pool as the first layers see them; the scheduler grew the pages the verify step will write."""
+        n = len(works)
+        num_tokens = self.buckets.tokens(n)
+        num_reqs = self.buckets.reqs(num_tokens, n)
+        tables = [w.req.pages for w in works]
+        width = self._width(max(len(p) for p in tables))
+        host = build_batch(
+            [[w.tokens[0]] for w in works],
+            [w.start + 1 for w in works],
+            [p[:width] for p in tables],
+            self.page_size,
+            num_tokens,
+            num_reqs,
+            width,
+        )
+        batch = jax.tree.map(self._to_device, host)
+        shape = (num_tokens, num_reqs, width)
+        if shape in self._draft_shapes:
+            drafts, pool = self.drafter(self.weights, self.state.pool, batch)
+        else:  # compiles on the engine thread, one compile at a time (as execute does)
+            jax.block_until_ready(self.state)
+            with COMPILE_LOCK:
+                drafts, pool = self.drafter(self.weights, self.state.pool, batch)
+                jax.block_until_ready(drafts)
+            self._draft_shapes.add(shape)
+        self.state = dataclasses.replace(self.state, pool=pool)
+        return np.asarray(jax.device_get(_local(drafts)))[:n].tolist()
+
     def readout(self, kind: str, prompts: list[list[int]]) -> np.ndarray:
         """A whole-prompt readout (engine/embed.py) on the serving weights over a scratch pool; rank 0 announces
         it to the followers first, as it does a step."""
@@ -184,6 +224,7 @@ class Runner:
         itself is still referenced."""
         self.state = None
         self.step = None
+        self.drafter = None
 
     @property
     def pool(self):

@@ -52,6 +52,7 @@ class SchedulerConfig:
     # ones); 0 or 1: off.
     num_draft_tokens: int = 0
     spec_below_running: int | None = None  # speculate only while fewer requests than this run; None: always
+    model_drafts: bool = False  # SELF: the drafts come from Scheduler.drafter (the device), not prompt lookup
     seed: int = 0
 
     @classmethod
@@ -69,6 +70,7 @@ class SchedulerConfig:
             seed=args.random_seed,
             num_draft_tokens=ngram.num_draft_tokens(args),
             spec_below_running=args.speculative_disable_by_batch_size,
+            model_drafts=(args.speculative_algorithm or "").upper() == "SELF",
         )
 
     def __post_init__(self):
@@ -110,6 +112,8 @@ class Scheduler:
         # and whether waiting requests may start (off while running ones finish on the old weights)
         self.generation = 0
         self.admitting = True
+        # SELF speculation: works -> each one's drafted tokens (Runner.draft), called once their pages are grown
+        self.drafter = None
 
     # -- queue ------------------------------------------------------------------------------------------
     @property
@@ -167,10 +171,31 @@ class Scheduler:
             else:
                 budget -= n
                 works.append(self._work(req, n))
+        if self.cfg.model_drafts:
+            works = self._fill_model_drafts(works)
         works += self._admit(budget)
         if works:
             self.stats.steps += 1
         return works
+
+    def _fill_model_drafts(self, works: list[Work]) -> list[Work]:
+        """The planned verify rows' drafts from the device (their placeholders replaced), cut under a grammar; a
+        row left with none decodes as usual."""
+        pending = [w for w in works if w.draft]
+        if not pending:
+            return works
+        drafted = dict(zip(map(id, pending), self.drafter(pending)))
+        out = []
+        for w in works:
+            if not w.draft:
+                out.append(w)
+                continue
+            tokens, states = ngram.constrained(w.req, drafted[id(w)][: len(w.draft)])
+            if tokens:
+                out.append(Work(w.req, w.start, [w.tokens[0], *tokens], sample=True, draft=tokens, fsm_states=states))
+            else:
+                out.append(Work(w.req, w.start, w.tokens[:1], sample=True, decode=True))
+        return out
 
     def _plan_running(self, retract: bool = True) -> list[tuple[Req, int, bool]] | None:
         """(request, next token count, decodes) of the running requests, retracting some until their pages can be
@@ -184,9 +209,12 @@ class Scheduler:
             if self.cfg.num_draft_tokens > 1:  # every round: a draft left from a planning that retracted is stale
                 speculating = self.speculating
                 for req, decode in rows:
-                    req.draft, req.draft_states = (
-                        ngram.draft_for(req, self.cfg.num_draft_tokens) if speculating and decode else ([], [])
-                    )
+                    if not (speculating and decode):
+                        req.draft, req.draft_states = [], []
+                    elif self.cfg.model_drafts:  # placeholders: the device drafts once the pages are grown
+                        req.draft, req.draft_states = [-1] * ngram.room(req, self.cfg.num_draft_tokens), []
+                    else:
+                        req.draft, req.draft_states = ngram.draft_for(req, self.cfg.num_draft_tokens)
             budget = self._prefill_budget(sum(1 + len(r.draft) for r, d in rows if d))
             for req, decode in rows:
                 if decode:

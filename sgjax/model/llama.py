@@ -210,6 +210,7 @@ def forward(
     output: str = "logits",
     experts_fn=None,
     with_stats: bool = False,
+    first_layers: int | None = None,
 ):
     """Returns (logits f32[B, V] for the rows in batch.logits_idx, the updated pool); output="hidden": the final
     normed hidden states f32[B, D] of those rows instead (embeddings). with_stats=True adds a third element: a
@@ -222,9 +223,14 @@ def forward(
     Stacked layers (a LayerWeights with a leading layer axis) are scanned: compile time does not grow with depth. A
     tuple of per-layer LayerWeights is unrolled: on the GPU, scanning slices (copies) each layer's weights before its
     matmuls, which tripled weight traffic at decode (docs/journal/architecture-measured.md).
+
+    first_layers: run only the first N layers, then the final norm and the head (self-speculation's draft,
+    engine/drafter.py); the other layers' pool entries are left as they are.
     """
     with matmul_precision(cfg.dtype):
-        out, pool, stats = _forward(weights, pool, batch, cfg, attention, ops, input_embeds, output, experts_fn)
+        out, pool, stats = _forward(
+            weights, pool, batch, cfg, attention, ops, input_embeds, output, experts_fn, first_layers
+        )
     return (out, pool, stats) if with_stats else (out, pool)
 
 
@@ -267,13 +273,16 @@ def head(weights, x, batch: StepBatch, cfg: ModelConfig, ops: Ops = XLA, output:
     return logits
 
 
-def _forward(weights, pool, batch, cfg, attention, ops, input_embeds, output="logits", experts_fn=None):
+def _forward(
+    weights, pool, batch, cfg, attention, ops, input_embeds, output="logits", experts_fn=None, first_layers=None
+):
     freqs, kind = np.unique(layer_rope(cfg), axis=0, return_inverse=True)  # one set (Llama) or two (Gemma 3)
-    kind = kind.reshape(-1)
+    depth = first_layers or cfg.num_layers
+    kind = kind.reshape(-1)[:depth]
     tables = rope_tables(batch.positions, jnp.asarray(freqs))  # [K, T, D/2] each
     x = embed_rows(weights.embed, batch, cfg, input_embeds)
     block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, experts_fn=experts_fn, ops=ops)
-    windows = [cfg.window(i) for i in range(cfg.num_layers)]
+    windows = [cfg.window(i) for i in range(depth)]
     if isinstance(weights.layers, (tuple, list)):
         # One jitted block per distinct window, called once per layer: jax traces and lowers it once (the module
         # calls one function L times; XLA inlines it), not L times: unrolled layer by layer, tracing and lowering a
@@ -283,7 +292,7 @@ def _forward(weights, pool, batch, cfg, attention, ops, input_embeds, output="lo
             win: jax.jit(lambda x, pool, w, i, rope, win=win: block(x, pool, w, (i, win, rope))) for win in set(windows)
         }
         stats = []
-        for i, w in enumerate(weights.layers):
+        for i, w in enumerate(weights.layers[:depth]):
             with jax.named_scope(f"layer{i}"):
                 rope = (tables[0][kind[i]], tables[1][kind[i]])
                 (x, pool), counts = jitted[windows[i]](x, pool, w, jnp.int32(i), rope)
@@ -292,6 +301,8 @@ def _forward(weights, pool, batch, cfg, attention, ops, input_embeds, output="lo
     layers = weights.layers
     whole = [n for n in DENSE_LEAVES if ops.in_place and getattr(layers, n, None) is not None]
     scanned_layers = dataclasses.replace(layers, **dict.fromkeys(whole))
+    if depth < cfg.num_layers:  # the matrices read in place stay whole (indexed); the rest are sliced
+        scanned_layers = jax.tree.map(lambda a: a[:depth], scanned_layers)
     same = len(set(windows)) == 1  # every layer alike (Llama, Mistral): the window stays a static int
 
     def body(carry, inputs):
@@ -302,7 +313,7 @@ def _forward(weights, pool, batch, cfg, attention, ops, input_embeds, output="lo
 
     scanned = (
         scanned_layers,
-        jnp.arange(cfg.num_layers, dtype=jnp.int32),
+        jnp.arange(depth, dtype=jnp.int32),
         jnp.asarray(windows, jnp.int32),
         jnp.asarray(kind, jnp.int32),
     )
