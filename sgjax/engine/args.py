@@ -84,13 +84,15 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     # Speculative decoding (SGLang's flags): NGRAM drafts each decoding row's next tokens from its own prompt and
     # output (engine/ngram.py); the step verifies them in the ragged batch by sampling every drafted row as decoding
-    # would (same seed and step), so outputs are unchanged; SELF drafts with the model's own first layers
-    # (engine/drafter.py). EAGLE / EAGLE3 / STANDALONE / NEXTN are refused by name.
+    # would (same seed and step), so outputs are unchanged; SELF drafts with the model's own first layers and
+    # STANDALONE with a smaller model (engine/drafter.py). EAGLE / EAGLE3 / NEXTN are refused by name.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4  # tokens verified per row and step: its last token and up to N - 1 drafted
     speculative_num_steps: int | None = None  # a draft model's steps; accepted for launch lines, unused by NGRAM
     # SELF (self-speculation, engine/drafter.py): the target's first N layers draft (default: half of them)
     speculative_draft_layers: int | None = None
+    # STANDALONE: a smaller model with the target's vocabulary drafts (SGLang's flag), with a KV pool of its own
+    speculative_draft_model_path: str | None = None
     # Speculate only while fewer requests than this run (vLLM's flag): a full batch already keeps the device busy,
     # and verify rows then cost more than they save (docs/engine.md); above it the loop overlaps again. None: always.
     speculative_disable_by_batch_size: int | None = None
@@ -271,8 +273,8 @@ ENGINE_FLAGS = [
             type=str.upper,
             choices=["NGRAM", "SELF", "EAGLE", "EAGLE3", "STANDALONE", "NEXTN"],
             help="speculative decoding, verified in the step with outputs unchanged: NGRAM (prompt lookup over "
-            "each request's own tokens) or SELF (the model's first --speculative-draft-layers layers draft); the "
-            "draft-model algorithms are refused until they exist",
+            "each request's own tokens), SELF (the model's first --speculative-draft-layers layers draft) or "
+            "STANDALONE (--speculative-draft-model-path drafts); EAGLE, EAGLE3 and NEXTN are refused",
         ),
     ),
     (
@@ -283,6 +285,10 @@ ENGINE_FLAGS = [
     (
         "speculative_draft_layers",
         dict(type=int, help="SELF: the first N layers, then the final norm and head, draft (default: half)"),
+    ),
+    (
+        "speculative_draft_model_path",
+        dict(help="STANDALONE: the draft model (a GGUF file or HF directory with the target's vocabulary)"),
     ),
     (
         "speculative_disable_by_batch_size",

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sgjax.engine import distributed, scoring, sinks
 from sgjax.engine import mesh as tp
 from sgjax.engine.args import ServerArgs
-from sgjax.engine.drafter import draft_layers
+from sgjax.engine.drafter import draft_layers, load_draft
 from sgjax.engine.images import ImageEncoder
 from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
 from sgjax.engine.loading import (
@@ -113,7 +113,9 @@ class Engine(EngineLoop, WeightsControl):
         apply_process_settings(args)
         self.args, self.plan, self.model_config, self.tokenizer = args, plan, cfg, tokenizer
         self.context_length = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_pages = 1 + pool_pages(args, run_cfg, plan.kv_dtype)
+        # STANDALONE's draft model: loaded before the pool is sized, which then holds its KV too
+        draft = load_draft(args, cfg) if (args.speculative_algorithm or "").upper() == "STANDALONE" else None
+        num_pages = 1 + pool_pages(args, run_cfg, plan.kv_dtype, None if draft is None else draft[0])
         if args.nnodes > 1:  # rank 0's pool size everywhere (free memory may differ between hosts)
             num_pages = distributed.agree(num_pages, leader is not None)
         self.scheduler = Scheduler(SchedulerConfig.from_args(args, num_pages))
@@ -131,8 +133,9 @@ class Engine(EngineLoop, WeightsControl):
         )
         self.runner.leader = leader
         self._follower = follower
-        if self.scheduler.cfg.model_drafts:  # self-speculation: the first layers draft on the device
-            self.runner.enable_drafts(draft_layers(args, cfg), self.scheduler.cfg.num_draft_tokens - 1)
+        if self.scheduler.cfg.model_drafts:  # SELF / STANDALONE: a model drafts on the device
+            k = self.scheduler.cfg.num_draft_tokens - 1
+            self.runner.enable_drafts(k, None if draft else draft_layers(args, cfg), draft)
             self.scheduler.drafter = self.runner.draft
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self.images = None if vision is None else ImageEncoder(*vision)  # a vision-language model (LLaVA)

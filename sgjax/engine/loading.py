@@ -176,9 +176,10 @@ def is_llava_dir(path) -> bool:
         return json.load(f).get("model_type") == "llava"
 
 
-def pool_pages(args: ServerArgs, cfg: ModelConfig, kv_dtype: str) -> int:
+def pool_pages(args: ServerArgs, cfg: ModelConfig, kv_dtype: str, draft_cfg: ModelConfig | None = None) -> int:
     """KV pool pages from max_total_tokens, or from mem_fraction_static of the device memory left after the
-    weights (on CPU, where memory stats are missing, a default of 16k tokens)."""
+    weights (on CPU, where memory stats are missing, a default of 16k tokens); draft_cfg: a draft model whose pool
+    shares the page numbers (STANDALONE speculation), so each page costs both models' bytes."""
     if args.page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {args.page_size}")
     if args.max_total_tokens is not None:
@@ -188,6 +189,8 @@ def pool_pages(args: ServerArgs, cfg: ModelConfig, kv_dtype: str) -> int:
     itemsize = jnp.dtype(kv_dtype).itemsize
     # per device: with tensor parallelism each holds its share of the KV heads (args.tp_size divides them, mesh.py)
     bytes_per_token = cfg.num_layers * 2 * (cfg.num_kv_heads // args.tp_size) * cfg.head_dim * itemsize
+    if draft_cfg is not None:
+        bytes_per_token += draft_cfg.num_layers * 2 * draft_cfg.num_kv_heads * draft_cfg.head_dim * itemsize
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:

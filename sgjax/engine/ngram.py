@@ -86,9 +86,9 @@ def accepted(drafted: list[int], sampled: list[int]) -> int:
     return n
 
 
-# built: NGRAM (prompt lookup, here) and SELF (the target's first layers draft: engine/drafter.py); SGLang's others
-# are refused by name
-ALGORITHMS = ("NGRAM", "SELF")
+# built: NGRAM (prompt lookup, here), SELF (the target's first layers draft) and STANDALONE (a smaller model drafts:
+# engine/drafter.py); SGLang's others are refused by name
+ALGORITHMS = ("NGRAM", "SELF", "STANDALONE")
 
 
 def num_draft_tokens(args) -> int:
@@ -99,7 +99,7 @@ def num_draft_tokens(args) -> int:
     if algo.upper() not in ALGORITHMS:
         raise ValueError(
             f"speculative_algorithm {algo!r} is not built in sgjax (built: {', '.join(ALGORITHMS)}); "
-            "a draft model's algorithms (EAGLE, EAGLE3, STANDALONE, NEXTN) are planned"
+            "EAGLE, EAGLE3 and NEXTN (draft heads trained for the target) are not built"
         )
     if args.speculative_num_draft_tokens < 2:
         raise ValueError(

@@ -40,6 +40,7 @@ class Req:
     tree_pages: int = 0  # leading pages owned by the cache and protected by the lock on `last_node`
     last_node: Any = None
     kv_len: int = 0  # tokens of fill_ids whose KV is in `pages`
+    draft_kv_len: int = 0  # STANDALONE speculation: tokens whose KV the draft model holds (its pool, same pages)
     prefill_done: bool = False  # the prompt (plus any resumed output) has been prefilled at least once
     # a chunk of its fill is in a step committed ahead (the overlap loop): its pages enter the cache at the real commit
     fill_in_flight: bool = False

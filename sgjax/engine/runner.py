@@ -81,7 +81,9 @@ class Runner:
         self.step_name = self.step.step_name
         self.shapes_seen: set[StepShape] = set()
         self.renewals = 0  # times the step's compiled shapes were dropped near the memory-map limit
-        self.drafter = None  # self-speculation's jitted draft (engine/drafter.py), set by enable_drafts
+        self.drafter = None  # speculation's jitted draft (engine/drafter.py), set by enable_drafts
+        self.draft_model = None  # STANDALONE: (cfg, plan, weights) of the draft model, its pool in draft_pool
+        self.draft_pool = None
         self._draft_shapes: set[tuple[int, int, int]] = set()
 
     def reset_pool(self) -> None:
@@ -104,6 +106,8 @@ class Runner:
         expert_tokens = place(np.zeros((cfg.num_layers, cfg.num_experts), np.int32)) if cfg.is_moe else None
         self.state = DeviceState(pool=pool, future=future, expert_tokens=expert_tokens)
         self._expert_base = None  # the warm-up's routing (host), left out of the report
+        if getattr(self, "draft_model", None) is not None:  # its KV goes with the pool's (drafts only lose hits)
+            self._reset_draft_pool()
 
     def report(self) -> dict:
         """The runner's part of the server info: its step plan, the shapes it compiled, and a mixture of experts'
@@ -175,40 +179,64 @@ class Runner:
         self.shapes_seen.clear()
         self.renewals += 1
 
-    def enable_drafts(self, layers: int, k: int) -> None:
-        """Self-speculation: k drafted tokens a row from the first `layers` layers (engine/drafter.py)."""
+    def enable_drafts(self, k: int, layers: int | None = None, draft=None) -> None:
+        """Speculation with a model drafting k tokens a row (engine/drafter.py): the first `layers` layers of this
+        one (SELF), or draft = (cfg, plan, weights) of a smaller model (STANDALONE) with a pool of its own over the
+        same pages."""
         if self.leader is not None or self.multiprocess:
-            raise ValueError("speculative_algorithm SELF runs on one host (its drafts are not sent to followers)")
-        self.drafter = jitted_draft(self.cfg, self.plan, self.mesh, self.page_size, layers, k)
+            raise ValueError(
+                "speculative decoding with a draft model runs on one host (drafts are not sent to followers)"
+            )
+        self.draft_model = draft
+        if draft is None:
+            self.drafter = jitted_draft(self.cfg, self.plan, self.mesh, self.page_size, layers, k)
+        else:
+            dcfg, dplan, _ = draft
+            self.drafter = jitted_draft(dcfg, dplan, None, self.page_size, None, k)
+            self._reset_draft_pool()
+
+    def _reset_draft_pool(self) -> None:
+        dcfg, dplan, _ = self.draft_model
+        self.draft_pool = allocate_pool(
+            dcfg.num_layers, self.num_pages, self.page_size, dcfg.num_kv_heads, dcfg.head_dim, jnp.dtype(dplan.kv_dtype)
+        )
 
     def draft(self, works: list[Work]) -> list[list[int]]:
-        """Each decoding work's k drafted tokens after its newest one (tokens[0], at position start), written into
-        the pool as the first layers see them; the scheduler grew the pages the verify step will write."""
+        """Each decoding work's k drafted tokens after its newest one (tokens[0], at position start). The drafter
+        first reads what it has not seen of the row (SELF: the newest token; a draft model: everything past
+        Req.draft_kv_len), then drafts one token a forward; the scheduler grew the pages the verify step writes."""
+        standalone = self.draft_model is not None
         n = len(works)
-        num_tokens = self.buckets.tokens(n)
-        num_reqs = self.buckets.reqs(num_tokens, n)
+        chunks = []
+        for w in works:
+            seen = min(w.req.draft_kv_len, w.start) if standalone else w.start
+            chunks.append([*w.req.fill_prefix(w.start)[seen:].tolist(), w.tokens[0]])
+        ends = [w.start + 1 for w in works]
         tables = [w.req.pages for w in works]
         width = self._width(max(len(p) for p in tables))
-        host = build_batch(
-            [[w.tokens[0]] for w in works],
-            [w.start + 1 for w in works],
-            [p[:width] for p in tables],
-            self.page_size,
-            num_tokens,
-            num_reqs,
-            width,
-        )
-        batch = jax.tree.map(self._to_device, host)
-        shape = (num_tokens, num_reqs, width)
+        tables = [p[:width] for p in tables]
+        first_tokens = self.buckets.tokens(sum(map(len, chunks)))
+        step_tokens = self.buckets.tokens(n)
+        reqs = max(self.buckets.reqs(first_tokens, n), self.buckets.reqs(step_tokens, n))
+        first = build_batch(chunks, ends, tables, self.page_size, first_tokens, reqs, width, num_logits=reqs)
+        step = build_batch([[0]] * n, [e + 1 for e in ends], tables, self.page_size, step_tokens, reqs, width)
+        weights, pool = (self.draft_model[2], self.draft_pool) if standalone else (self.weights, self.state.pool)
+        args = (weights, pool, *(jax.tree.map(self._to_device, b) for b in (first, step)))
+        shape = (first_tokens, step_tokens, reqs, width)
         if shape in self._draft_shapes:
-            drafts, pool = self.drafter(self.weights, self.state.pool, batch)
+            drafts, pool = self.drafter(*args)
         else:  # compiles on the engine thread, one compile at a time (as execute does)
-            jax.block_until_ready(self.state)
+            jax.block_until_ready(pool)
             with COMPILE_LOCK:
-                drafts, pool = self.drafter(self.weights, self.state.pool, batch)
+                drafts, pool = self.drafter(*args)
                 jax.block_until_ready(drafts)
             self._draft_shapes.add(shape)
-        self.state = dataclasses.replace(self.state, pool=pool)
+        if standalone:
+            self.draft_pool = pool
+            for w in works:
+                w.req.draft_kv_len = w.start + 1
+        else:
+            self.state = dataclasses.replace(self.state, pool=pool)
         return np.asarray(jax.device_get(_local(drafts)))[:n].tolist()
 
     def readout(self, kind: str, prompts: list[list[int]]) -> np.ndarray:
@@ -224,7 +252,7 @@ class Runner:
         itself is still referenced."""
         self.state = None
         self.step = None
-        self.drafter = None
+        self.drafter = self.draft_pool = self.draft_model = None
 
     @property
     def pool(self):

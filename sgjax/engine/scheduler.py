@@ -52,7 +52,7 @@ class SchedulerConfig:
     # ones); 0 or 1: off.
     num_draft_tokens: int = 0
     spec_below_running: int | None = None  # speculate only while fewer requests than this run; None: always
-    model_drafts: bool = False  # SELF: the drafts come from Scheduler.drafter (the device), not prompt lookup
+    model_drafts: bool = False  # SELF / STANDALONE: drafts from Scheduler.drafter (the device), not prompt lookup
     seed: int = 0
 
     @classmethod
@@ -70,7 +70,7 @@ class SchedulerConfig:
             seed=args.random_seed,
             num_draft_tokens=ngram.num_draft_tokens(args),
             spec_below_running=args.speculative_disable_by_batch_size,
-            model_drafts=(args.speculative_algorithm or "").upper() == "SELF",
+            model_drafts=(args.speculative_algorithm or "").upper() in ("SELF", "STANDALONE"),
         )
 
     def __post_init__(self):
@@ -112,7 +112,7 @@ class Scheduler:
         # and whether waiting requests may start (off while running ones finish on the old weights)
         self.generation = 0
         self.admitting = True
-        # SELF speculation: works -> each one's drafted tokens (Runner.draft), called once their pages are grown
+        # SELF / STANDALONE: works -> each one's drafted tokens (Runner.draft), called once their pages are grown
         self.drafter = None
 
     # -- queue ------------------------------------------------------------------------------------------
@@ -261,6 +261,7 @@ class Scheduler:
             victim.input_logprobs.clear()
             victim.input_top_logprobs.clear()
         victim.prefill_done = False  # resume by prefilling prompt + all output so far
+        victim.draft_kv_len = 0  # its pages may change: a draft model reads the row again
         victim.retractions += 1
         self.waiting.insert(0, victim)
         self.stats.retractions += 1

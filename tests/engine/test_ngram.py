@@ -85,7 +85,7 @@ def test_ngram_speculation_gives_the_outputs_of_plain_decoding(tiny, prompt_ids)
 def test_draft_model_algorithms_are_refused_by_name(tiny):
     from tests.engine.conftest import tiny_engine
 
-    for algo in ("EAGLE", "STANDALONE"):
+    for algo in ("EAGLE", "NEXTN"):
         with pytest.raises(ValueError, match=f"speculative_algorithm '{algo}' is not built"):
             tiny_engine(tiny, speculative_algorithm=algo)
     with pytest.raises(ValueError, match="speculative_num_draft_tokens must be >= 2"):

@@ -1,56 +1,129 @@
-"""Self-speculation (`--speculative-algorithm SELF`, engine/drafter.py): the model's first layers draft on the
-device, the step verifies as it does NGRAM's drafts, so every request's tokens, logprobs and finish equal plain
-decoding's, under a grammar, stops, seeded sampling, n = 2 and retraction alike; the draft layers are checked."""
+"""Speculation with a model drafting on the device (engine/drafter.py): SELF (the model's first layers) and
+STANDALONE (a draft model with a pool of its own). The step verifies as it does NGRAM's drafts, so every request's
+tokens, logprobs and finish equal plain decoding's, under a grammar, stops, seeded sampling, n = 2 and retraction
+alike; a draft model equal to the target has every draft accepted (the ceiling); the flags are checked."""
 
+import dataclasses
+import json
+
+import numpy as np
 import pytest
 
 from sgjax.engine.args import ServerArgs
-from sgjax.engine.drafter import draft_layers
+from sgjax.engine.drafter import draft_layers, load_draft
 from sgjax.model.presets import TINY_LLAMA
 from tests.engine.test_ngram import COPY_PROMPTS, run, spec_requests
 
 
-def test_mixed_requests_under_memory_pressure_keep_plain_decodings_outputs(tiny, prompt_ids):
+def write_hf(cfg, weights, path) -> str:
+    """A model as an HF safetensors directory (config.json + model.safetensors), as a draft model path."""
+    from safetensors.numpy import save_file
+
+    from sgjax.model.families import hf_config_dict
+    from sgjax.model.weights import to_hf_state_dict
+
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in to_hf_state_dict(cfg, weights).items()}
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny, tmp_path_factory):
+    """The tiny model itself as a draft model path: a draft equal to its target."""
+    cfg, weights, _ = tiny
+    return write_hf(cfg, weights, tmp_path_factory.mktemp("tiny-draft"))
+
+
+def test_mixed_requests_under_memory_pressure_keep_plain_decodings_outputs(tiny, prompt_ids, tiny_draft):
     """Greedy and seeded rows, stops met mid-draft, budgets shorter than a draft, n = 2, a regex request (its
-    drafts cut at the grammar's first forbidden token) and a pool small enough to retract: all as plain decoding."""
+    drafts cut at the grammar's first forbidden token) and a pool small enough to retract: all as plain decoding,
+    for SELF and for STANDALONE (whose draft pool catches up on every retracted request's tokens again)."""
     ids, params = spec_requests(prompt_ids)
     params = [{**p, "max_new_tokens": p["max_new_tokens"] + 24} for p in params]
     params[1] = {**params[1], "n": 2}
     params[4] = {"max_new_tokens": 40, "regex": "(yes|no)( (yes|no)){4,60}\\.", "temperature": 0}
     pressure = dict(max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16, schedule_conservativeness=0)
     ref, ref_info = run(tiny, ids, params, **pressure)
-    got, info = run(tiny, ids, params, speculative_algorithm="SELF", speculative_num_draft_tokens=4, **pressure)
+    assert ref_info["retractions"] > 0
 
     def flat(outs, key):
         return [[x[key] for x in o] if isinstance(o, list) else o[key] for o in outs]
 
-    assert flat(got, "output_ids") == flat(ref, "output_ids")
-    finish = [o["meta_info"]["finish_reason"] for o in got if not isinstance(o, list)]
-    assert finish == [o["meta_info"]["finish_reason"] for o in ref if not isinstance(o, list)]
-    for o, r in zip(got, ref):
-        if isinstance(o, list):
-            continue
-        lps = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
-        assert lps == pytest.approx([lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]], abs=1e-4)
-    assert ref_info["retractions"] > 0 and info["retractions"] > 0, info
-    # the first layer of two drafts: rows carried drafts, and some of them stood
-    assert info["spec_rows"] > 20 and info["spec_accepted_tokens"] > 0, info
+    # float32 named: auto would narrow the draft checkpoint's matrices to bf16 on a CPU with bf16 dots
+    drafters = {"SELF": {}, "STANDALONE": {"speculative_draft_model_path": tiny_draft, "dtype": "float32"}}
+    for algo, extra in drafters.items():
+        spec = dict(speculative_algorithm=algo, speculative_num_draft_tokens=4, **extra)
+        got, info = run(tiny, ids, params, **spec, **pressure)
+        assert flat(got, "output_ids") == flat(ref, "output_ids"), algo
+        finish = [o["meta_info"]["finish_reason"] for o in got if not isinstance(o, list)]
+        assert finish == [o["meta_info"]["finish_reason"] for o in ref if not isinstance(o, list)], algo
+        for o, r in zip(got, ref):
+            if isinstance(o, list):
+                continue
+            lps = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
+            assert lps == pytest.approx([lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]], abs=1e-4)
+        assert info["retractions"] > 0 and info["spec_rows"] > 20, (algo, info)
+        assert info["spec_accepted_tokens"] > 0, info
+    # greedy rows with the target as its own draft model: every draft stands, retracted rows' too (their draft KV
+    # is read again from the start); a draft pool out of step with the rows would lose some
+    greedy = [{**p, "temperature": 0.0, "regex": None} for p in params]
+    _, info = run(
+        tiny,
+        ids,
+        greedy,
+        speculative_algorithm="STANDALONE",
+        speculative_num_draft_tokens=4,
+        **drafters["STANDALONE"],
+        **pressure,
+    )
+    assert info["retractions"] > 0 and info["spec_drafted_tokens"] > 50, info
+    assert info["spec_accepted_tokens"] == info["spec_drafted_tokens"], info
 
 
-def test_real_model_greedy_answers_are_unchanged():
-    """SmolLM2 (30 layers) drafting with 28: the answers of plain decoding, and part of the drafts stand."""
+def test_real_model_greedy_answers_are_unchanged(smollm2_path):
+    """SmolLM2 (30 layers) drafting with its first 28 (part of the drafts stand), and with itself as the draft
+    model (every draft stands: the ceiling); the answers of plain decoding either way."""
     from sgjax.engine.engine import Engine
     from tests.conftest import SMALL
 
     greedy = {"max_new_tokens": 24, "temperature": 0}
-    outs = []
-    spec = {"speculative_algorithm": "SELF", "speculative_num_draft_tokens": 4, "speculative_draft_layers": 28}
-    for kw in ({}, spec):
+    spec = {"speculative_num_draft_tokens": 4}
+    runs = {
+        "plain": {},
+        "SELF": {**spec, "speculative_algorithm": "SELF", "speculative_draft_layers": 28},
+        "STANDALONE": {**spec, "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": smollm2_path},
+    }
+    outs, infos = {}, {}
+    for name, kw in runs.items():
         with Engine(**SMALL, **kw) as eng:
-            outs.append([o["output_ids"] for o in eng.generate(COPY_PROMPTS[:3], greedy)])
-            info = eng.get_server_info()
-    assert outs[0] == outs[1]
-    assert info["spec_accepted_tokens"] > 5 and info["spec_accept_length"] > 1.2, info
+            outs[name] = [o["output_ids"] for o in eng.generate(COPY_PROMPTS, greedy)]
+            infos[name] = eng.get_server_info()
+    assert outs["SELF"] == outs["plain"] and outs["STANDALONE"] == outs["plain"]
+    assert infos["SELF"]["spec_accepted_tokens"] > 5 and infos["SELF"]["spec_accept_length"] > 1.2, infos["SELF"]
+    ceiling = infos["STANDALONE"]
+    assert ceiling["spec_drafted_tokens"] > 30 and ceiling["spec_accepted_tokens"] == ceiling["spec_drafted_tokens"]
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_run_on_one_device(tiny, tmp_path):
+    cfg, _, _ = tiny
+    small_vocab = write_hf(TINY_LLAMA, dummy(TINY_LLAMA), tmp_path / "other")
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        load_draft(ServerArgs(speculative_algorithm="STANDALONE"), cfg)
+    with pytest.raises(ValueError, match="the draft's vocabulary \\(512 tokens\\) must be the target's \\(49152\\)"):
+        load_draft(ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path=small_vocab), cfg)
+    args = ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path=small_vocab, tp_size=2)
+    with pytest.raises(ValueError, match="STANDALONE runs on one device"):
+        load_draft(args, cfg)
+    draft_cfg, plan, weights = load_draft(dataclasses.replace(args, tp_size=1), TINY_LLAMA)
+    assert draft_cfg.num_layers == 2 and plan.dtype == "float32" and weights.embed.shape[0] == 512
+
+
+def dummy(cfg):
+    from sgjax.model.weights import dummy_weights
+
+    return dummy_weights(cfg)
 
 
 def test_draft_layers_default_to_half_and_must_leave_a_layer_out():
