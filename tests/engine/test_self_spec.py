@@ -41,10 +41,10 @@ def test_mixed_requests_under_memory_pressure_keep_plain_decodings_outputs(tiny,
     drafts cut at the grammar's first forbidden token) and a pool small enough to retract: all as plain decoding,
     for SELF and for STANDALONE (whose draft pool catches up on every retracted request's tokens again)."""
     ids, params = spec_requests(prompt_ids)
-    params = [{**p, "max_new_tokens": p["max_new_tokens"] + 24} for p in params]
+    ids, params = ids[:8], params[:8]
     params[1] = {**params[1], "n": 2}
     params[4] = {"max_new_tokens": 40, "regex": "(yes|no)( (yes|no)){4,60}\\.", "temperature": 0}
-    pressure = dict(max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16, schedule_conservativeness=0)
+    pressure = dict(max_total_tokens=272, chunked_prefill_size=64, max_running_requests=16, schedule_conservativeness=0)
     ref, ref_info = run(tiny, ids, params, **pressure)
     assert ref_info["retractions"] > 0
 
@@ -78,7 +78,7 @@ def test_mixed_requests_under_memory_pressure_keep_plain_decodings_outputs(tiny,
         **drafters["STANDALONE"],
         **pressure,
     )
-    assert info["retractions"] > 0 and info["spec_drafted_tokens"] > 50, info
+    assert info["retractions"] > 0 and info["spec_drafted_tokens"] > 30, info
     assert info["spec_accepted_tokens"] == info["spec_drafted_tokens"], info
 
 
