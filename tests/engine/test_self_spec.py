@@ -134,3 +134,18 @@ def test_draft_layers_default_to_half_and_must_leave_a_layer_out():
     for bad in (30, -1):
         with pytest.raises(ValueError, match="speculative_draft_layers must be in \\[1, 29\\]"):
             draft_layers(ServerArgs(speculative_draft_layers=bad), deep)
+
+
+def test_self_speculation_under_tensor_parallelism_equals_one_device(tiny):
+    """TP=2 (CPU host devices): the drafts run over the sharded weights and pool, and the answers are one
+    device's without speculation."""
+    from tests.engine.conftest import tiny_engine
+
+    ids = [[5, 9, 27, 101, 3] * 3, list(range(200, 231)), [7, 8, 9] * 5]
+    greedy = {"max_new_tokens": 20, "temperature": 0}
+    outs = []
+    for kw in ({}, {"speculative_algorithm": "SELF", "speculative_num_draft_tokens": 4, "tp_size": 2}):
+        with tiny_engine(tiny, kv_cache_dtype="float32", **kw) as eng:
+            outs.append([o["output_ids"] for o in eng.generate(input_ids=ids, sampling_params=greedy)])
+            info = eng.get_server_info()
+    assert outs[0] == outs[1] and info["spec_rows"] > 10, info
