@@ -135,8 +135,11 @@ def run_sgjax(args):
     ]
     cfg = model_config(small, args.model)
     platform = jax.devices()[0].platform
+
     # on an accelerator made layer by layer: Mixtral-8x7B's 93 GB would not fit twice (stacked, then sliced)
-    bf16_weights = dummy_weights(cfg) if platform == "cpu" else dummy_layer_weights(cfg)
+    def bf16_weights():  # made again for each variant (same seed): an 8B's bf16 and fp8 copies need not coexist
+        return dummy_weights(cfg) if platform == "cpu" else dummy_layer_weights(cfg)
+
     page = 16
     workloads = SMALL_WORKLOADS if small else WORKLOADS + [DECODE_64] + VERIFY_WORKLOADS
     workloads = [
@@ -152,7 +155,8 @@ def run_sgjax(args):
     runs = [(v, b, m) for v in args.variants for b in args.attention for m in moe_kernels]
     for variant, backend, moe_kernel in runs:
         quantization, kv_dtype = VARIANTS[variant]
-        weights = cast_matrices(bf16_weights, "fp8") if quantization else bf16_weights
+        weights = None  # the last variant's go before this one's are made
+        weights = cast_matrices(bf16_weights(), "fp8") if quantization else bf16_weights()
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights))
         ops = XLA_W8A8 if quantization == "w8a8_fp8" else XLA
         name_, _, prefill = backend.partition(":")
@@ -171,6 +175,7 @@ def run_sgjax(args):
             donate_argnums=0,
         )(pool)  # random, never zeros: zeros can run faster than real data
         kv_per_token = pool.nbytes // (pool.shape[1] * page)  # every layer's K and V
+        state = {}
         for name, batch, context, new in workloads:
             pages_per_req = -(-context // page)
             tables = [list(range(1 + i * pages_per_req, 1 + (i + 1) * pages_per_req)) for i in range(batch)]
@@ -192,7 +197,7 @@ def run_sgjax(args):
                 **({"logits_rows": logits_rows, "num_logits": bucket(len(logits_rows), 16)} if every else {}),
             )
             dev = jax.tree.map(jnp.asarray, host)
-            state = {"pool": pool}
+            state["pool"] = pool
 
             def call():
                 logits, state["pool"] = step(weights, state["pool"], dev)
@@ -221,6 +226,7 @@ def run_sgjax(args):
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
+        state.clear()  # it held the last pool too: two pools of 17 GB ran an H100 out of memory
         del pool
     return rows
 

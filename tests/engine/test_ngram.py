@@ -62,24 +62,30 @@ def run(tiny, ids, params, **server_args):
 
 
 def test_ngram_speculation_gives_the_outputs_of_plain_decoding(tiny, prompt_ids):
+    """Tokens, logprobs, top logprobs and finish as plain decoding, under memory pressure: 20 pages for 12 requests
+    (drafts need pages for their rows too, and retracted requests resume with the same tokens); one prompt asks
+    for two samples (n = 2), each drafting on its own."""
     ids, params = spec_requests(prompt_ids)
-    ref, _ = run(tiny, ids, params)
-    got, info = run(tiny, ids, params, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
-    for i, (o, r) in enumerate(zip(got, ref)):
-        assert o["output_ids"] == r["output_ids"], f"request {i}"
-        assert o["text"] == r["text"] and o["meta_info"]["finish_reason"] == r["meta_info"]["finish_reason"]
-        m, mr = o["meta_info"], r["meta_info"]
-        assert [t for _, t, _ in m["output_token_logprobs"]] == o["output_ids"]
-        for (lp, _, _), (lp_ref, _, _) in zip(m["output_token_logprobs"], mr["output_token_logprobs"]):
-            assert lp == pytest.approx(lp_ref, abs=1e-4), f"request {i}"
-        tops = [[t for _, t, _ in x] for x in m["output_top_logprobs"]]
-        assert tops == [[t for _, t, _ in x] for x in mr["output_top_logprobs"]], f"request {i}"
+    params = [{**p, "max_new_tokens": p["max_new_tokens"] + 24} for p in params]
+    params[1] = {**params[1], "n": 2}
+    pressure = dict(max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16, schedule_conservativeness=0)
+    ref, ref_info = run(tiny, ids, params, **pressure)
+    got, info = run(tiny, ids, params, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5, **pressure)
+    for i, (outs, refs) in enumerate(zip(got, ref)):
+        for o, r in zip(*((x if isinstance(x, list) else [x]) for x in (outs, refs))):
+            assert o["output_ids"] == r["output_ids"], f"request {i}"
+            assert o["text"] == r["text"] and o["meta_info"]["finish_reason"] == r["meta_info"]["finish_reason"]
+            m, mr = o["meta_info"], r["meta_info"]
+            assert [t for _, t, _ in m["output_token_logprobs"]] == o["output_ids"]
+            for (lp, _, _), (lp_ref, _, _) in zip(m["output_token_logprobs"], mr["output_token_logprobs"]):
+                assert lp == pytest.approx(lp_ref, abs=1e-4), f"request {i}"
+            tops = [[t for _, t, _ in x] for x in m["output_top_logprobs"]]
+            assert tops == [[t for _, t, _ in x] for x in mr["output_top_logprobs"]], f"request {i}"
+    assert ref_info["retractions"] > 0 and info["retractions"] > 0, info
     # drafts accepted whole, in part and not at all
     assert info["spec_rows"] >= 8 and info["spec_accepted_tokens"] > 10, info
     assert info["spec_drafted_tokens"] > info["spec_accepted_tokens"], info
     assert info["spec_accept_length"] > 1.0
-    assert any(o["meta_info"].get("spec_verify_ct", 0) > 0 for o in got)
-    assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in got)
 
 
 def test_draft_model_algorithms_are_refused_by_name(tiny):
@@ -170,23 +176,6 @@ def test_constrained_rows_draft_within_the_grammar_and_keep_their_outputs(tiny, 
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
     assert [o["meta_info"]["finish_reason"] for o in got] == [o["meta_info"]["finish_reason"] for o in ref]
     assert info["spec_rows"] > 5 and info["spec_accepted_tokens"] > 0, info
-
-
-def test_speculation_under_memory_pressure_retracts_and_keeps_the_outputs(tiny, prompt_ids):
-    # 20 pages for 12 requests: drafts need pages for their rows too, and retracted requests resume with the same
-    # tokens; one prompt asks for two samples (n = 2), each drafting on its own.
-    ids, params = spec_requests(prompt_ids)
-    params = [{**p, "max_new_tokens": p["max_new_tokens"] + 24} for p in params]
-    params[1] = {**params[1], "n": 2}
-    pressure = dict(max_total_tokens=320, chunked_prefill_size=64, max_running_requests=16, schedule_conservativeness=0)
-    ref, ref_info = run(tiny, ids, params, **pressure)
-    got, info = run(tiny, ids, params, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4, **pressure)
-
-    def flat(outs):
-        return [[x["output_ids"] for x in o] if isinstance(o, list) else o["output_ids"] for o in outs]
-
-    assert flat(got) == flat(ref)
-    assert ref_info["retractions"] > 0 and info["retractions"] > 0 and info["spec_accepted_tokens"] > 0, info
 
 
 def test_a_draft_never_outlives_its_planning():
