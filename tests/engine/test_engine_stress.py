@@ -1,5 +1,6 @@
 """Many random requests through the real engine loop on a tiny random model: random lengths, sampling settings,
-stop conditions and aborts from client threads. Nothing may leak, hang or break the engine."""
+stop conditions and aborts from client threads, without and with speculative decoding (SELF: every decoding row
+drafts). Nothing may leak, hang or break the engine."""
 
 import threading
 
@@ -11,10 +12,12 @@ from sgjax.model.presets import TINY_LLAMA
 from sgjax.model.weights import dummy_weights
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(smollm2_tokenizer):
+@pytest.fixture(scope="module", params=[None, "SELF"], ids=["plain", "self-speculation"])
+def tiny_engine(smollm2_tokenizer, request):
     # Its own pool on purpose: pages of 4 tokens and room for few requests, so pages, retraction and the cache's
-    # eviction are all under pressure.
+    # eviction are all under pressure. With self-speculation every decoding row drafts: verify rows grow pages
+    # that rejected tokens leave, and aborts land between a draft and its verify.
+    spec = {"speculative_algorithm": request.param, "speculative_num_draft_tokens": 3} if request.param else {}
     eng = Engine.from_weights(
         TINY_LLAMA,
         dummy_weights(TINY_LLAMA, seed=1),
@@ -23,6 +26,7 @@ def tiny_engine(smollm2_tokenizer):
         max_total_tokens=1024,
         chunked_prefill_size=64,
         max_running_requests=16,
+        **spec,
     )
     yield eng
     eng.shutdown()
@@ -96,6 +100,8 @@ def test_500_random_requests_with_aborts_leak_nothing(tiny_engine):
     assert info["running_requests"] == info["waiting_requests"] == info["protected_pages"] == 0
     assert info["free_pages"] + info["evictable_pages"] == info["num_pages"]
     assert info["retractions"] > 0 or info["cached_tokens"] > 0
+    if eng.args.speculative_algorithm:
+        assert info["spec_rows"] > 100 and info["spec_accepted_tokens"] > 0, info
     # Still serving.
     assert (
         eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3, "ignore_eos": True})["meta_info"][
