@@ -241,7 +241,9 @@ def main() -> None:
 
     prompts, source = workload(args)
     policies = [p for p in args.policies.split(",") if p]
-    procs = [] if args.worker_urls else start_workers(args.num_workers, shlex.split(args.server_args))
+    # --enable-metrics: each run's requests per worker are read from the workers' /metrics
+    flags = shlex.split(args.server_args) + ["--enable-metrics"]
+    procs = [] if args.worker_urls else start_workers(args.num_workers, flags)
     urls = args.worker_urls or [p.url for p in procs]
     rows = []
     try:
