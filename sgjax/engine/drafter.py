@@ -20,9 +20,8 @@ import jax.numpy as jnp
 
 from sgjax.engine import mesh as tp
 from sgjax.engine.plan import StepPlan
-from sgjax.engine.programs import ops_for
+from sgjax.engine.programs import forward_parts
 from sgjax.engine.shared import Shared
-from sgjax.kernels import get_backend
 from sgjax.kernels.metadata import AttentionMetadata
 from sgjax.model.batch import StepBatch
 from sgjax.model.config import ModelConfig
@@ -70,11 +69,7 @@ def _jitted_draft(cfg: ModelConfig, plan: StepPlan, mesh, page: int, layers: int
     row's tokens the drafter has not seen yet, its newest token last (SELF: that token alone), and its logits give
     the first drafted token; `step` is a one-token-a-request batch (request r at token row r) at the position after
     the newest, moved on by one for each of the k - 1 further drafts. layers: the model's first N (SELF), or all."""
-    attend = get_backend(plan.attention)
-    if mesh is not None:
-        attend = tp.sharded_attention(attend, mesh)
-    experts_fn = tp.experts_for(cfg, mesh, plan.moe_kernel, plan.expert_parallel)
-    ops = ops_for(plan)
+    attend, experts_fn, ops = forward_parts(cfg, plan, mesh)
 
     def logits_of(weights, pool, batch):
         logits, pool = forward(

@@ -13,9 +13,9 @@ import numpy as np
 from sgjax.engine import mesh as tp
 from sgjax.engine.buckets import bucket
 from sgjax.engine.plan import StepPlan
-from sgjax.engine.programs import ops_for
+from sgjax.engine.programs import forward_parts
 from sgjax.engine.shared import Shared
-from sgjax.kernels import allocate_pool, get_backend
+from sgjax.kernels import allocate_pool
 from sgjax.model.batch import build_batch
 from sgjax.model.config import ModelConfig
 from sgjax.model.llama import forward
@@ -27,11 +27,7 @@ READOUTS = ("embedding", "logprobs")
 def _jitted_readout(cfg: ModelConfig, plan: StepPlan, readout: str, mesh=None):
     """With a mesh: attention under shard_map over the heads as in the step (a Pallas kernel cannot be split by
     GSPMD), and a replicated output, so each process reads its own copy. `plan`: the step plan's program part."""
-    attend = get_backend(plan.attention)
-    if mesh is not None:
-        attend = tp.sharded_attention(attend, mesh)
-    experts_fn = tp.experts_for(cfg, mesh, plan.moe_kernel, plan.expert_parallel)
-    ops = ops_for(plan)
+    attend, experts_fn, ops = forward_parts(cfg, plan, mesh)
 
     def run(weights, pool, batch):
         if readout == "logprobs":

@@ -79,6 +79,15 @@ def ops_for(plan: StepPlan):
     return XLA_W8A8 if plan.fp8_activations else XLA
 
 
+def forward_parts(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | None = None):
+    """(attention, experts, ops) a jitted forward of this plan runs with: with a mesh, attention under shard_map
+    over the heads (a Pallas kernel cannot be split by GSPMD) and the experts as the mesh places them."""
+    attend = get_backend(plan.attention)
+    if mesh is not None:
+        attend = tp.sharded_attention(attend, mesh)
+    return attend, tp.experts_for(cfg, mesh, plan.moe_kernel, plan.expert_parallel), ops_for(plan)
+
+
 def jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | None = None, renew: bool = False):
     """The shared step; `renew`: a new one, whose programs compile again (the old one's go with its last holder)."""
     if renew:
@@ -94,11 +103,7 @@ def _jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | Non
 
     With a mesh (tensor parallelism, engine/mesh.py) attention runs under shard_map over the heads, the logits are
     gathered to every device before the sampler (which runs replicated), and the state keeps its sharding."""
-    attend = get_backend(plan.attention)
-    if mesh is not None:
-        attend = tp.sharded_attention(attend, mesh)
-    experts_fn = tp.experts_for(cfg, mesh, plan.moe_kernel, plan.expert_parallel)
-    ops = ops_for(plan)
+    attend, experts_fn, ops = forward_parts(cfg, plan, mesh)
     name = f"sgjax_step_{len(_COMPILES)}"  # its compile events' fun_name
     _COMPILES[name] = 0
 
