@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from sgjax.engine.params import uses_penalties
+from sgjax.engine.work import Work
 
 MAX_MATCH = 4  # the longest suffix looked up
 MIN_MATCH = 2  # shorter suffixes match by chance too often to be worth a verify row
@@ -75,6 +76,26 @@ def constrained(req, drafted: list[int]) -> tuple[list[int], list[int]]:
         states.append(state)
     drafted = drafted[: len(states) - 1]
     return drafted, (states if drafted else [])
+
+
+def with_model_drafts(works: list, drafter) -> list:
+    """The planned verify rows' drafts from a model on the device (drafter: works -> drafted tokens, Runner.draft)
+    in place of their placeholders, cut under a grammar; a row left with none decodes as usual."""
+    pending = [w for w in works if w.draft]
+    if not pending:
+        return works
+    drafted = dict(zip(map(id, pending), drafter(pending)))
+    out = []
+    for w in works:
+        if not w.draft:
+            out.append(w)
+            continue
+        tokens, states = constrained(w.req, drafted[id(w)][: len(w.draft)])
+        if tokens:
+            out.append(Work(w.req, w.start, [w.tokens[0], *tokens], sample=True, draft=tokens, fsm_states=states))
+        else:
+            out.append(Work(w.req, w.start, w.tokens[:1], sample=True, decode=True))
+    return out
 
 
 def accepted(drafted: list[int], sampled: list[int]) -> int:

@@ -172,30 +172,11 @@ class Scheduler:
                 budget -= n
                 works.append(self._work(req, n))
         if self.cfg.model_drafts:
-            works = self._fill_model_drafts(works)
+            works = ngram.with_model_drafts(works, self.drafter)
         works += self._admit(budget)
         if works:
             self.stats.steps += 1
         return works
-
-    def _fill_model_drafts(self, works: list[Work]) -> list[Work]:
-        """The planned verify rows' drafts from the device (their placeholders replaced), cut under a grammar; a
-        row left with none decodes as usual."""
-        pending = [w for w in works if w.draft]
-        if not pending:
-            return works
-        drafted = dict(zip(map(id, pending), self.drafter(pending)))
-        out = []
-        for w in works:
-            if not w.draft:
-                out.append(w)
-                continue
-            tokens, states = ngram.constrained(w.req, drafted[id(w)][: len(w.draft)])
-            if tokens:
-                out.append(Work(w.req, w.start, [w.tokens[0], *tokens], sample=True, draft=tokens, fsm_states=states))
-            else:
-                out.append(Work(w.req, w.start, w.tokens[:1], sample=True, decode=True))
-        return out
 
     def _plan_running(self, retract: bool = True) -> list[tuple[Req, int, bool]] | None:
         """(request, next token count, decodes) of the running requests, retracting some until their pages can be
