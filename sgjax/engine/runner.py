@@ -210,7 +210,8 @@ class Runner:
         chunks = []
         for w in works:
             seen = min(w.req.draft_kv_len, w.start) if standalone else w.start
-            chunks.append([*w.req.fill_prefix(w.start)[seen:].tolist(), w.tokens[0]])
+            unseen = w.req.fill_prefix(w.start)[seen:].tolist() if seen < w.start else []  # SELF: none, no copy
+            chunks.append([*unseen, w.tokens[0]])
         ends = [w.start + 1 for w in works]
         tables = [w.req.pages for w in works]
         width = self._width(max(len(p) for p in tables))
