@@ -44,4 +44,4 @@ test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
 
 clean:
-	rm -rf $(VENV) .jax_cache
+	rm -rf $(VENV) .jax_cache .test_cache

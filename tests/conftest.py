@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 _CACHE = os.environ.get(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache")
 )
+_TEST_CACHE = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".test_cache")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -104,18 +105,40 @@ def client(url):
         yield c
 
 
-@pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path):
-    """HF transformers' SmolLM2 from the same GGUF (torch CPU, fp32): the numerical reference."""
+def hf_from_gguf(gguf_path: str):
+    """HF transformers' causal LM read from a GGUF (torch CPU, fp32, dequantized): the numerical reference.
+
+    HF's GGUF read is ~20 s a load (its reader walks the whole vocabulary's metadata three times), and several test
+    files in both workers want the same model: the first load in a run saves what HF read (`save_pretrained`, the
+    same fp32 tensors and config) under .test_cache/hf, and the others load that (0.1 s), one at a time under a
+    file lock."""
+    import fcntl
+
     import torch
     from transformers import AutoModelForCausalLM, GgufConfig
 
     torch.set_num_threads(2)
-    d, f = os.path.split(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        d, gguf_file=f, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
-    return model.eval()
+    st = os.stat(gguf_path)
+    name = f"{os.path.basename(gguf_path)}-{st.st_size}-{int(st.st_mtime)}"
+    saved = os.path.join(_TEST_CACHE, "hf", name)
+    os.makedirs(os.path.dirname(saved), exist_ok=True)
+    with open(saved + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isdir(saved):
+            d, f = os.path.split(gguf_path)
+            model = AutoModelForCausalLM.from_pretrained(
+                d, gguf_file=f, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+            )
+            model.save_pretrained(saved + ".part")
+            os.replace(saved + ".part", saved)  # whole or absent, should this process die while saving
+            return model.eval()
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """HF transformers' SmolLM2 from the same GGUF (torch CPU, fp32): the numerical reference."""
+    return hf_from_gguf(smollm2_path)
 
 
 @pytest.fixture(scope="session")

@@ -96,6 +96,16 @@ class ServerArgs:
     # Speculate only while fewer requests than this run (vLLM's flag): a full batch already keeps the device busy,
     # and verify rows then cost more than they save (docs/engine.md); above it the loop overlaps again. None: always.
     speculative_disable_by_batch_size: int | None = None
+    # Multi-LoRA (SGLang's flags, engine/adapters.py): HF PEFT adapters served beside the base model, a request's
+    # `lora_path` naming one; up to max_loras_per_batch distinct adapters in a step, of rank at most max_lora_rank
+    # (default: the largest of lora_paths', else 16) on lora_target_modules (default: those lora_paths' adapters
+    # target, else all seven projections).
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] | None = None  # name=path (or a bare path, named after its directory)
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] | None = None
+    max_loaded_loras: int | None = None  # most adapters loaded at once (None: no limit)
     # Tensor parallelism over the first tp_size local devices (engine/mesh.py): weights and the KV pool split by
     # heads, one jitted step over the mesh; the host side is unchanged.
     tp_size: int = 1
@@ -374,6 +384,25 @@ ENGINE_FLAGS = [
             help="wait for each step's tokens before scheduling the next (no overlap of host work with the steps)",
         ),
     ),
+    ("enable_lora", dict(action="store_true", help="serve LoRA adapters (a request's lora_path names one)")),
+    (
+        "lora_paths",
+        dict(nargs="*", help="adapters loaded at start: name=path (an HF PEFT directory) or a bare path"),
+    ),
+    ("max_loras_per_batch", dict(type=int, help="most distinct adapters in one step (device slots)")),
+    (
+        "max_lora_rank",
+        dict(type=int, help="largest adapter rank served (default: the largest of --lora-paths', else 16)"),
+    ),
+    (
+        "lora_target_modules",
+        dict(
+            nargs="*",
+            help="projections adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or "
+            "all (default: those --lora-paths' adapters target, else all)",
+        ),
+    ),
+    ("max_loaded_loras", dict(type=int, help="most adapters loaded at once (default: no limit)")),
     (
         "tp_size",
         dict(

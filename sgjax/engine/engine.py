@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sgjax.engine import distributed, scoring, sinks
 from sgjax.engine import mesh as tp
+from sgjax.engine.adapters import LoraControl
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.drafter import draft_layers, load_draft
 from sgjax.engine.images import ImageEncoder
@@ -53,7 +54,7 @@ log = logging.getLogger("sgjax.engine")
 ENGINE_STACK_BYTES = 64 << 20
 
 
-class Engine(EngineLoop, WeightsControl):
+class Engine(EngineLoop, WeightsControl, LoraControl):
     def __init__(self, model_path: str | None = None, **kwargs):
         """Load a model (None: the default SmolLM2) and start serving. kwargs: ServerArgs fields."""
         args = ServerArgs.from_kwargs(model_path, kwargs)
@@ -133,6 +134,7 @@ class Engine(EngineLoop, WeightsControl):
         )
         self.runner.leader = leader
         self._follower = follower
+        self._start_lora(args, cfg, run_cfg, self.runner._to_device)
         if self.scheduler.cfg.model_drafts:  # SELF / STANDALONE: a model drafts on the device
             k = self.scheduler.cfg.num_draft_tokens - 1
             self.runner.enable_drafts(k, None if draft else draft_layers(args, cfg), draft)
@@ -153,6 +155,7 @@ class Engine(EngineLoop, WeightsControl):
             grammars_on=args.grammar_backend != "none",
             max_grammar_chars=args.max_grammar_chars,
             max_images=args.max_images_per_request,
+            adapters=self.adapters,
         )
         self.outputs = Outputs(
             self.scheduler,
@@ -233,11 +236,13 @@ class Engine(EngineLoop, WeightsControl):
         stream=False,
         rid=None,
         image_data=None,
+        lora_path=None,
     ):
         """One prompt -> one result dict (a list when n > 1); a list of prompts -> a list of results.
         stream=True returns an iterator of result dicts whose `text` grows (one prompt, n == 1).
         image_data (vision-language models): base64 images of a prompt, one image token each in the prompt
-        (a list per prompt for a batch)."""
+        (a list per prompt for a batch). lora_path: the name of a loaded LoRA adapter (or one per prompt; None:
+        the base model)."""
         return self.run(
             GenerateCall(
                 prompt,
@@ -249,6 +254,7 @@ class Engine(EngineLoop, WeightsControl):
                 stream,
                 rid,
                 image_data,
+                lora_path,
             )
         )
 
@@ -272,6 +278,7 @@ class Engine(EngineLoop, WeightsControl):
         stream=False,
         rid=None,
         image_data=None,
+        lora_path=None,
     ):
         return await self.async_run(
             GenerateCall(
@@ -284,6 +291,7 @@ class Engine(EngineLoop, WeightsControl):
                 stream,
                 rid,
                 image_data,
+                lora_path,
             )
         )
 
@@ -423,6 +431,7 @@ class Engine(EngineLoop, WeightsControl):
             "context_length": self.context_length,
             **self.runner.report(),
             **self.scheduler.report(),
+            **({} if self.adapters is None else self.adapters.report()),
             "step_seconds": self._step_seconds,
             "detokenize_seconds": self.outputs.detokenize_seconds,
             "jump_forward_tokens": self.outputs.jumped_tokens,

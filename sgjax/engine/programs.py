@@ -43,13 +43,13 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def _step_inputs(future, buffer, shape: StepShape):
-    """Inside a step: the batch, sampling rows, image rows and mask words from the buffer, the overlap loop's
-    placeholders resolved from `future`."""
-    batch, rows, image_rows, mask_words = unpack(buffer, shape)
+    """Inside a step: the batch, sampling rows, image rows, mask words and LoRA slots from the buffer, the overlap
+    loop's placeholders resolved from `future`."""
+    batch, rows, image_rows, mask_words, lora_slots = unpack(buffer, shape)
     batch = dataclasses.replace(batch, input_ids=resolve_future(batch.input_ids, future, future_input(0)))
     if shape.history:
         rows = dataclasses.replace(rows, history=resolve_future(rows.history, future, future_history(0)))
-    return batch, rows, image_rows, mask_words
+    return batch, rows, image_rows, mask_words, lora_slots
 
 
 def _image_embeds(embed, batch, image_rows, image_features, shape: StepShape, cfg: ModelConfig):
@@ -96,7 +96,7 @@ def jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | None
 
 
 def _jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | None = None):
-    """The jitted (weights, state, buffer, shape, image_features) -> (SampleOutput, state); one per (model, plan,
+    """The jitted (weights, state, buffer, shape, image_features, lora) -> (SampleOutput, state); one per (model, plan,
     mesh) while an engine holds it (STEPS, engine/shared.py), so a process's engines share its compiled
     executables. The DeviceState (pool and future tokens) is donated. `compiles(fn)` counts the executables it
     got (tests, benchmarks).
@@ -107,9 +107,9 @@ def _jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | Non
     name = f"sgjax_step_{len(_COMPILES)}"  # its compile events' fun_name
     _COMPILES[name] = 0
 
-    def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None):
+    def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None, lora=None):
         future = state.future
-        batch, rows, image_rows, mask_words = _step_inputs(future, buffer, shape)
+        batch, rows, image_rows, mask_words, lora_slots = _step_inputs(future, buffer, shape)
         embeds = _image_embeds(weights.embed, batch, image_rows, image_features, shape, cfg)
         logits, pool, stats = forward(
             weights,
@@ -121,6 +121,7 @@ def _jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | Non
             input_embeds=embeds,
             experts_fn=experts_fn,
             with_stats=True,
+            lora=None if lora is None else (lora, lora_slots),  # model/lora.LoraStacks, the engine's adapters
         )
         expert_tokens = None if stats is None else state.expert_tokens + stats
         if mesh is not None:  # full-vocabulary logits for the sampler (a gather when the lm_head is vocab-sharded)

@@ -78,6 +78,8 @@ class Req:
     min_tokens_stops: tuple = ()  # EOS (unless ignore_eos) and stop_token_ids: masked while short of min_new_tokens
 
     images: Any = None  # sgjax.engine.images.RequestImages: feature rows at image positions (vision models)
+    adapter: Any = None  # model/lora.Adapter of a LoRA request (its KV's radix namespace too), None: the base model
+    lora_slot: int = -1  # while running with an adapter: its slot in the step's stacks (engine/adapters.py)
 
     @property
     def input_array(self) -> np.ndarray:

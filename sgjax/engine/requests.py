@@ -38,6 +38,7 @@ class GenerateCall:
     stream: bool = False
     rid: Any = None  # a string, or one per prompt
     image_data: Any = None  # vision models: base64 images per prompt
+    lora_path: Any = None  # a loaded LoRA adapter's name, or one per prompt (None: the base model)
 
 
 def copy_seed(params: SamplingParams, copy: int) -> int | None:
@@ -107,6 +108,7 @@ class RequestBuilder:
         grammars_on: bool = True,
         max_grammar_chars: int = bound("grammar_chars"),
         max_images: int = bound("image_data"),
+        adapters=None,
     ):
         self.cfg, self.tokenizer, self.images = cfg, tokenizer, images
         self.context_length, self.max_total_tokens = context_length, max_total_tokens
@@ -117,6 +119,7 @@ class RequestBuilder:
         self.grammars_on = grammars_on
         self.max_grammar_chars, self.max_images = max_grammar_chars, max_images
         self.live = LiveIds()  # ids of the requests built and not yet finished
+        self.adapters = adapters  # engine/adapters.Adapters (LoRA), or None
 
     def build(self, call: GenerateCall) -> tuple[list[Req], bool]:
         """The requests of a call (prompts x n copies) and whether it was a single prompt. Their ids are live from
@@ -131,6 +134,7 @@ class RequestBuilder:
             raise RequestError(f"{count} prompts but {len(params_list)} sampling_params", "sampling_params")
         rids = call.rid if isinstance(call.rid, list) else [call.rid] * count
         images_list = self._images_per_prompt(call.image_data, single, count)
+        adapters = self._adapters_per_prompt(call.lora_path, count)
         reqs = []
         for i in range(count):
             params = SamplingParams.from_dict(params_list[i])
@@ -161,6 +165,8 @@ class RequestBuilder:
                         grammar=grammar,
                         images=images,
                         min_tokens_stops=self.min_tokens_stops(params),
+                        adapter=adapters[i],
+                        extra_key=adapters[i],  # an adapter's KV is its own (identity: reloaded is another key)
                     )
                 )
         if call.stream and len(reqs) != 1:
@@ -171,6 +177,19 @@ class RequestBuilder:
     def forget(self, req: Req) -> None:
         """A request finished: its id may be used again."""
         self.live.release(req.rid)
+
+    def _adapters_per_prompt(self, lora_path, count: int) -> list:
+        """Each prompt's LoRA adapter (model/lora.Adapter) or None; a name not loaded is a 400 naming lora_path."""
+        names = list(lora_path) if isinstance(lora_path, (list, tuple)) else [lora_path] * count
+        if len(names) != count:
+            raise RequestError(f"lora_path: {count} prompts but {len(names)} adapter names", "lora_path")
+        if self.adapters is None:
+            if any(n not in (None, "") for n in names):
+                raise RequestError(
+                    "lora_path: this engine serves no LoRA adapters (start it with --enable-lora)", "lora_path"
+                )
+            return [None] * count
+        return [self.adapters.resolve(n) for n in names]
 
     def _images_per_prompt(self, image_data, single: bool, count: int):
         if image_data is None:

@@ -85,6 +85,19 @@ class Runner:
         self.draft_model = None  # STANDALONE: (cfg, plan, weights) of the draft model, its pool in draft_pool
         self.draft_pool = None
         self._draft_shapes: set[tuple[int, int, int]] = set()
+        self.adapters = None  # engine/adapters.Adapters (--enable-lora): its stacks go to every step
+
+    def enable_lora(self, adapters) -> None:
+        """Serve LoRA adapters: every step shape carries each token row's slot, and every step reads the slots'
+        matrices (a new shape set: nothing compiled without them is reused)."""
+        self.adapters = adapters
+        self.shapes_seen.clear()
+
+    @property
+    def _extra(self) -> dict:
+        """The step's keyword arguments beyond the buffer (the same in every call, precompiled ones included, so
+        jit's cache finds the compiled shape)."""
+        return {} if self.adapters is None else {"lora": self.adapters.stacks}
 
     def reset_pool(self) -> None:
         """A fresh DeviceState (donated to every step, so a failed step may take it)."""
@@ -149,14 +162,14 @@ class Runner:
         # features only when there are some: the call must match the precompiled (lowered) one to hit jit's cache
         extra = () if features is None else (self._to_device(features),)
         if shape in self.shapes_seen:
-            out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
+            out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra, **self._extra)
             return out
         # A new shape compiles here, on the engine thread (jax writes it to its persistent cache), once the step in
         # flight is done and never beside another thread's compile (COMPILE_LOCK): one compile's memory at a time.
         jax.block_until_ready(self.state)
         self._renew_if_near_the_map_limit()
         with COMPILE_LOCK:
-            out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra)
+            out, self.state = self.step(self.weights, self.state, self._to_device(buffer), shape, *extra, **self._extra)
             jax.block_until_ready(out)
         self.shapes_seen.add(shape)
         return out
@@ -338,8 +351,14 @@ class Runner:
             0 if masks is None else masks.shape[1],
             0 if features is None else features.shape[0],
             self.buckets.branches(bool(rows["needs_filter"])),
+            lora=int(self.adapters is not None),
         )
-        return pack_step(shape, batch, rows, which, masks), shape, sample_rows, prompt_rows, features
+        slots = None
+        if self.adapters is not None:
+            slots = np.full(num_tokens, -1, np.int32)
+            slots[:t] = np.repeat([w.req.lora_slot for w in works], [len(w.tokens) for w in works])
+        buffer = pack_step(shape, batch, rows, which, masks, slots)
+        return buffer, shape, sample_rows, prompt_rows, features
 
     def _image_rows(self, works, num_tokens):
         """For a step whose chunks cover image positions: each token row's feature row (-1: none) and the
@@ -456,6 +475,10 @@ class Runner:
         mask), and L = R with the filters. The rest (K > 0, filters with a mask or L = T) compile at first use:
         the top-K and the filters' sort cost too much to carry in every step (docs/journal/bench-h200.md).
         Fine: the decode buckets (one token per request: 1, 4, 8, ... requests) up to the most requests."""
+        shapes = self._start_shapes(max_tokens)
+        return shapes if self.adapters is None else [dataclasses.replace(s, lora=1) for s in shapes]
+
+    def _start_shapes(self, max_tokens: int) -> list[StepShape]:
         width = self._width(self.max_pages)
         b = self.buckets
         if not b.coarse:
@@ -491,7 +514,7 @@ class Runner:
             buffer = jax.ShapeDtypeStruct(
                 (shape.size,), jnp.int32, sharding=None if self.mesh is None else tp.replicated(self.mesh)
             )
-            self.step.lower(self.weights, self.state, buffer, shape).compile()
+            self.step.lower(self.weights, self.state, buffer, shape, **self._extra).compile()
             return shape
 
         if threads <= 1:
@@ -513,7 +536,8 @@ class Runner:
         rows["needs_filter"] = np.asarray(0, np.int32)
         mask = np.full((b.num_logits, shape.mask_words), -1, np.int32) if shape.mask_words else None
         which = np.full(b.num_tokens, -1, np.int32) if shape.image_rows else None
-        return pack_step(shape, batch, rows, which, mask)
+        slots = np.full(b.num_tokens, -1, np.int32) if shape.lora else None
+        return pack_step(shape, batch, rows, which, mask, slots)
 
     def precompile_start(self, max_tokens: int, warm: bool = True) -> str:
         """The engine's start: the step shapes most traffic takes (start_shapes; a step holds at most max_tokens),

@@ -114,6 +114,7 @@ class Scheduler:
         self.admitting = True
         # SELF / STANDALONE: works -> each one's drafted tokens (Runner.draft), called once their pages are grown
         self.drafter = None
+        self.adapters = None  # engine/adapters.Adapters: a LoRA request runs only once its adapter has a slot
 
     # -- queue ------------------------------------------------------------------------------------------
     @property
@@ -146,6 +147,8 @@ class Scheduler:
         self._free_slot(req)
 
     def _free_slot(self, req: Req) -> None:
+        if self.adapters is not None:
+            self.adapters.release(req)
         if req.slot >= 0:
             self._free_slots.append(req.slot)
             req.slot = -1
@@ -284,6 +287,9 @@ class Scheduler:
             if need > self.allocator.num_free + self.cache.evictable_pages:
                 self._timed(self.cache.unlock, m.last_node)
                 break
+            if self.adapters is not None and not self.adapters.acquire(req):
+                self._timed(self.cache.unlock, m.last_node)
+                continue  # every slot serves other running requests' adapters
             req.pages, req.tree_pages, req.last_node, req.kv_len = (
                 m.pages.copy(),
                 len(m.pages),

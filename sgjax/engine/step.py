@@ -4,7 +4,8 @@ buffer may carry (engine/sentinels.py), and the device state each step donates a
 The buffer is, in order (model/packing.py segments, sizes from `StepShape`): the batch (model/batch.py: input_ids,
 positions, slot_mapping, cu_q_lens, kv_lens, page_table, logits_idx), the sampling rows (engine/sampler.py: the
 per-row fields, the penalty window and its biases, two flags), then, when the shape has them, each token row's image
-feature row (vision models) and the packed allowed-token bits of each logits row (constrained decoding).
+feature row (vision models), the packed allowed-token bits of each logits row (constrained decoding) and each token
+row's LoRA slot (adapters served).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class StepShape:
     mask_words: int = 0  # ceil(V / 32) when a row is constrained (packed allowed-token bits per row), else 0
     image_rows: int = 0  # M: feature rows of the images in the step's chunks (vision models), else 0
     branches: sampler.Branches = sampler.ON_DEVICE  # the sampler's optional parts: static, or lax.conds (CPU)
+    lora: int = 0  # 1: the engine serves LoRA adapters, and each token row names its slot (model/lora.py)
 
     def layout(self) -> tuple[Segment, ...]:
         b = self.batch
@@ -43,6 +45,8 @@ class StepShape:
             out += (Segment("image_rows", (b.num_tokens,)),)
         if self.mask_words:
             out += (Segment("mask", (b.num_logits, self.mask_words)),)
+        if self.lora:
+            out += (Segment("lora_slots", (b.num_tokens,)),)
         return out
 
     @property
@@ -96,25 +100,32 @@ def _read(cls, words: list[int]):
 SHAPE_WORDS = len(StepShape(BatchShape(0, 0, 0, 0), 0, 0).to_words())
 
 
-def pack(shape: StepShape, batch: StepBatch, rows: dict[str, np.ndarray], image_rows=None, mask=None) -> np.ndarray:
-    """The whole step's host arrays in its one buffer. `image_rows` and `mask` must be given exactly when the shape
-    has them."""
+def pack(
+    shape: StepShape, batch: StepBatch, rows: dict[str, np.ndarray], image_rows=None, mask=None, lora_slots=None
+) -> np.ndarray:
+    """The whole step's host arrays in its one buffer. `image_rows`, `mask` and `lora_slots` must be given exactly
+    when the shape has them."""
     values = {**batch_mod.fields(batch), **sampler.sampling_values(rows)}
     if shape.image_rows:
         values["image_rows"] = image_rows
     if shape.mask_words:
         values["mask"] = mask
+    if shape.lora:
+        values["lora_slots"] = lora_slots
     return packing.pack(shape.layout(), values)
 
 
-def unpack(buffer, shape: StepShape) -> tuple[StepBatch, sampler.SamplingBatch, Array | None, Array | None]:
-    """(batch, sampling rows, image_rows or None, packed mask words or None), inside the jitted step."""
+def unpack(
+    buffer, shape: StepShape
+) -> tuple[StepBatch, sampler.SamplingBatch, Array | None, Array | None, Array | None]:
+    """(batch, sampling rows, image_rows, packed mask words, each row's LoRA slot; None where the shape has none),
+    inside the jitted step."""
     d = packing.unpack(shape.layout(), buffer)
     batch = batch_mod.from_fields({s.name: d[s.name] for s in shape.batch.layout()})
     rows = sampler.from_values(
         {s.name: d[s.name] for s in sampler.sampling_layout(shape.batch.num_logits, shape.history)}
     )
-    return batch, rows, d.get("image_rows"), d.get("mask")
+    return batch, rows, d.get("image_rows"), d.get("mask"), d.get("lora_slots")
 
 
 # -- device state ---------------------------------------------------------------------------------------------

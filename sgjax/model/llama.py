@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sgjax.model import lora as lora_mod
 from sgjax.model.batch import StepBatch
 from sgjax.model.config import ModelConfig, RopeScaling
 from sgjax.model.moe import moe_mlp
@@ -141,16 +142,19 @@ XLA = Ops()
 XLA_W8A8 = Ops(functools.partial(xla_dots, fp8_activations=True))  # fp8 matrices' products quantize h too
 
 
-def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, experts_fn=None, ops: Ops = XLA):
+def _block(
+    x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, experts_fn=None, ops: Ops = XLA, lora=None
+):
     """One transformer block on the ragged rows; writes its K/V into the pool at `layer` = (index, window, rope):
     the layer's index, sliding window (0: none) and RoPE tables (rope_tables; Gemma 3's local and global layers
     differ).
+    lora: this layer's adapter matrices and the rows' slot mask (model/lora.py add), or None.
     Returns ((x, pool), expert token counts i32[E] of the real rows, or None for a dense MLP)."""
     index, window, rope = layer
     num_rows = x.shape[0]
     with jax.named_scope("qkv"):
         h = ops.norm(x, w.attn_norm, cfg.rms_norm_eps)
-        q, k, v = ops.dots(h, (w.wq, w.wk, w.wv))
+        q, k, v = lora_mod.add(lora, h, ("wq", "wk", "wv"), ops.dots(h, (w.wq, w.wk, w.wv)))
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         if cfg.qk_norm and not cfg.qk_norm_per_head:  # OLMoE: over the whole projections
@@ -169,7 +173,8 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
         if cfg.attn_softcap:
             extra["softcap"] = cfg.attn_softcap
         attn, pool = attention(q, k, v, pool, index, batch.attn, sm_scale=cfg.sm_scale, **extra)
-        (out,) = ops.dots(attn.reshape(num_rows, cfg.q_size).astype(x.dtype), (w.wo,))
+        attn = attn.reshape(num_rows, cfg.q_size).astype(x.dtype)
+        (out,) = lora_mod.add(lora, attn, ("wo",), ops.dots(attn, (w.wo,)))
         if cfg.sandwich_norms:
             out = ops.norm(out, w.post_attn_norm, cfg.rms_norm_eps)
         x = x + out
@@ -181,8 +186,9 @@ def _block(x, pool, w, layer, batch: StepBatch, cfg: ModelConfig, attention, exp
             out, counts = moe_mlp(h, w, cfg, valid, experts_fn)
         else:
             act = jax.nn.silu if cfg.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-            gate, up = ops.dots(h, (w.w_gate, w.w_up))
-            (out,) = ops.dots(act(gate) * up, (w.w_down,))
+            gate, up = lora_mod.add(lora, h, ("w_gate", "w_up"), ops.dots(h, (w.w_gate, w.w_up)))
+            inner = act(gate) * up
+            (out,) = lora_mod.add(lora, inner, ("w_down",), ops.dots(inner, (w.w_down,)))
         if cfg.sandwich_norms:
             out = ops.norm(out, w.post_mlp_norm, cfg.rms_norm_eps)
         return (x + out, pool), counts
@@ -211,6 +217,7 @@ def forward(
     experts_fn=None,
     with_stats: bool = False,
     first_layers: int | None = None,
+    lora=None,
 ):
     """Returns (logits f32[B, V] for the rows in batch.logits_idx, the updated pool); output="hidden": the final
     normed hidden states f32[B, D] of those rows instead (embeddings). with_stats=True adds a third element: a
@@ -226,10 +233,12 @@ def forward(
 
     first_layers: run only the first N layers, then the final norm and the head (self-speculation's draft,
     engine/drafter.py); the other layers' pool entries are left as they are.
+
+    lora: (model/lora.LoraStacks, each token row's slot i32[T], -1 for none): the rows' adapters (model/lora.py).
     """
     with matmul_precision(cfg.dtype):
         out, pool, stats = _forward(
-            weights, pool, batch, cfg, attention, ops, input_embeds, output, experts_fn, first_layers
+            weights, pool, batch, cfg, attention, ops, input_embeds, output, experts_fn, first_layers, lora
         )
     return (out, pool, stats) if with_stats else (out, pool)
 
@@ -274,7 +283,17 @@ def head(weights, x, batch: StepBatch, cfg: ModelConfig, ops: Ops = XLA, output:
 
 
 def _forward(
-    weights, pool, batch, cfg, attention, ops, input_embeds, output="logits", experts_fn=None, first_layers=None
+    weights,
+    pool,
+    batch,
+    cfg,
+    attention,
+    ops,
+    input_embeds,
+    output="logits",
+    experts_fn=None,
+    first_layers=None,
+    lora=None,
 ):
     freqs, kind = np.unique(layer_rope(cfg), axis=0, return_inverse=True)  # one set (Llama) or two (Gemma 3)
     depth = first_layers or cfg.num_layers
@@ -282,6 +301,7 @@ def _forward(
     tables = rope_tables(batch.positions, jnp.asarray(freqs))  # [K, T, D/2] each
     x = embed_rows(weights.embed, batch, cfg, input_embeds)
     block = functools.partial(_block, batch=batch, cfg=cfg, attention=attention, experts_fn=experts_fn, ops=ops)
+    stacks, mask = (None, None) if lora is None else (lora[0], lora_mod.row_mask(lora[1], lora[0], jnp.float32))
     windows = [cfg.window(i) for i in range(depth)]
     if isinstance(weights.layers, (tuple, list)):
         # One jitted block per distinct window, called once per layer: jax traces and lowers it once (the module
@@ -289,13 +309,19 @@ def _forward(
         # step shape (its Pallas kernels built again for every layer) took several times its XLA compilation
         # (docs/journal/engine-h200.md).
         jitted = {
-            win: jax.jit(lambda x, pool, w, i, rope, win=win: block(x, pool, w, (i, win, rope))) for win in set(windows)
+            win: jax.jit(
+                lambda x, pool, w, i, rope, ab, win=win: block(
+                    x, pool, w, (i, win, rope), lora=None if ab is None else (ab, mask)
+                )
+            )
+            for win in set(windows)
         }
         stats = []
         for i, w in enumerate(weights.layers[:depth]):
             with jax.named_scope(f"layer{i}"):
                 rope = (tables[0][kind[i]], tables[1][kind[i]])
-                (x, pool), counts = jitted[windows[i]](x, pool, w, jnp.int32(i), rope)
+                ab = None if stacks is None else lora_mod.layer(stacks, i)
+                (x, pool), counts = jitted[windows[i]](x, pool, w, jnp.int32(i), rope, ab)
                 stats.append(counts)
         return head(weights, x, batch, cfg, ops, output), pool, (jnp.stack(stats) if cfg.is_moe else None)
     layers = weights.layers
@@ -306,16 +332,17 @@ def _forward(
     same = len(set(windows)) == 1  # every layer alike (Llama, Mistral): the window stays a static int
 
     def body(carry, inputs):
-        w, i, win, k = inputs
+        w, i, win, k, ab = inputs
         w = dataclasses.replace(w, **{n: Indexed(getattr(layers, n), i) for n in whole})
         rope = (tables[0][0], tables[1][0]) if len(freqs) == 1 else (tables[0][k], tables[1][k])
-        return block(*carry, w, (i, windows[0] if same else win, rope))
+        return block(*carry, w, (i, windows[0] if same else win, rope), lora=None if ab is None else (ab, mask))
 
     scanned = (
         scanned_layers,
         jnp.arange(depth, dtype=jnp.int32),
         jnp.asarray(windows, jnp.int32),
         jnp.asarray(kind, jnp.int32),
+        None if stacks is None else jax.tree.map(lambda a: a[:depth], (stacks.a, stacks.b)),
     )
     (x, pool), stats = jax.lax.scan(body, (x, pool), scanned)
     return head(weights, x, batch, cfg, ops, output), pool, stats

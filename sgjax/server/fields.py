@@ -4,7 +4,7 @@ it implements (docs/server.md, "Request policy").
 - A field sgjax implements is a field of the route's pydantic model (server/protocol.py): validated strictly, a 400
   naming it when wrong.
 - `Unsupported`: a field the APIs define that sgjax does not implement. Accepted at its null / empty / default value
-  (clients send those routinely: SGLang's frontend sends `"stop_regex": []`, its bench_serving `"lora_path": null`),
+  (clients send those routinely: SGLang's frontend sends `"stop_regex": []`),
   and a 400 naming the field when a client really asks for it.
 - `Meta`: bookkeeping that changes nothing in the output (`user`, `store`, `metadata`, ...): accepted whatever its
   value. (`rid` and `priority` are fields of the models where they are used.)
@@ -35,15 +35,13 @@ class Meta:
 
 _NO = Unsupported("not supported by sgjax")
 _FALSE = Unsupported("not supported by sgjax", (False,))
-_LORA = Unsupported("LoRA adapters are not supported by sgjax")
 _MM = Unsupported("this modality is not supported by sgjax")
 _PD = Unsupported("prefill/decode disaggregation is not supported by sgjax")
 _ROUTE = Meta("routing hint for multi-worker deployments; sgjax serve has one engine")
 
 # SGLang's /generate (GenerateReqInput), beyond what native_api implements.
 GENERATE = {
-    "lora_path": _LORA,
-    "lora_id": _LORA,
+    "lora_id": Unsupported("adapters are named by lora_path"),
     "return_hidden_states": _FALSE,
     "return_routed_experts": _FALSE,
     "return_indexer_topk": _FALSE,
@@ -101,7 +99,6 @@ _OPENAI_COMMON = {
     "prompt_cache_key": Meta("sgjax's radix cache needs no key"),
     "safety_identifier": Meta("end-user id"),
     "custom_labels": Meta("metric labels"),
-    "lora_path": _LORA,
     "session_id": _NO,
     "session_params": _NO,
     "custom_logit_processor": _NO,
@@ -268,6 +265,8 @@ def screener(route: str):
         "/pause_generation": plain(P.PauseGenerationRequest),
         "/release_memory_occupation": plain(P.MemoryOccupationRequest),
         "/resume_memory_occupation": plain(P.MemoryOccupationRequest),
+        "/load_lora_adapter": plain(P.LoadLoraAdapterRequest),
+        "/unload_lora_adapter": plain(P.UnloadLoraAdapterRequest),
         "/v1/score": lambda body: screen(body, P.ScoreRequest.model_fields, SCORE, route),
     }
     return table[route]

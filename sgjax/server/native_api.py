@@ -51,6 +51,14 @@ def generate_work(req: GenerateRequest) -> tuple[HttpWork, bool]:
         if isinstance(req.rid, str) != single or len(rids) != len(prompts):
             raise ApiError(f"rid: give one rid per prompt ({len(prompts)}), a string for a single prompt", param="rid")
     images, image_fields = (None, None) if req.image_data is None else _images(req.image_data, single, len(prompts))
+    loras = req.lora_path
+    if isinstance(loras, list) and (single or len(loras) != len(prompts)):
+        raise ApiError(
+            f"lora_path: a list takes one adapter name per prompt ({len(prompts)}); a string names one for all",
+            param="lora_path",
+        )
+    if loras is not None:
+        loras = tuple(loras) if isinstance(loras, list) else (loras,) * len(prompts)
     work = HttpWork(
         params=tuple(params),
         texts=tuple(prompts) if field == "text" else None,
@@ -63,6 +71,7 @@ def generate_work(req: GenerateRequest) -> tuple[HttpWork, bool]:
         params_field="sampling_params",
         images=images,
         image_fields=image_fields,
+        loras=loras,
     )
     return work, single and params[0].n == 1
 

@@ -68,6 +68,7 @@ async def prepare_completion(serving: Serving, req: CompletionRequest) -> Prepar
         top_logprobs_num=top,
         prompt_field="prompt",
         renames=OPENAI_RENAMES,
+        loras=None if req.lora_path is None else (req.lora_path,) * len(ids),
     )
     return Prepared(
         work=work,
@@ -140,6 +141,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
         renames=renames,
         images=(tuple(images),) if images else None,
         image_fields=(("messages", tuple(fields)),) if images else None,
+        loras=None if req.lora_path is None else (req.lora_path,),
     )
     output = ChatOutput(
         tools=serving.tool_format if plan.parse else None,

@@ -147,6 +147,8 @@ class GenerateRequest(Strict):
     # SGLang's images beside the text (base64): one prompt takes a string or a list of strings; a batch takes one
     # entry per prompt (a string, a list of strings, or null for a prompt without images)
     image_data: str | list[str | list[str] | None] | None = None
+    # a loaded LoRA adapter's name (--enable-lora): one for every prompt, or a list with one per prompt (null: base)
+    lora_path: str | list[str | None] | None = None
 
 
 class AbortRequest(Strict):
@@ -160,6 +162,16 @@ class UpdateWeightsFromDiskRequest(Strict):
     abort_all_requests: bool = False
     weight_version: str | None = None
     flush_cache: bool = True
+
+
+class LoadLoraAdapterRequest(Strict):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False  # SGLang's: kept in a slot; accepted (sgjax's slots go least recently used first)
+
+
+class UnloadLoraAdapterRequest(Strict):
+    lora_name: str = Field(min_length=1)
 
 
 class PauseGenerationRequest(Strict):
@@ -190,6 +202,7 @@ class SglangExtras(Strict):
     ebnf: str | None = None
     stop_regex: str | list[str] | None = None
     rid: str | None = None  # SGLang's: the request id (/abort_request reaches it)
+    lora_path: str | None = None  # a loaded LoRA adapter's name (--enable-lora); null: the base model
 
 
 class OpenAIBase(SglangExtras):

@@ -54,6 +54,7 @@ class HttpWork:
     # per prompt: (the API field of its images as a whole, the field of each image), so that an engine error about
     # image k of prompt i names what the client sent ("image_data.1.0", "messages.0.content.2.image_url.url")
     image_fields: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    loras: tuple[str | None, ...] | None = None  # per prompt: its LoRA adapter's name, or None (the base model)
 
     @property
     def prompts(self):
@@ -71,13 +72,17 @@ class HttpWork:
             list(self.rids) if self.rids else None,
             list(self.images) if self.has_images else None,
             stream=False,
+            loras=list(self.loras) if self.loras else None,
         )
 
     def copy_call(self, prompt: int, params: SamplingParams, rid: str | None) -> GenerateCall:
         """One streamed copy of prompt `prompt` (the engine streams one request at a time)."""
-        return self._call(self.prompts[prompt], params, rid, self.images[prompt] if self.images else None, stream=True)
+        images = self.images[prompt] if self.images else None
+        return self._call(
+            self.prompts[prompt], params, rid, images, stream=True, loras=self.loras[prompt] if self.loras else None
+        )
 
-    def _call(self, prompts, params, rid, images, stream: bool) -> GenerateCall:
+    def _call(self, prompts, params, rid, images, stream: bool, loras=None) -> GenerateCall:
         text = self.texts is not None
         return GenerateCall(
             prompt=prompts if text else None,
@@ -89,6 +94,7 @@ class HttpWork:
             stream=stream,
             rid=rid,
             image_data=images,
+            lora_path=loras,
         )
 
     def image_field(self, prompt: int | None, image: int | None = None) -> str:

@@ -1,6 +1,6 @@
-"""The routes a training loop drives (engine/training.py), with SGLang's request and response shapes: weights
-swapped from a checkpoint, their version, generation paused and continued, the KV pool's memory released and
-resumed."""
+"""The routes a training loop drives (engine/training.py, engine/adapters.py), with SGLang's request and response
+shapes: weights swapped from a checkpoint, their version, generation paused and continued, the KV pool's memory
+released and resumed, LoRA adapters loaded and unloaded."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from sgjax.errors import RequestError
 from sgjax.server.fields import screener
 from sgjax.server.protocol import (
     ApiError,
+    LoadLoraAdapterRequest,
     MemoryOccupationRequest,
     PauseGenerationRequest,
+    UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     parse_body,
     read_body,
@@ -27,6 +29,8 @@ ROUTES = (
     "/continue_generation",
     "/release_memory_occupation",
     "/resume_memory_occupation",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
 )
 
 
@@ -80,3 +84,22 @@ def add_training_routes(app: FastAPI, serving) -> None:
         await _body(request, MemoryOccupationRequest, "/resume_memory_occupation")
         await asyncio.to_thread(engine.resume_memory_occupation)
         return {"success": True, "message": "KV cache memory resumed; generation continues."}
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        req = await _body(request, LoadLoraAdapterRequest, "/load_lora_adapter")
+        return await _lora_call(engine.load_lora_adapter, req.lora_name, req.lora_path)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        req = await _body(request, UnloadLoraAdapterRequest, "/unload_lora_adapter")
+        return await _lora_call(engine.unload_lora_adapter, req.lora_name)
+
+
+async def _lora_call(fn, *args) -> dict:
+    """SGLang's LoRAUpdateOutput; a refusal is a 400 naming the field."""
+    try:
+        loaded = await asyncio.to_thread(fn, *args)
+    except RequestError as e:
+        raise ApiError(str(e), param=e.field) from None
+    return {"success": True, "error_message": None, "loaded_adapters": loaded}

@@ -14,7 +14,7 @@ import sgjax as sgl
 from sgjax.engine.engine import Engine
 from sgjax.model.paths import gemma3_270m_path
 from sgjax.model.tokenizer import load_tokenizer
-from tests.conftest import SMALL
+from tests.conftest import SMALL, hf_from_gguf
 
 NEW = 12
 
@@ -27,14 +27,10 @@ def path():
 @pytest.fixture(scope="module")
 def hf(path):
     """HF's tokenizer and fp32 model from the same GGUF (dequantized): the reference."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoTokenizer
 
     d, f = os.path.split(path)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(
-        d, gguf_file=f, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
-    return tok, model.eval()
+    return AutoTokenizer.from_pretrained(d, gguf_file=f), hf_from_gguf(path)
 
 
 def strings():

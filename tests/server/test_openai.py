@@ -190,7 +190,10 @@ def test_logit_bias(oai, model):
         (dict(top_p=0), "top_p"),
         (dict(n=0), "n"),
         (dict(top_logprobs=2), "top_logprobs"),
-        (dict(extra_body={"lora_path": "adapter"}), "lora_path"),  # a known field sgjax does not implement (unknown
+        (
+            dict(extra_body={"lora_path": "adapter"}),
+            "lora_path",
+        ),  # an adapter on a server without --enable-lora (unknown
         # keys are ignored, as upstream does: tests/server/test_dropin.py)
         (
             dict(
