@@ -106,6 +106,11 @@ class ServerArgs:
     max_lora_rank: int | None = None
     lora_target_modules: tuple[str, ...] | None = None
     max_loaded_loras: int | None = None  # most adapters loaded at once (None: no limit)
+    # Prefill/decode disaggregation (SGLang's flags, engine/disagg.py): null (one engine does both), prefill (runs
+    # prompts and hands their KV pages out on the bootstrap port) or decode (takes them before it decodes).
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "socket"  # SGLang's mooncake / nixl are refused by name
     # Tensor parallelism over the first tp_size local devices (engine/mesh.py): weights and the KV pool split by
     # heads, one jitted step over the mesh; the host side is unchanged.
     tp_size: int = 1
@@ -403,6 +408,19 @@ ENGINE_FLAGS = [
         ),
     ),
     ("max_loaded_loras", dict(type=int, help="most adapters loaded at once (default: no limit)")),
+    (
+        "disaggregation_mode",
+        dict(
+            choices=["null", "prefill", "decode"],
+            help="prefill/decode disaggregation behind sglang-router --pd-disaggregation: prefill runs prompts and "
+            "serves their KV pages on the bootstrap port, decode fetches them before decoding; null does both",
+        ),
+    ),
+    ("disaggregation_bootstrap_port", dict(type=int, help="a prefill worker's KV bootstrap port (TCP)")),
+    (
+        "disaggregation_transfer_backend",
+        dict(help="how KV pages move: socket (TCP through host memory); mooncake and nixl are refused"),
+    ),
     (
         "tp_size",
         dict(

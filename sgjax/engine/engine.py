@@ -22,6 +22,7 @@ from sgjax.engine import distributed, scoring, sinks
 from sgjax.engine import mesh as tp
 from sgjax.engine.adapters import LoraControl
 from sgjax.engine.args import ServerArgs
+from sgjax.engine.disagg import DisaggControl
 from sgjax.engine.drafter import draft_layers, load_draft
 from sgjax.engine.images import ImageEncoder
 from sgjax.engine.inbox import Abort, Add, Call, Stop, drain_failing
@@ -54,7 +55,7 @@ log = logging.getLogger("sgjax.engine")
 ENGINE_STACK_BYTES = 64 << 20
 
 
-class Engine(EngineLoop, WeightsControl, LoraControl):
+class Engine(EngineLoop, WeightsControl, LoraControl, DisaggControl):
     def __init__(self, model_path: str | None = None, **kwargs):
         """Load a model (None: the default SmolLM2) and start serving. kwargs: ServerArgs fields."""
         args = ServerArgs.from_kwargs(model_path, kwargs)
@@ -135,6 +136,7 @@ class Engine(EngineLoop, WeightsControl, LoraControl):
         self.runner.leader = leader
         self._follower = follower
         self._start_lora(args, cfg, run_cfg, self.runner._to_device)
+        self._start_disagg(args)
         if self.scheduler.cfg.model_drafts:  # SELF / STANDALONE: a model drafts on the device
             k = self.scheduler.cfg.num_draft_tokens - 1
             self.runner.enable_drafts(k, None if draft else draft_layers(args, cfg), draft)
@@ -162,7 +164,7 @@ class Engine(EngineLoop, WeightsControl, LoraControl):
             tokenizer,
             self.eos_ids,
             jump_forward=not args.disable_jump_forward,
-            on_finish=self.requests.forget,
+            on_finish=self._finished,
         )
         self._overlapped_steps = 0
         self._grammar_workers = ThreadPoolExecutor(2, thread_name_prefix="sgjax-grammar")
@@ -388,6 +390,7 @@ class Engine(EngineLoop, WeightsControl, LoraControl):
             if self.runner.leader is not None:  # after the loop: no step is in flight on any rank
                 self.runner.leader.stop()
             self.runner.release()
+            self._stop_disagg()
             self._grammar_workers.shutdown(wait=False, cancel_futures=True)
             if self._watcher is not None:
                 self._watcher.close()
@@ -402,9 +405,18 @@ class Engine(EngineLoop, WeightsControl, LoraControl):
     def _make_requests(self, call: GenerateCall) -> tuple[list[Req], bool]:
         self._refuse_if_closed()
         reqs, single = self.requests.build(call)
+        if call.bootstrap is not None and self.disagg_mode != "null":
+            self._disaggregate(reqs)
         if self.request_log is not None:
             self.request_log.extend(reqs)
         return reqs, single
+
+    def _finished(self, req: Req) -> None:
+        """Every finished request, on the engine thread: its id may be used again; a prefill worker's request
+        leaves its prompt's pages for the decode worker (engine/disagg.py)."""
+        self.requests.forget(req)
+        if req.export_room is not None:
+            self._export_pages(req, aborted=req.finish_reason.get("type") == "abort")
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
@@ -432,6 +444,9 @@ class Engine(EngineLoop, WeightsControl, LoraControl):
             **self.runner.report(),
             **self.scheduler.report(),
             **({} if self.adapters is None else self.adapters.report()),
+            "disaggregation_mode": self.disagg_mode,
+            "disaggregation_bootstrap_port": self.args.disaggregation_bootstrap_port,
+            "disaggregation_received_tokens": self.received_tokens,
             "step_seconds": self._step_seconds,
             "detokenize_seconds": self.outputs.detokenize_seconds,
             "jump_forward_tokens": self.outputs.jumped_tokens,

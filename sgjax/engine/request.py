@@ -80,6 +80,8 @@ class Req:
     images: Any = None  # sgjax.engine.images.RequestImages: feature rows at image positions (vision models)
     adapter: Any = None  # model/lora.Adapter of a LoRA request (its KV's radix namespace too), None: the base model
     lora_slot: int = -1  # while running with an adapter: its slot in the step's stacks (engine/adapters.py)
+    bootstrap: Any = None  # prefill/decode disaggregation: (prefill host, bootstrap port, room) (engine/disagg.py)
+    export_room: int | None = None  # a prefill worker's request: its prompt's pages are kept for this room
 
     @property
     def input_array(self) -> np.ndarray:

@@ -39,6 +39,7 @@ class GenerateCall:
     rid: Any = None  # a string, or one per prompt
     image_data: Any = None  # vision models: base64 images per prompt
     lora_path: Any = None  # a loaded LoRA adapter's name, or one per prompt (None: the base model)
+    bootstrap: Any = None  # disaggregation: per prompt (prefill host, bootstrap port, room) or None
 
 
 def copy_seed(params: SamplingParams, copy: int) -> int | None:
@@ -166,6 +167,7 @@ class RequestBuilder:
                         images=images,
                         min_tokens_stops=self.min_tokens_stops(params),
                         adapter=adapters[i],
+                        bootstrap=call.bootstrap[i] if call.bootstrap else None,
                         extra_key=adapters[i],  # an adapter's KV is its own (identity: reloaded is another key)
                     )
                 )

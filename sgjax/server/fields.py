@@ -36,7 +36,7 @@ class Meta:
 _NO = Unsupported("not supported by sgjax")
 _FALSE = Unsupported("not supported by sgjax", (False,))
 _MM = Unsupported("this modality is not supported by sgjax")
-_PD = Unsupported("prefill/decode disaggregation is not supported by sgjax")
+_PD = Unsupported("not supported by sgjax's prefill/decode disaggregation")
 _ROUTE = Meta("routing hint for multi-worker deployments; sgjax serve has one engine")
 
 # SGLang's /generate (GenerateReqInput), beyond what native_api implements.
@@ -67,9 +67,6 @@ GENERATE = {
     "background": _FALSE,
     "require_reasoning": _FALSE,
     "max_thinking_tokens": _NO,
-    "bootstrap_host": _PD,
-    "bootstrap_port": _PD,
-    "bootstrap_room": _PD,
     "bootstrap_pair_key": _PD,
     "decode_tp_size": _PD,
     "disagg_prefill_dp_rank": _PD,
@@ -115,9 +112,6 @@ _OPENAI_COMMON = {
     "data_parallel_rank": _ROUTE,
     "routing_key": _ROUTE,
     "conversation_id": _ROUTE,
-    "bootstrap_host": _PD,
-    "bootstrap_port": _PD,
-    "bootstrap_room": _PD,
     "bootstrap_pair_key": _PD,
     "extra_key": Meta("cache namespaces are set by sgjax (images)"),
     "cache_salt": Meta("one tenant per server"),

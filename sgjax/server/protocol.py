@@ -149,6 +149,11 @@ class GenerateRequest(Strict):
     image_data: str | list[str | list[str] | None] | None = None
     # a loaded LoRA adapter's name (--enable-lora): one for every prompt, or a list with one per prompt (null: base)
     lora_path: str | list[str | None] | None = None
+    # prefill/decode disaggregation (sglang-router --pd-disaggregation sets them): the prefill worker's host and
+    # bootstrap port and the room both workers know the request by; lists for a batch, one per prompt
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
 
 
 class AbortRequest(Strict):
@@ -203,6 +208,9 @@ class SglangExtras(Strict):
     stop_regex: str | list[str] | None = None
     rid: str | None = None  # SGLang's: the request id (/abort_request reaches it)
     lora_path: str | None = None  # a loaded LoRA adapter's name (--enable-lora); null: the base model
+    bootstrap_host: str | None = None  # prefill/decode disaggregation (set by sglang-router): see GenerateRequest
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class OpenAIBase(SglangExtras):

@@ -55,6 +55,7 @@ class HttpWork:
     # image k of prompt i names what the client sent ("image_data.1.0", "messages.0.content.2.image_url.url")
     image_fields: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     loras: tuple[str | None, ...] | None = None  # per prompt: its LoRA adapter's name, or None (the base model)
+    bootstraps: tuple | None = None  # per prompt: (prefill host, bootstrap port, room) under disaggregation, or None
 
     @property
     def prompts(self):
@@ -73,16 +74,23 @@ class HttpWork:
             list(self.images) if self.has_images else None,
             stream=False,
             loras=list(self.loras) if self.loras else None,
+            bootstraps=list(self.bootstraps) if self.bootstraps else None,
         )
 
     def copy_call(self, prompt: int, params: SamplingParams, rid: str | None) -> GenerateCall:
         """One streamed copy of prompt `prompt` (the engine streams one request at a time)."""
         images = self.images[prompt] if self.images else None
         return self._call(
-            self.prompts[prompt], params, rid, images, stream=True, loras=self.loras[prompt] if self.loras else None
+            self.prompts[prompt],
+            params,
+            rid,
+            images,
+            stream=True,
+            loras=self.loras[prompt] if self.loras else None,
+            bootstraps=[self.bootstraps[prompt]] if self.bootstraps else None,
         )
 
-    def _call(self, prompts, params, rid, images, stream: bool, loras=None) -> GenerateCall:
+    def _call(self, prompts, params, rid, images, stream: bool, loras=None, bootstraps=None) -> GenerateCall:
         text = self.texts is not None
         return GenerateCall(
             prompt=prompts if text else None,
@@ -95,6 +103,7 @@ class HttpWork:
             rid=rid,
             image_data=images,
             lora_path=loras,
+            bootstrap=bootstraps,
         )
 
     def image_field(self, prompt: int | None, image: int | None = None) -> str:

@@ -212,6 +212,22 @@ def test_a_client_that_leaves_a_stream_aborts_it_on_the_worker(ca, workers):
     assert all(w["in_flight"] == 0 for w in ca.get("/get_server_info").json()["router"]["workers"])
 
 
+def test_a_client_that_leaves_a_stream_through_sglang_router_aborts_it_on_the_worker(sgl, workers):
+    """sglang-router passes the client's disconnect on: the worker aborts the request and frees its pages."""
+    body = {"text": "Count slowly:", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with sgl.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+        busy = [httpx.get(w["url"] + "/get_server_info", timeout=60).json()["running_requests"] for w in workers]
+        assert sum(busy) == 1, busy
+    for w in workers:
+        with httpx.Client(base_url=w["url"], timeout=60) as worker:
+            info = wait_idle(worker, timeout=60)
+        assert info["running_requests"] == info["waiting_requests"] == 0
+
+
 def _dead(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as f:

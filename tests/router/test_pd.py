@@ -1,0 +1,74 @@
+"""Prefill/decode disaggregation behind SGLang's own router: `sglang_router.launch_router --pd-disaggregation` in
+front of an `sgjax serve --disaggregation-mode prefill` worker (its bootstrap port named to the router) and a
+`--disaggregation-mode decode` one. The openai client's answers through the router equal a single engine's, the
+decode worker took the prompts' pages from the prefill worker, and neither keeps a page afterwards."""
+
+import sys
+
+import httpx
+import openai
+import pytest
+
+from sgjax.engine.engine import Engine
+from sgjax.server.process import ServerProcess, free_ports
+from tests.conftest import TINY_SERVE
+from tests.server.conftest import serving, sse_events, wait_idle
+
+MESSAGES = [{"role": "user", "content": "Write three sentences about the sea, the sky and the mountains, please."}]
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_checkpoint, smollm2_path):
+    (port,) = free_ports(1)
+    flags = ["--model-path", tiny_checkpoint, "--load-format", "dummy", "--tokenizer-path", smollm2_path]
+    flags += [f"--{k.replace('_', '-')}={v}" for k, v in TINY_SERVE.items()]
+    prefill = serving(*flags, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port))
+    decode = serving(*flags, "--disaggregation-mode", "decode")
+    p, d = next(prefill), next(decode)
+    yield p, d, port
+    for gen in (prefill, decode):
+        next(gen, None)  # stops the server and checks its exit status
+
+
+@pytest.fixture(scope="module")
+def router(workers):
+    p, d, port = workers
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", "{port}"]
+    cmd += ["--pd-disaggregation", "--prefill", p.url, str(port), "--decode", d.url, "--log-level", "warn"]
+    proc = ServerProcess(argv=cmd, log_prefix="sglang-router-pd-")
+    proc.wait_ready(timeout=120)
+    yield proc
+    assert proc.stop() == 0, proc.log_text()
+    proc.remove_log()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint, smollm2_path):
+    with Engine(tiny_checkpoint, load_format="dummy", tokenizer_path=smollm2_path, **TINY_SERVE) as engine:
+        yield engine
+
+
+def test_answers_through_the_pd_router_equal_a_single_engines(router, workers, reference):
+    p, d, _ = workers
+    prompt = reference.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    want = reference.generate(prompt, {"max_new_tokens": 16, "temperature": 0})["text"]
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none")
+    got = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=16, temperature=0)
+    assert got.choices[0].message.content == want
+    stream = client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=16, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    text = "Once upon a time, in a village by the sea, there lived an old fisherman who"
+    body = {"text": text, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    r = httpx.post(router.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["text"] == reference.generate(text, body["sampling_params"])["text"]
+    with httpx.stream("POST", router.url + "/generate", json={**body, "stream": True}, timeout=120) as s:
+        events = sse_events(s.iter_lines())
+    assert events[-1] == "[DONE]" and events[-2]["text"] == r.json()["text"]
+    info = httpx.get(d.url + "/get_server_info").json()
+    assert info["disaggregation_mode"] == "decode" and info["disaggregation_received_tokens"] >= 32
+    for worker in (p, d):
+        with httpx.Client(base_url=worker.url, timeout=60) as c:
+            info = wait_idle(c)
+        assert info["protected_pages"] == 0 and info["free_pages"] + info["evictable_pages"] == info["num_pages"]
