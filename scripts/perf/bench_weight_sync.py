@@ -11,7 +11,7 @@ did. Memory: the process's RSS on a CPU (the device is the host), the device's b
 the first update and after the last (no second copy stays when the old weights have no other holder).
 
     python scripts/perf/bench_weight_sync.py                                   # SmolLM2 in float32, this CPU
-    python scripts/perf/bench_weight_sync.py --model llama8b-dummy --out $OUT/weight_sync.jsonl   # a GPU
+    python scripts/perf/bench_weight_sync.py --model llama8b-dummy --save-dir /tmp/l8 --out $OUT/ws.jsonl   # a GPU
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ def parse():
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "llama8b-dummy"])
     ap.add_argument("--dtype", default="float32", help="the engine's --dtype and --weight-dtype")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument(
+        "--save-dir",
+        default=None,
+        help="llama8b-dummy: write its weights here as an HF safetensors directory (in --dtype) and time from disk too",
+    )
     ap.add_argument("--out", default=None, help="JSON lines (default /tmp/bench_weight_sync_<platform>.jsonl)")
     return ap.parse_args()
 
@@ -43,6 +48,24 @@ def memory_bytes() -> int:
     import psutil
 
     return psutil.Process(os.getpid()).memory_info().rss
+
+
+def save_hf(cfg, params, path: str) -> str:
+    """The params as an HF safetensors directory in the config's dtype (what update_weights_from_disk reads)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from sgjax.model.families import hf_config_dict
+    from sgjax.model.weights import to_hf_state_dict
+
+    os.makedirs(path, exist_ok=True)
+    dtype = jnp.dtype(cfg.dtype)
+    tensors = {k: np.ascontiguousarray(np.asarray(v).astype(dtype)) for k, v in to_hf_state_dict(cfg, params).items()}
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg), f)
+    return path
 
 
 def main() -> None:
@@ -66,6 +89,8 @@ def main() -> None:
         path = None
         cfg = llama3_8b_config(args.dtype)
         params = dummy_weights(cfg)
+        if args.save_dir:
+            path = save_hf(cfg, params, args.save_dir)
         engine = Engine.from_weights(cfg, params, None, **settings)
     probe = {"input_ids": [[1, 2, 3, 4, 5, 6, 7, 8] * 4], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
     want = engine.generate(**probe)[0]["output_ids"]
