@@ -155,8 +155,8 @@ EMBED_SCALE = 4.0
 
 
 def test_sampled_tokens_follow_plain_samplings_distribution(tmp_path):
-    """Rejection sampling's promise, checked as a distribution: on a 16-token vocabulary, 600 sampled requests under
-    SELF speculation and 600 under plain decoding, with different seeds, give the same histogram of (position,
+    """Rejection sampling's promise, checked as a distribution: on a 16-token vocabulary, 300 sampled requests under
+    SELF speculation and 300 under plain decoding, with different seeds, give the same histogram of (position,
     token) by a chi-square two-sample test; drafts were accepted along the way, so the verify rows did the
     sampling. (A verify that keeps a draft it should reject fails: the model's next-token distribution depends on
     the token before.)"""
@@ -170,7 +170,7 @@ def test_sampled_tokens_follow_plain_samplings_distribution(tmp_path):
     cfg = TINY_LLAMA.replace(vocab_size=16, tie_word_embeddings=True)
     weights = dummy_weights(cfg, seed=3)
     weights = dataclasses.replace(weights, embed=weights.embed * EMBED_SCALE)
-    n, new = 600, 6
+    n, new = 300, 6
     prompt = [1, 2, 3, 4, 1, 2, 3]
     counts, accepted = [], 0
     for algo, first_seed in ((None, 0), ("SELF", 100_000)):

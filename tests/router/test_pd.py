@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation behind SGLang's own router: `sglang_router.launch_router --pd-disaggregation` in
 front of an `sgjax serve --disaggregation-mode prefill` worker (its bootstrap port named to the router) and a
 `--disaggregation-mode decode` one. The openai client's answers through the router equal a single engine's, the
-decode worker took the prompts' pages from the prefill worker, and neither keeps a page afterwards."""
+decode worker took the prompts' pages from the prefill worker, and after 50 more requests (a third of them streams
+the client drops) neither worker holds a page."""
 
 import sys
 
@@ -71,4 +72,33 @@ def test_answers_through_the_pd_router_equal_a_single_engines(router, workers, r
     for worker in (p, d):
         with httpx.Client(base_url=worker.url, timeout=60) as c:
             info = wait_idle(c)
+        assert info["protected_pages"] == 0 and info["free_pages"] + info["evictable_pages"] == info["num_pages"]
+
+
+def test_fifty_requests_with_dropped_streams_leave_no_page_on_either_worker(router, workers):
+    """Concurrent requests through the PD router, a third of them streams the client leaves early: both workers end
+    idle with every page free or cached."""
+    import concurrent.futures
+    import random
+
+    p, d, _ = workers
+    rng = random.Random(0)
+
+    def one(i: int) -> int:
+        text = f"Request {i}: " + "tell me about the weather and the sea " * rng.randint(1, 6)
+        body = {"text": text, "sampling_params": {"max_new_tokens": rng.randint(1, 24), "temperature": 0}}
+        if i % 3:
+            return httpx.post(router.url + "/generate", json=body, timeout=120).status_code
+        body["sampling_params"] = {"max_new_tokens": 400, "ignore_eos": True}
+        with httpx.stream("POST", router.url + "/generate", json={**body, "stream": True}, timeout=120) as s:
+            lines = s.iter_lines()
+            next(lines)  # one event, then the client goes
+            return s.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert set(pool.map(one, range(50))) == {200}
+    for worker in (p, d):
+        with httpx.Client(base_url=worker.url, timeout=60) as c:
+            info = wait_idle(c, timeout=120)
+        assert info["running_requests"] == info["waiting_requests"] == 0
         assert info["protected_pages"] == 0 and info["free_pages"] + info["evictable_pages"] == info["num_pages"]
