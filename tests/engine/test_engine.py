@@ -3,6 +3,8 @@ pressure, sampling, stops, streaming, logprobs and errors. What compares sgjax w
 roomy pool, seeds across batches, compile counts, the pool's limits) runs on the tiny random model (`tiny`)."""
 
 import asyncio
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -164,8 +166,20 @@ def test_logit_bias_forces_and_bans_tokens(engine):
 
 def test_steady_state_compiles_nothing(tiny_eng, prompt_ids):
     def run(params):
-        tiny_eng.flush_cache()  # the same cache state each time, hence the same batches
-        tiny_eng.generate(input_ids=prompt_ids[:6], sampling_params=params)
+        # The same cache state and all six requests queued before the first step, hence the same batches (the loop
+        # could otherwise take the first request alone while the others are still being added: another shape).
+        tiny_eng.flush_cache()
+        tiny_eng.pause_generation("in_place")
+        caller = threading.Thread(
+            target=tiny_eng.generate, kwargs=dict(input_ids=prompt_ids[:6], sampling_params=params)
+        )
+        caller.start()
+        deadline = time.monotonic() + 60
+        while tiny_eng.queued_requests() < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tiny_eng.continue_generation()
+        caller.join(120)
+        assert not caller.is_alive()
 
     run(GREEDY)
     traces = tiny_eng.get_server_info()["traces"]
