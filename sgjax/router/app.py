@@ -1,8 +1,9 @@
 """The router's HTTP app: the server's routes, answered by forwarding to the workers (`proxy.Router`).
 
-Generation routes go to one worker chosen by the policy; read-only model routes to any healthy worker; /flush_cache
-and /abort_request to all of them; /health and /get_server_info report on all of them. Errors the router makes
-itself have the server's shape (`{"error": {"message", "type", "param", "code"}}`).
+Generation routes go to one worker chosen by the policy (or by the data-parallel rank the request names); read-only
+model routes to any healthy worker; /flush_cache and /abort_request to all of them; /health and /get_server_info
+report on all of them. Errors the router makes itself have the server's shape (`{"error": {"message", "type",
+"param", "code"}}`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def build_router_app(router: Router) -> FastAPI:
         return await router.get_any("/v1/models")
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # SGLang's newer names, which sglang-router asks first
     async def model_info():
         return await router.get_any("/get_model_info")
 
@@ -86,6 +88,7 @@ def build_router_app(router: Router) -> FastAPI:
         raise ApiError(router.none_left({}), status=503, kind="unavailable")
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info():
         answers = await router.broadcast("GET", "/get_server_info")
         workers, totals = [], dict.fromkeys(_SUMMED, 0)
@@ -146,11 +149,11 @@ def build_router_app(router: Router) -> FastAPI:
 
 
 def _layout(infos: list[dict], num_workers: int) -> dict:
-    """The fleet's parallelism as one server's keys: dp_size is the workers, and tp_size / nnodes / mesh_shape are
-    theirs when every answering worker agrees (None when they differ or none answered: a router in front of
-    unlike servers has no one layout)."""
+    """The fleet as one server's keys: dp_size is the workers (sglang-router --dp-aware reads it: rank r of a request
+    is worker r), and tp_size / nnodes / mesh_shape and the model's names are theirs when every answering worker
+    agrees (None when they differ or none answered: a router in front of unlike servers has no one layout)."""
     out = {"dp_size": num_workers}
-    for key in ("tp_size", "nnodes", "mesh_shape"):
+    for key in ("tp_size", "nnodes", "mesh_shape", "model_path", "served_model_name"):
         values = [i.get(key) for i in infos]
         out[key] = values[0] if values and all(v == values[0] for v in values) else None
     return out

@@ -1,7 +1,8 @@
 """The router's state and its forwarding: which workers are up, how loaded, and how a request reaches one.
 
 A request is forwarded unchanged (body bytes, content type) and its answer comes back unchanged: a worker's 4xx keeps
-its status and body, a stream is relayed event by event. Worker failures:
+its status and body, a stream is relayed event by event. A request naming a data-parallel rank r (sglang-router
+--dp-aware's) goes to worker r, whatever the policy, without the rank field (keys.requested_rank). Worker failures:
 
 - a transport error (refused connection, reset, a worker killed mid-answer) or a 503 (the worker is shutting down)
   marks the worker down, forgets its cache in the policy, and the request goes to another worker, as long as nothing
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import httpx
 from starlette.responses import Response, StreamingResponse
 
-from sgjax.router.keys import prompt_key
+from sgjax.router.keys import prompt_key, requested_rank
 from sgjax.router.policy import Policy, WorkerView, least_loaded
 from sgjax.server.protocol import MAX_BODY_BYTES, ApiError
 
@@ -188,7 +189,10 @@ class Router:
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(f"body: larger than {MAX_BODY_BYTES} bytes", status=413)
         key = prompt_key(path, body)
+        rank, body = requested_rank(body, len(self.workers))
         headers = {"content-type": content_type or "application/json"}
+        if rank is not None:
+            return await self._forward_to_rank(rank, path, body, headers, key)
         tried: dict[str, str] = {}
         while True:
             w = await self.pick(key, tried)
@@ -199,6 +203,22 @@ class Router:
             tried[w.url] = answer  # the error: the worker is marked down; next one
             self.failovers += 1
             log.warning("request to %s failed (%s); trying another worker", w.url, answer)
+
+    async def _forward_to_rank(self, rank: int, path: str, body: bytes, headers: dict, key) -> Response:
+        """A request that names its data-parallel rank (sglang-router --dp-aware names one in every request): to
+        worker `rank` whatever the policy would pick, which still records it. That worker down is a 503, never another
+        worker: the client's router chose this one, and retries elsewhere itself."""
+        w = list(self.workers.values())[rank]
+        if not w.healthy:
+            await self.probe(w)  # it may be back before the next health round
+        if w.healthy:
+            self._dispatch(w, key)
+            answer = await self._try(w, path, body, headers, key)
+            if isinstance(answer, Response):
+                return answer
+        raise ApiError(
+            f"rank {rank}: worker {w.url} is down ({w.last_error or 'down'})", status=503, kind="unavailable"
+        )
 
     async def _try(self, w: Worker, path: str, body: bytes, headers: dict, key) -> Response | str:
         """The worker's answer, or the reason it has none (the worker is then marked down): bounded by the

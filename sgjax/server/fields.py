@@ -38,6 +38,10 @@ _FALSE = Unsupported("not supported by sgjax", (False,))
 _MM = Unsupported("this modality is not supported by sgjax")
 _PD = Unsupported("not supported by sgjax's prefill/decode disaggregation")
 _ROUTE = Meta("routing hint for multi-worker deployments; sgjax serve has one engine")
+# A data-parallel rank: SGLang's `routed_dp_rank` and its older name `data_parallel_rank`, which sglang-router
+# --dp-aware sets. One engine is rank 0 of dp_size 1 (/server_info), so that router sends it 0; the router of
+# `sgjax serve --dp-size N` reports dp_size N and sends rank r to its worker r without the field (router/keys.py).
+_RANK = Unsupported("out of range [0, 1): one engine (dp_size 1); `sgjax serve --dp-size N` routes ranks 0..N-1", (0,))
 
 # SGLang's /generate (GenerateReqInput), beyond what native_api implements.
 GENERATE = {
@@ -70,8 +74,8 @@ GENERATE = {
     "bootstrap_pair_key": _PD,
     "decode_tp_size": _PD,
     "disagg_prefill_dp_rank": _PD,
-    "data_parallel_rank": _ROUTE,
-    "routed_dp_rank": _ROUTE,
+    "data_parallel_rank": _RANK,
+    "routed_dp_rank": _RANK,
     "routing_key": _ROUTE,
     "conversation_id": _ROUTE,
     "log_metrics": Meta("sgjax's metrics count every request"),
@@ -109,7 +113,8 @@ _OPENAI_COMMON = {
     "return_token_ids": _FALSE,
     "images_config": _MM,
     "mm_processor_kwargs": _MM,
-    "data_parallel_rank": _ROUTE,
+    "data_parallel_rank": _RANK,
+    "routed_dp_rank": _RANK,
     "routing_key": _ROUTE,
     "conversation_id": _ROUTE,
     "bootstrap_pair_key": _PD,

@@ -302,3 +302,32 @@ def test_read_only_routes_do_not_move_the_policy(fleet):
             client.get(route)
         assert client.post("/generate", json={"text": "2"}).headers[WORKER_HEADER] == B  # still B's turn
         assert router.workers[A].dispatched == router.workers[B].dispatched == 1
+
+
+def test_a_request_naming_its_rank_goes_to_that_worker_without_the_field(fleet):
+    """sglang-router --dp-aware names a rank in every request: worker r serves rank r, whatever the policy."""
+    workers, make = fleet
+    client, router = make("cache_aware")  # alone, it would keep the one prompt on one worker
+    with client:
+        served = []
+        for rank in (1, 1, 0, 1):
+            r = client.post("/generate", json={"text": "the same prompt " * 8, "data_parallel_rank": rank})
+            assert r.status_code == 200, r.text
+            served.append(r.headers[WORKER_HEADER])
+        assert served == [B, B, A, B]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "routed_dp_rank": 0, "data_parallel_rank": 1}
+        assert client.post("/v1/chat/completions", json=chat).headers[WORKER_HEADER] == A  # SGLang's name wins
+        assert client.post("/generate", json={"text": "x", "data_parallel_rank": None}).status_code == 200
+        sent = workers[A].requests + workers[B].requests
+        assert len(sent) == 6 and not any("routed_dp_rank" in b for b in sent)
+        assert sum("data_parallel_rank" in b for b in sent) == 1  # the null one: no rank, passed on unchanged
+        for bad in (2, -1, "1", 1.0, True, [1]):
+            r = client.post("/generate", json={"text": "x", "data_parallel_rank": bad})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "data_parallel_rank", r.text
+            assert err["message"].startswith("data_parallel_rank: out of range [0, 2): "), err
+        assert len(workers[A].requests + workers[B].requests) == 6  # refused by the router itself
+        workers[B].mode = "down"
+        r = client.post("/generate", json={"text": "x", "data_parallel_rank": 1})
+        assert r.status_code == 503 and f"rank 1: worker {B} is down" in r.json()["error"]["message"], r.text
+        assert len(workers[A].requests) == 2  # not sent elsewhere: the client's router chose that rank
