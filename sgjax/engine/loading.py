@@ -83,6 +83,8 @@ def load_model_cached(path, dtype, load_format="auto", mesh=None, plan: StepPlan
     if plan is None:
         return _loaded(key, path, dtype, load_format, mesh, ep)
     run_key = key + (plan.weight_dtype, plan.matmul, plan.layer_loop)
+    if mesh is None and load_format == "auto" and plan.weight_dtype == block_dtype(path) == "fp8":
+        _refuse_w8a8_blocks(path, plan)
     if run_key not in RUN_WEIGHTS:
         if mesh is None and load_format == "auto" and plan.weight_dtype == block_dtype(path):
             RUN_WEIGHTS[run_key] = read_for_plan(path, dtype, plan)
@@ -104,6 +106,17 @@ def forget(weights: Weights) -> None:
             del MODELS[key]
 
 
+def _refuse_w8a8_blocks(path, plan: StepPlan) -> None:
+    from sgjax.model.loader import hf_quantization
+    from sgjax.model.paths import resolve_model_path
+
+    if plan.fp8_activations and hf_quantization(resolve_model_path(path)) == "block":
+        raise ValueError(
+            "quantization 'w8a8_fp8' quantizes activations per token against row scales; this checkpoint is "
+            "block-scaled: serve it with --quantization fp8 (w8a16)"
+        )
+
+
 def read_for_plan(path, dtype, plan: StepPlan, mesh=None):
     """(cfg, weights as `plan`'s step reads them) read from `path` now, uncached (Engine.update_weights_from_disk):
     a GGUF whose blocks are the plan's weight dtype, or an fp8 checkpoint, kept as stored, as at start."""
@@ -112,6 +125,7 @@ def read_for_plan(path, dtype, plan: StepPlan, mesh=None):
 
     if mesh is None and plan.weight_dtype == block_dtype(path):
         if plan.weight_dtype == "fp8":  # an fp8 HF checkpoint's own matrices
+            _refuse_w8a8_blocks(path, plan)
             cfg, weights = load_hf_dir(resolve_model_path(path), dtype, keep_fp8=True)
         else:
             cfg, weights = load_gguf(resolve_model_path(path), dtype, keep_blocks=True)

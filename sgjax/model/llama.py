@@ -91,11 +91,15 @@ def dot(h, w, nk: bool = False, out_dtype=None, fp8_activations: bool = False):
     fp8_activations: an fp8 matrix's product quantizes h per token as well (w8a8; else w8a16)."""
     out_dtype = out_dtype or h.dtype
     if isinstance(w, Fp8Matrix) and fp8_activations:
+        if w.grouped:  # loading refuses w8a8 over a block-scaled checkpoint first (engine/loading.py)
+            raise ValueError("w8a8 products take fp8 matrices with a scale per row, not per block")
         return w8a8_dot(h, w, out_dtype)
-    if isinstance(w, Fp8Matrix) or (isinstance(w, Int8Matrix) and not w.grouped):
+    if isinstance(w, (Fp8Matrix, Int8Matrix)) and not w.grouped:
         # bf16 holds every int8 and every e4m3 value exactly; the scale is per output row
         out = dot(h.astype(jnp.bfloat16), w.q.astype(jnp.bfloat16), True, jnp.float32)
         return (out * w.scale).astype(out_dtype)
+    if isinstance(w, Fp8Matrix):  # block scales: widened to the activations' dtype (a float32 model's exactly)
+        return dot(h, w.widened(h.dtype), True, out_dtype)
     if is_quantized(w):  # [out, in] always; scales per group along a row
         return dot(h.astype(jnp.bfloat16), w.widened(jnp.bfloat16), True, out_dtype)
     if w.dtype == h.dtype and not nk:

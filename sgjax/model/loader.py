@@ -171,6 +171,8 @@ def load_hf_dir(
 
     cfg = config_from_hf_dir(path, dtype)
     quantized = hf_quantization(path) is not None
+    with open(os.path.join(path, "config.json")) as f:
+        block = fp8_checkpoint.block_size(json.load(f))
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelNotFoundError(f"{path} has no *.safetensors files")
@@ -187,8 +189,9 @@ def load_hf_dir(
     def get(name):
         try:
             a = where[name].get_tensor(name)
-            if quantized and name.endswith(".weight") and name + "_scale" in where:
-                m = fp8_checkpoint.fp8_matrix(a, where[name + "_scale"].get_tensor(name + "_scale"), name)
+            scale = fp8_checkpoint.scale_name(name, where) if quantized and name.endswith(".weight") else None
+            if scale is not None:
+                m = fp8_checkpoint.fp8_matrix(a, where[scale].get_tensor(scale), name, block)
                 return m if keep_fp8 else m.widened(np.float32)
             return np.asarray(a, dtype=np.float32)
         except Exception as e:

@@ -57,7 +57,11 @@ class Int8Matrix:
 class Fp8Matrix:
     """--weight-dtype fp8 (SGLang's --quantization fp8, weights only: w8a16): q float8_e4m3fn[..., N, K] ([out, in])
     and scale f32[..., N], one per output row (the row's largest magnitude / 448, e4m3's largest finite value), so
-    w ~ q * scale. A product widens q to bf16 (every e4m3 value is exact there) and scales its output rows."""
+    w ~ q * scale. A product widens q to bf16 (every e4m3 value is exact there) and scales its output rows.
+
+    A block-scaled checkpoint's matrix (weight_block_size [bn, bk], model/fp8_checkpoint.py) keeps its scales per
+    K-group instead: scale f32[..., N, K / bk] (each row repeats its row block's scales; `grouped`), and a product
+    widens the matrix with them."""
 
     q: jax.Array
     scale: jax.Array
@@ -70,11 +74,22 @@ class Fp8Matrix:
     def dtype(self):
         return self.q.dtype
 
+    @property
+    def grouped(self) -> bool:
+        """Scales per group of a row (a block-scaled checkpoint's), not per row."""
+        return self.scale.ndim == self.q.ndim
+
     def rows(self, ids):
         return Fp8Matrix(self.q[ids], self.scale[ids]).widened(jnp.float32)
 
     def widened(self, dtype=jnp.float32):
-        return (self.q.astype(jnp.float32) * self.scale[..., None]).astype(dtype)
+        xp = np if isinstance(self.q, np.ndarray) else jnp
+        q = self.q.astype(xp.float32)
+        if not self.grouped:
+            return (q * self.scale[..., None]).astype(dtype)
+        groups = self.scale.shape[-1]
+        out = q.reshape(*q.shape[:-1], groups, q.shape[-1] // groups) * self.scale[..., None]
+        return out.reshape(q.shape).astype(dtype)
 
 
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite magnitude

@@ -297,12 +297,13 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
 
 def quantized_axes(name: str, a, axes: tuple[str, ...]):
     """An Fp8Matrix's axes: q [..., out, in] as its float matrix's axes swapped, the scale [..., out] its output
-    axis, so a matrix sharded on either axis keeps each row's scale beside the row. Other quantized formats (int8,
+    axis (a block-scaled one's [..., out, in / bk] both), so a matrix sharded on either axis keeps each row's scale
+    beside the row. Other quantized formats (int8,
     int4: blocks along the input axis) are not sharded."""
     if not isinstance(a, Fp8Matrix) or not LEAF[name].transposed:
         raise ValueError(f"{name}: {type(a).__name__} matrices cannot be sharded (tensor parallelism shards fp8 only)")
     lead, (inp, out) = axes[:-2], axes[-2:]
-    return Fp8Matrix(lead + (out, inp), lead + (out,))
+    return Fp8Matrix(lead + (out, inp), lead + ((out, inp) if a.grouped else (out,)))
 
 
 def logical_axes(weights: Weights) -> Weights:
