@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
-from sgjax.kernels.kv_pool import write_kv
+from sgjax.kernels.kv_pool import is_fp8, write_kv
 from sgjax.kernels.metadata import AttentionMetadata
 from sgjax.kernels.pallas_tpu_kernel import sgjax_tpu_attention
 
@@ -71,6 +71,8 @@ def pallas_tpu_attention(
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
     op = op or ragged_paged_attention
     kwargs = {k: x for k, x in (("sliding_window", window), ("soft_cap", softcap)) if x}
+    if is_fp8(pool.dtype):  # jax's kernel widens fp8 pages to the queries' dtype given scales (ours: outside it)
+        kwargs.update(k_scale=1.0, v_scale=1.0)
     if num_kv_pages_per_block is not None:
         kwargs.update(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=num_queries_per_block)
     out = op(q, *tpu_operands(pool, layer, meta), sm_scale=sm_scale, **kwargs)

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from sgjax.kernels import ragged_blocks as rb
-from sgjax.kernels.kv_pool import write_kv
+from sgjax.kernels.kv_pool import read_pool, write_kv
 from sgjax.kernels.metadata import AttentionMetadata
 
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so a fully masked row never makes inf - inf
@@ -124,7 +124,7 @@ def _kernel(
             for c in tile_copies(tile + 1, 1 - slot):
                 c.start()
 
-        k, v = k_buf[slot], v_buf[slot]
+        k, v = read_pool(k_buf[slot], q.dtype), read_pool(v_buf[slot], q.dtype)  # an fp8 pool widened in VMEM
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         if softcap:
             s = softcap * jnp.tanh(s / softcap)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sgjax.engine import kv_calibrate
 from sgjax.engine.args import ENGINE_FLAGS, ServerArgs
 from sgjax.router import launch as router
 from sgjax.server.args import HTTP_FLAGS, HttpArgs
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Data parallelism (sgjax/router, docs/router.md): `serve --dp-size N --router-policy P` and `sgjax router`.
     router.add_dp_flags(serve)
     router.add_router_command(commands)
+    kv_calibrate.add_command(commands)
     return parser
 
 
@@ -48,7 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if ns.command == "serve" and getattr(ns, "dp_size", 1) > 1 and ns.nnodes > 1:
         raise SystemExit("sgjax serve: --dp-size with --nnodes > 1 is not supported yet")
-    if ns.command == "router" or getattr(ns, "dp_size", 1) > 1:
+    if ns.command == "kv-scales":
+        kv_calibrate.main(ns)
+    elif ns.command == "router" or getattr(ns, "dp_size", 1) > 1:
         router.main(ns)
     elif ns.command == "serve":
         from sgjax.server.launch import serve  # the engine, jax and the model code: not for `sgjax --help`

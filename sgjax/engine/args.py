@@ -36,6 +36,9 @@ class ServerArgs:
     # w8a16_int8 (weights only). Other methods are refused by name. --weight-dtype fp8 is fp8 as well.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto (bfloat16 beside narrowed matrices on a CPU), float32, bfloat16, fp8_e4m3/e5m2
+    # An fp8 KV pool's scales per layer (SGLang's and vLLM's JSON; model/kv_scales.py): None reads the checkpoint's own
+    # k_scale / v_scale tensors where it has them, else 1.0.
+    quantization_param_path: str | None = None
     # Refuse to start unless a request's greedy tokens cannot depend on the other requests of its steps (SGLang's
     # flag; the plan says which runs promise it: engine/plan.py, docs/engine.md).
     enable_deterministic_inference: bool = False
@@ -190,8 +193,17 @@ ENGINE_FLAGS = [
             help="KV cache dtype: auto (--dtype's when given; bfloat16 for a float32 model on a CPU "
             "where auto narrowed the matrices; else the model's), the model's, or bfloat16 "
             "under a float32 model (cpu and ref attention: keys and values stored rounded, "
-            "scores in float32); fp8_e4m3 / fp8_e5m2: keys and values stored in fp8 (saturated at its "
-            "range, no scale) and widened as attention reads them (ref and pallas backends)",
+            "scores in float32); fp8_e4m3 / fp8_e5m2: keys and values stored in fp8 (divided by a scale per "
+            "layer: --quantization-param-path's, the checkpoint's k_scale / v_scale, else 1.0; saturated at the "
+            "format's range) and widened as attention reads them (ref and pallas backends)",
+        ),
+    ),
+    (
+        "quantization_param_path",
+        dict(
+            help='an fp8 KV cache\'s scales: SGLang\'s and vLLM\'s JSON ({"kv_cache": {"dtype": ..., '
+            '"scaling_factor": {rank: {layer: scale}}}}), e.g. written by `sgjax kv-scales`; needs '
+            "--kv-cache-dtype fp8_e4m3 / fp8_e5m2",
         ),
     ),
     (

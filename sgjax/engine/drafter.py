@@ -48,7 +48,7 @@ def load_draft(args, cfg: ModelConfig):
             f"speculative_draft_model_path: the draft's vocabulary ({dcfg.vocab_size} tokens) must be the "
             f"target's ({cfg.vocab_size})"
         )
-    dargs = replace(args, model_path=path, speculative_algorithm=None)
+    dargs = replace(args, model_path=path, speculative_algorithm=None, quantization_param_path=None)  # the target's
     plan = resolve(dargs, dcfg, Machine.here(), block_dtype=block_dtype(path))
     dcfg, weights = load_model_cached(path, cfg.dtype, plan=plan)
     return dcfg, plan, weights

@@ -23,7 +23,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from sgjax.engine.args import DTYPES, ServerArgs
+from sgjax.model import kv_scales
 from sgjax.model.config import ModelConfig
+from sgjax.model.kv_scales import KvScales
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "fp8")
 # SGLang's --quantization values built here -> the matrices' dtype (the activations: _fp8_activations)
@@ -31,7 +33,8 @@ QUANTIZATIONS = {"fp8": "fp8", "w8a8_fp8": "fp8", "w8a16_int8": "int8", "int8": 
 KV_DTYPES = ("float32", "bfloat16")
 BF16_POOL_BACKENDS = ("cpu", "ref")  # the attention backends that read a bf16 pool under float32 queries
 FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # SGLang's names: the pool's dtype
-# the backends that widen an fp8 pool to the queries' dtype as they read it (pallas: its Triton kernel on GPUs)
+# the backends that widen an fp8 pool to the queries' dtype as they read it (pallas: the Triton kernel on GPUs, jax's
+# and ours on TPUs)
 FP8_POOL_BACKENDS = ("ref", "pallas")
 # A GGUF's layer matrix types -> the weight dtype that holds them exactly (loading.block_dtype).
 BLOCK_DTYPES = {
@@ -96,6 +99,7 @@ class StepPlan:
     expert_parallel: bool = False  # whole experts per device (--ep-size = --tp-size)
     batch_invariant: bool = False  # a row's result never depends on the other rows of its step
     fp8_activations: bool = False  # fp8 matrices' products quantize their rows to e4m3 per token (w8a8)
+    kv_scales: KvScales | None = None  # an fp8 pool's scales per layer (model/kv_scales.py); None: 1.0
     auto: tuple[str, ...] = ()  # the settings auto chose, as "name=value"
 
     @property
@@ -121,11 +125,13 @@ class StepPlan:
             moe_kernel=self.moe_kernel,
             expert_parallel=self.expert_parallel,
             fp8_activations=self.fp8_activations,
+            kv_scales=self.kv_scales,  # constants of the program
         )
 
     def describe(self) -> dict:
         """The plan as /server_info and the startup log show it."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["kv_scales"] = self.kv_scales.describe() if self.kv_scales else None
         out["auto"] = list(self.auto)
         out["matrix_layout"] = self.matrix_layout
         out["sampler"] = "static" if self.static_sampler else "on_device"
@@ -201,6 +207,7 @@ def resolve(
         expert_parallel=cfg.is_moe and args.ep_size > 1,
         batch_invariant=invariant,
         fp8_activations=_fp8_activations(args, weight_dtype, machine, chosen),
+        kv_scales=_kv_scales(args, cfg, kv_dtype),
         auto=tuple(chosen),
     )
     if args.enable_deterministic_inference and not invariant:
@@ -260,10 +267,10 @@ def _fp8_activations(args, weight_dtype, machine, chosen) -> bool:
 def _kv_dtype(args, dtype, weight_dtype, attention, machine, chosen) -> str:
     given = args.kv_cache_dtype
     if given in FP8_KV_DTYPES:
-        if attention not in FP8_POOL_BACKENDS or machine.platform == "tpu":
+        if attention not in FP8_POOL_BACKENDS:
             raise ValueError(
                 f"kv_cache_dtype {given!r} needs an attention backend that reads an fp8 pool "
-                f"({', '.join(FP8_POOL_BACKENDS)}; not the TPU kernel yet), not {attention!r} on {machine.platform}"
+                f"({', '.join(FP8_POOL_BACKENDS)}), not {attention!r} on {machine.platform}"
             )
         return FP8_KV_DTYPES[given]
     if given not in ("auto", *KV_DTYPES):
@@ -296,6 +303,28 @@ def _kv_dtype(args, dtype, weight_dtype, attention, machine, chosen) -> str:
                 f"a bf16 pool with float32 queries ({', '.join(BF16_POOL_BACKENDS)}), not {attention!r}"
             )
     return given
+
+
+def _kv_scales(args, cfg: ModelConfig, kv_dtype: str) -> KvScales | None:
+    """An fp8 pool's scales: --quantization-param-path's, else the checkpoint's own (model/kv_scales.py)."""
+    if kv_dtype not in FP8_KV_DTYPES.values():
+        if args.quantization_param_path:
+            raise ValueError(
+                "quantization_param_path: KV cache scales need --kv-cache-dtype fp8_e4m3 or fp8_e5m2, "
+                f"the pool is {kv_dtype}"
+            )
+        return None
+    if args.quantization_param_path:
+        return kv_scales.from_json(
+            args.quantization_param_path, kv_dtype, cfg.num_layers, cfg.num_kv_heads, args.tp_size
+        )
+    from sgjax.model.paths import resolve_model_path
+
+    try:
+        path = resolve_model_path(args.model_path) if args.model_path else None
+    except FileNotFoundError:  # the loader reports it
+        return None
+    return kv_scales.from_checkpoint(path, cfg.num_layers, cfg.num_kv_heads)
 
 
 def _default_attention(platform: str, machine: Machine, kv_cache_dtype: str, chosen: list[str]) -> str:

@@ -18,6 +18,7 @@ from sgjax.engine.shared import Shared
 from sgjax.engine.step import DeviceState, StepShape, unpack
 from sgjax.fsm.device import unpack_bits
 from sgjax.kernels import get_backend
+from sgjax.model import kv_scales
 from sgjax.model.config import ModelConfig
 from sgjax.model.llama import XLA, XLA_W8A8, embed_lookup, forward
 
@@ -85,6 +86,8 @@ def forward_parts(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | No
     attend = get_backend(plan.attention)
     if mesh is not None:
         attend = tp.sharded_attention(attend, mesh)
+    if plan.kv_scales is not None:  # an fp8 pool's scales, around the backend (model/kv_scales.py)
+        attend = kv_scales.scaled(attend, plan.kv_scales)
     return attend, tp.experts_for(cfg, mesh, plan.moe_kernel, plan.expert_parallel), ops_for(plan)
 
 

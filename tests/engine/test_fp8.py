@@ -4,6 +4,9 @@ references, which leaves they take, the plan and the flag's table, and the engin
 float32 pool / one device on the tiny model and the real SmolLM2 (the fp8 pool's kernels:
 tests/kernels/test_fp8_pool.py)."""
 
+import dataclasses
+import json
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -13,6 +16,7 @@ from sgjax.engine import mesh as tp
 from sgjax.engine.args import ServerArgs
 from sgjax.engine.engine import Engine
 from sgjax.engine.plan import Machine, resolve
+from sgjax.model import kv_scales
 from sgjax.model.quant import E4M3_MAX, Fp8Matrix, quantize_fp8, w8a8_dot
 from sgjax.model.weights import DENSE_LEAVES, TOP_MATRICES, cast_matrices, matrices_dtype
 from tests.conftest import SMALL
@@ -173,13 +177,22 @@ def test_tiny_engine_with_an_fp8_kv_cache_stays_close_to_float32(tiny, kv):
     assert 0 < diff.mean() < 0.06 * bound and diff.max() < 0.3 * bound, (diff.mean(), diff.max())
 
 
-def test_real_smollm2_fp8_kv_cache_keeps_the_greedy_answers(smollm2):
+def test_real_smollm2_fp8_kv_cache_keeps_the_greedy_answers(smollm2, smollm2_path, tmp_path):
+    """Unscaled, and with scales `sgjax kv-scales` measured on the real model (its command line, a prompts file)."""
+    from sgjax.cli import main
+
     cfg, weights, tok = smollm2
+    lines, out = tmp_path / "prompts.txt", tmp_path / "scales.json"
+    lines.write_text("Tell me about Paris.\nWrite a Python function.\nWhat is 2 + 2?\n")
+    main(["kv-scales", "--model-path", smollm2_path, "--prompts-file", str(lines), "--out", str(out)])
+    scales = kv_scales.from_json(str(out), "float8_e4m3fn", cfg.num_layers, cfg.num_kv_heads)
+    assert len(scales.k) == cfg.num_layers and all(0 < s < 1 for s in scales.k)  # keys well under 448
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    with Engine.from_weights(cfg, weights, tok, **{**SMALL, "kv_cache_dtype": "fp8_e4m3"}) as eng:
-        assert eng.get_server_info()["step_plan"]["kv_dtype"] == "float8_e4m3fn"
-        texts = [o["text"] for o in eng.generate(prompts, sampling_params={"max_new_tokens": 8, "temperature": 0})]
-    assert texts[0].startswith(" Paris") and texts[1].startswith("\n    if n == "), texts
+    for extra in ({}, {"quantization_param_path": str(out)}):
+        with Engine.from_weights(cfg, weights, tok, **{**SMALL, "kv_cache_dtype": "fp8_e4m3", **extra}) as eng:
+            assert eng.get_server_info()["step_plan"]["kv_dtype"] == "float8_e4m3fn"
+            texts = [o["text"] for o in eng.generate(prompts, sampling_params={"max_new_tokens": 8, "temperature": 0})]
+        assert texts[0].startswith(" Paris") and texts[1].startswith("\n    if n == "), texts
 
 
 def test_tensor_parallel_fp8_equals_one_device(tiny):
@@ -202,5 +215,150 @@ def test_tensor_parallel_fp8_equals_one_device(tiny):
                 # the accelerators' unrolled layers keep each slice's partitioning
                 first = tp.unstack_placed(eng.runner.weights, eng.runner.mesh).layers[0].wq
                 assert first.q.sharding.shard_shape(first.q.shape)[0] == first.q.shape[0] // 2
+            runs[tp_size] = workload(eng)
+    assert_same(runs[2], runs[1])
+
+
+# -- an fp8 pool's scales (model/kv_scales.py) ------------------------------------------------------------------
+def rescaled(tiny, which: str, by: float = 1000.0):
+    """The tiny model computing the same function with its keys `by` times larger (queries `by` times smaller), or
+    its values `by` times smaller (the output projection `by` times larger): in float32 the same logits; in an
+    unscaled e4m3 pool the keys saturate at 448, or the values fall below its smallest steps."""
+    cfg, w, tok = tiny
+    layers = w.layers
+    if which == "keys":
+        layers = dataclasses.replace(layers, wq=layers.wq / by, wk=layers.wk * by)
+    else:
+        layers = dataclasses.replace(layers, wv=layers.wv / by, wo=layers.wo * by)
+    return cfg, dataclasses.replace(w, layers=layers), tok
+
+
+def prompt_logprobs(eng, prompts):
+    outs = eng.generate(
+        input_ids=prompts,
+        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    return np.array([lp for o in outs for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]])
+
+
+def test_scaled_attention_equals_unscaled_and_stores_scaled_keys_and_values():
+    """kv_scales.scaled around the ref backend over a float32 pool: the same output as the backend alone (the
+    scales cancel), the pool holding k / ks and v / vs, per layer and per KV head (query heads take their KV
+    head's)."""
+    from sgjax.kernels import AttentionMetadata, allocate_pool, ref_attention
+
+    rng = np.random.default_rng(0)
+    t, hq, hkv, d, layers = 6, 4, 2, 8, 3
+    q, k, v = (jnp.asarray(rng.normal(size=(t, h, d)), jnp.float32) for h in (hq, hkv, hkv))
+    meta = AttentionMetadata(  # one request of 6 tokens on pages 1 and 2 (page size 4)
+        slot_mapping=jnp.arange(4, 4 + t, dtype=jnp.int32),
+        cu_q_lens=jnp.array([0, t], jnp.int32),
+        kv_lens=jnp.array([t], jnp.int32),
+        page_table=jnp.array([[1, 2]], jnp.int32),
+    )
+    scales = kv_scales.KvScales(k=(1.0, (0.5, 4.0), 2.0), v=(1.0, (3.0, 0.25), 0.5), source="test")
+    pool = allocate_pool(layers, 4, 4, hkv, d)
+    want, _ = ref_attention(q, k, v, pool, 1, meta, sm_scale=0.3)
+    got, pool = kv_scales.scaled(ref_attention, scales)(q, k, v, pool, jnp.int32(1), meta, sm_scale=0.3)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    stored = np.asarray(pool[1, 1:3]).reshape(8, 2 * hkv, d)[:t]
+    np.testing.assert_allclose(stored[:, 0::2], np.asarray(k) / np.array([0.5, 4.0])[None, :, None], rtol=1e-6)
+    np.testing.assert_allclose(stored[:, 1::2], np.asarray(v) / np.array([3.0, 0.25])[None, :, None], rtol=1e-6)
+
+
+def test_kv_scales_file_is_read_and_checked(tmp_path):
+    def write(doc):
+        path = tmp_path / "scales.json"
+        path.write_text(json.dumps(doc))
+        return str(path)
+
+    doc = {"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.5, "1": 2.0}}}}
+    s = kv_scales.from_json(write(doc), "float8_e4m3fn", num_layers=2, num_kv_heads=4)
+    assert s.k == s.v == (0.5, 2.0)
+    np.testing.assert_array_equal(s.tables(4)[0], [[0.5] * 4, [2.0] * 4])
+    # one set per TP rank: each rank's KV heads take its scales
+    ranks = {"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 1.0}, "1": {"0": 3.0}}}}
+    s = kv_scales.from_json(write(ranks), "float8_e4m3fn", num_layers=1, num_kv_heads=4, tp_size=2)
+    np.testing.assert_array_equal(s.tables(4)[0], [[1.0, 1.0, 3.0, 3.0]])
+    np.testing.assert_array_equal(s.tables(8)[1], [[1.0] * 4 + [3.0] * 4])  # KV heads copied for tp 8
+    for bad, message in (
+        ({**doc, "kv_cache": {**doc["kv_cache"], "dtype": "float8_e5m2"}}, "float8_e5m2 cache"),
+        ({"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.5}}}}, "scales for 1 layers"),
+        ({"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": -1, "1": 1}}}}, "positive"),
+        ({"kv_cache": {"dtype": "float8_e4m3fn"}}, "not a KV cache scales file"),
+        (ranks, "one TP rank's scales or 1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            kv_scales.from_json(write(bad), "float8_e4m3fn", num_layers=2, num_kv_heads=4)
+
+
+@pytest.mark.parametrize("which", ["keys", "values"])
+def test_calibrated_scales_keep_an_fp8_pool_close_where_unscaled_it_breaks(tiny, tmp_path, which):
+    """Keys 1000x larger, or values 1000x smaller (the same float32 function): an unscaled e4m3 pool saturates the
+    keys or loses the values; scales calibrated from a float32 pool of the same prompts (`calibrate`, the file
+    --quantization-param-path reads) bring its logprobs back within the unscaled test's bound on the original
+    model; the plan names their source. Asking for scales without an fp8 pool is refused by name."""
+    model = rescaled(tiny, which)
+    prompts = [[5, 9, 27, 101, 3, 77, 12], list(range(200, 231)), list(range(1000, 1040, 3))]
+    with tiny_engine(model, attention_backend="ref") as eng:
+        reference = prompt_logprobs(eng, prompts)
+        doc = eng._call(lambda: kv_scales.calibrate(eng.runner.state.pool, "float8_e4m3fn"))
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps(doc))
+    diffs = {}
+    for name, extra in (("unscaled", {}), ("scaled", {"quantization_param_path": str(path)})):
+        with tiny_engine(model, kv_cache_dtype="fp8_e4m3", **extra) as eng:
+            diffs[name] = np.abs(prompt_logprobs(eng, prompts) - reference)
+            source = eng.get_server_info()["step_plan"]["kv_scales"]
+        assert (source is None) == (name == "unscaled"), source
+    assert "quantization_param_path scales.json" in source
+    # keys: 0.40 unscaled, 0.036 scaled (values: far more unscaled)
+    assert diffs["unscaled"].mean() > 0.25, diffs["unscaled"].mean()
+    scaled = diffs["scaled"]
+    assert scaled.mean() < 0.06 and scaled.max() < 0.3, (scaled.mean(), scaled.max())
+    with pytest.raises(ValueError, match="quantization_param_path: KV cache scales need --kv-cache-dtype"):
+        tiny_engine(model, quantization_param_path=str(path))
+
+
+def test_the_checkpoints_own_kv_scales_are_read(tmp_path):
+    """An HF directory with `self_attn.k_scale` / `v_scale` tensors (vLLM's names) gives an fp8 pool its scales;
+    one layer's missing is refused by name."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.model.hf_tiny import write_tiny
+
+    write_tiny("llama-gqa4", str(tmp_path))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    layers = 3
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = np.float32([0.25 * (i + 1)])
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = np.array(0.5, np.float32)  # a 0-d one
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    serve = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_total_tokens=512, max_running_requests=4)
+    with Engine(str(tmp_path), kv_cache_dtype="fp8_e4m3", attention_backend="ref", **serve) as eng:
+        plan = eng.get_server_info()["step_plan"]
+        out = eng.generate(input_ids=[[5, 9, 27, 101]], sampling_params={"max_new_tokens": 3, "temperature": 0})
+    assert plan["kv_scales"] == "checkpoint (3 layers, 0.25 to 0.75)" and len(out[0]["output_ids"]) == 3
+    s = kv_scales.from_checkpoint(str(tmp_path), layers, 2)
+    assert s.k == (0.25, 0.5, 0.75) and s.v == (0.5,) * 3
+    del tensors["model.layers.2.self_attn.v_scale"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="KV cache scales are incomplete"):
+        kv_scales.from_checkpoint(str(tmp_path), layers, 2)
+
+
+def test_tensor_parallel_scaled_fp8_pool_equals_one_device(tiny, tmp_path):
+    from tests.engine.test_tp import assert_same, workload
+
+    cfg = tiny[0]
+    layers = {str(i): 0.05 * (i + 1) for i in range(cfg.num_layers)}
+    doc = {"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": layers}}}
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps(doc))
+    runs = {}
+    for tp_size in (1, 2):
+        with tiny_engine(tiny, kv_cache_dtype="fp8_e4m3", quantization_param_path=str(path), tp_size=tp_size) as eng:
             runs[tp_size] = workload(eng)
     assert_same(runs[2], runs[1])

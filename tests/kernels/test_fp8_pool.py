@@ -55,6 +55,7 @@ BACKENDS = {
     "ref-segment": functools.partial(ref_attention, strategy="segment"),
     "ref-paged": functools.partial(ref_attention, strategy="paged"),
     "pallas": pallas_attention,  # the Triton kernel (interpret mode on a CPU)
+    "pallas-tpu": functools.partial(pallas_attention, platform="tpu", tpu_kernel="sgjax", interpret=True),  # ours
 }
 
 
@@ -75,7 +76,7 @@ def test_backends_read_an_fp8_pool_exactly(backend, fmt, case):
     np.testing.assert_array_equal(flat[slots, 1::2], np.asarray(v)[:total])
 
 
-@pytest.mark.parametrize("backend", ["ref-paged", "pallas"])
+@pytest.mark.parametrize("backend", ["ref-paged", "pallas", "pallas-tpu"])
 def test_bf16_queries_over_an_fp8_pool(backend):
     """The GPU's combination: bf16 activations, e4m3 pages widened to bf16 (not the probabilities narrowed to fp8)."""
     args, expected, total = fp8_case("mixed", "e4m3", q_dtype=jnp.bfloat16)

@@ -59,7 +59,7 @@ def test_operands_offset_pages_by_layer():
     np.testing.assert_array_equal(num_seqs, [2])
 
 
-def _export_for_tpu(attend, t, reqs, head_dim, dtype, heads=16, kv_heads=4, **config):
+def _export_for_tpu(attend, t, reqs, head_dim, dtype, heads=16, kv_heads=4, pool_dtype=None, **config):
     """jax.export of one attention call for platform "tpu" (the Pallas -> Mosaic lowering runs on CPU)."""
     layers, pages, page_size, per_req = 2, 64, 16, 8
     spec = jax.ShapeDtypeStruct
@@ -73,7 +73,7 @@ def _export_for_tpu(attend, t, reqs, head_dim, dtype, heads=16, kv_heads=4, **co
         spec((t, heads, head_dim), dtype),
         spec((t, kv_heads, head_dim), dtype),
         spec((t, kv_heads, head_dim), dtype),
-        spec((layers, pages, page_size, 2 * kv_heads, head_dim), dtype),
+        spec((layers, pages, page_size, 2 * kv_heads, head_dim), pool_dtype or dtype),
         spec((), jnp.int32),
         meta,
     )
@@ -138,6 +138,16 @@ def test_own_kernel_through_the_backend():
 def test_own_kernel_lowers_to_mosaic(t, reqs, head_dim, dtype):
     text = _export_for_tpu(sgjax_tpu_attention, t, reqs, head_dim, dtype)
     assert "tpu_custom_call" in text and "sgjax_ragged_paged_attention" in text
+
+
+@pytest.mark.parametrize("kernel", ["jax", "sgjax"])
+def test_an_fp8_pool_lowers_to_mosaic_for_tpu(kernel):
+    """bf16 queries over an e4m3 pool: jax's kernel given k_scale / v_scale (it widens the pages then), ours
+    widening its VMEM tiles (executed in interpret mode: tests/kernels/test_fp8_pool.py)."""
+    attend = functools.partial(pallas_tpu_attention, tpu_kernel=kernel)
+    blocks = dict(num_kv_pages_per_block=4, num_queries_per_block=16) if kernel == "jax" else {}  # no TPU to tune for
+    text = _export_for_tpu(attend, 64, 8, 128, jnp.bfloat16, pool_dtype=jnp.float8_e4m3fn, **blocks)
+    assert "tpu_custom_call" in text and "f8E4M3FN" in text
 
 
 def test_own_kernel_default_config():
