@@ -206,6 +206,11 @@ def dummy_weights(
     return place_weights(cfg, W.dummy_weights(cfg, seed, shardings=flat), mesh, shard_vocab, expert_parallel)
 
 
+def local_value(x):
+    """A replicated step output as this process can read it: across hosts, its copy on a local device."""
+    return x if x.is_fully_addressable else x.addressable_data(0)
+
+
 # -- attention under shard_map ---------------------------------------------------------------------------------
 def shard_map(f, mesh: Mesh, in_specs, out_specs):
     """jax.shard_map (jax >= 0.7) or jax.experimental.shard_map on older jax; replication checks off (the Pallas

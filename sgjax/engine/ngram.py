@@ -128,3 +128,27 @@ def num_draft_tokens(args) -> int:
             f"{args.speculative_num_draft_tokens}"
         )
     return args.speculative_num_draft_tokens
+
+
+def commit_draft(w, token: int, logprob: float, top, stats) -> None:
+    """Record a verified draft (engine/scheduler.commit): the drafted tokens that stand (`accepted`), then the
+    sample of the row after them (the last row's when all stand). The rejected rows' KV lies past kv_len, where the
+    next tokens overwrite it. `stats`: the scheduler's Stats (speculation counters)."""
+    req = w.req
+    sampled = [t for t, _, _ in w.draft_results] + [token]
+    n = accepted(w.draft, sampled)
+    new = sampled[: n + 1]
+    req.kv_len = w.start + 1 + n
+    req.output_ids.extend(new)
+    req.new_tokens = len(new)
+    if req.return_logprob:
+        rows = w.draft_results[: n + 1] + ([(token, logprob, top)] if n == len(w.draft) else [])
+        req.output_logprobs.extend((float(lp), t) for t, lp, _ in rows)
+        req.output_top_logprobs.extend(tops for _, _, tops in rows)
+    req.spec_steps += 1
+    req.spec_accepted += n
+    stats.spec_rows, stats.spec_drafted, stats.spec_accepted = (
+        stats.spec_rows + 1,
+        stats.spec_drafted + len(w.draft),
+        stats.spec_accepted + n,
+    )

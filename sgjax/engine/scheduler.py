@@ -356,7 +356,7 @@ class Scheduler:
             if req.finished:  # finished or aborted while this step ran (the overlap loop): its row is dropped
                 continue
             if w.draft:
-                self._commit_draft(w, tokens[i], logprobs[i], top[i] if top is not None else None)
+                ngram.commit_draft(w, tokens[i], logprobs[i], top[i] if top is not None else None, self.stats)
                 updated.append(req)
                 continue
             if w.decode:  # most rows at scale: what the general path below does for a decode row, directly
@@ -412,30 +412,6 @@ class Scheduler:
         self.stats.tree_seconds += t_tree
         self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay)
         return updated
-
-    def _commit_draft(self, w: Work, token: int, logprob: float, top) -> None:
-        """A verified draft (ngram.accepted): the drafted tokens that stand, then the sample of the row after them
-        (the last row's when all stand). The rejected rows' KV lies past kv_len, where the next tokens overwrite
-        it."""
-        req = w.req
-        sampled = [t for t, _, _ in w.draft_results] + [token]
-        accepted = ngram.accepted(w.draft, sampled)
-        new = sampled[: accepted + 1]
-        req.kv_len = w.start + 1 + accepted
-        req.output_ids.extend(new)
-        req.new_tokens = len(new)
-        if req.return_logprob:
-            rows = w.draft_results[: accepted + 1] + ([(token, logprob, top)] if accepted == len(w.draft) else [])
-            req.output_logprobs.extend((float(lp), t) for t, lp, _ in rows)
-            req.output_top_logprobs.extend(tops for _, _, tops in rows)
-        req.spec_steps += 1
-        req.spec_accepted += accepted
-        st = self.stats
-        st.spec_rows, st.spec_drafted, st.spec_accepted = (
-            st.spec_rows + 1,
-            st.spec_drafted + len(w.draft),
-            st.spec_accepted + accepted,
-        )
 
     def commit_ahead(self, works: list[Work]) -> None:
         """Record a dispatched step before its tokens are known (the overlap loop): each request's KV length
