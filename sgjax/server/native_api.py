@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 from sgjax.engine.params import SamplingParams, SamplingParamsError
 from sgjax.server.protocol import ApiError, GenerateRequest
-from sgjax.server.serving import HttpWork, Serving, params_error
+from sgjax.server.serving import HttpWork, Serving, bootstrap_rooms, params_error
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
 _TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
@@ -59,7 +59,7 @@ def generate_work(req: GenerateRequest) -> tuple[HttpWork, bool]:
         )
     if loras is not None:
         loras = tuple(loras) if isinstance(loras, list) else (loras,) * len(prompts)
-    bootstraps = _bootstraps(req, single, len(prompts))
+    bootstraps = bootstrap_rooms(req, single, len(prompts))
     work = HttpWork(
         params=tuple(params),
         texts=tuple(prompts) if field == "text" else None,
@@ -125,24 +125,3 @@ def with_token_text(result: dict, serving: Serving) -> dict:
 async def generate_events(serving: Serving, merged: AsyncIterator, texts_in_logprobs: bool):
     async for index, item in merged:
         yield {**(with_token_text(item, serving) if texts_in_logprobs else item), "index": index}
-
-
-def _bootstraps(req, single: bool, count: int):
-    """Prefill/decode disaggregation's (host, port, room) per prompt (sglang-router sends lists for a batch)."""
-    fields = (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
-    if req.bootstrap_room is None:
-        return None
-    columns = []
-    for name, value in zip(("bootstrap_host", "bootstrap_port", "bootstrap_room"), fields):
-        if isinstance(value, list):
-            if single or len(value) != count:
-                raise ApiError(f"{name}: a list takes one entry per prompt ({count})", param=name)
-            columns.append(value)
-        else:
-            columns.append([value] * count)
-    out = tuple(zip(*columns))
-    if any(host is None or port is None for host, port, _ in out):
-        raise ApiError(
-            "bootstrap_host: a bootstrap_room needs the prefill worker's host and port", param="bootstrap_host"
-        )
-    return out

@@ -28,7 +28,7 @@ from sgjax.errors import RequestError
 from sgjax.server import tools
 from sgjax.server.chat_output import ChatOutput
 from sgjax.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from sgjax.server.serving import HttpWork, Serving, params_error
+from sgjax.server.serving import HttpWork, Serving, bootstrap_rooms, params_error
 
 OPENAI_RENAMES = {ours: theirs for ours, (theirs, _) in OPENAI_NAMES.items() if ours != theirs}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses SamplingParams' (128, as SGLang)
@@ -69,7 +69,7 @@ async def prepare_completion(serving: Serving, req: CompletionRequest) -> Prepar
         prompt_field="prompt",
         renames=OPENAI_RENAMES,
         loras=None if req.lora_path is None else (req.lora_path,) * len(ids),
-        bootstraps=_bootstrap(req, len(ids)),
+        bootstraps=bootstrap_rooms(req, True, len(ids)),
     )
     return Prepared(
         work=work,
@@ -143,7 +143,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> Prepared
         images=(tuple(images),) if images else None,
         image_fields=(("messages", tuple(fields)),) if images else None,
         loras=None if req.lora_path is None else (req.lora_path,),
-        bootstraps=_bootstrap(req, 1),
+        bootstraps=bootstrap_rooms(req, True, 1),
     )
     output = ChatOutput(
         tools=serving.tool_format if plan.parse else None,
@@ -625,14 +625,3 @@ def detokenize(serving: Serving, req) -> dict:
     texts = [serving.tokenizer.decode(ids, skip_special_tokens=False) for ids in batch]
     text = texts[0] if single else texts
     return {"text": text, "prompt": text}  # SGLang's key, then vLLM's
-
-
-def _bootstrap(req, count: int):
-    """Prefill/decode disaggregation's (host, port, room), the same for every prompt (None when not given)."""
-    if req.bootstrap_room is None:
-        return None
-    if req.bootstrap_host is None or req.bootstrap_port is None:
-        raise ApiError(
-            "bootstrap_host: a bootstrap_room needs the prefill worker's host and port", param="bootstrap_host"
-        )
-    return ((req.bootstrap_host, req.bootstrap_port, req.bootstrap_room),) * count

@@ -427,3 +427,25 @@ class Profiler:
             jax.profiler.stop_trace()
             out, self.active = self.active, None
         return {"success": True, "message": f"trace written under {out}", "output_dir": out}
+
+
+def bootstrap_rooms(req, single: bool, count: int):
+    """Prefill/decode disaggregation's (host, port, room) per prompt, None without a room: sglang-router sends
+    lists for a batch on /generate (`single`: one prompt, or an OpenAI request, where a list is refused)."""
+    fields = (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+    if req.bootstrap_room is None:
+        return None
+    columns = []
+    for name, value in zip(("bootstrap_host", "bootstrap_port", "bootstrap_room"), fields):
+        if isinstance(value, list):
+            if single or len(value) != count:
+                raise ApiError(f"{name}: a list takes one entry per prompt ({count})", param=name)
+            columns.append(value)
+        else:
+            columns.append([value] * count)
+    out = tuple(zip(*columns))
+    if any(host is None or port is None for host, port, _ in out):
+        raise ApiError(
+            "bootstrap_host: a bootstrap_room needs the prefill worker's host and port", param="bootstrap_host"
+        )
+    return out

@@ -55,6 +55,13 @@ LONG = list(range(100, 4200))  # past the 4096-token pool
         ("/generate", {"text": ["hi", "ho"], "sampling_params": {"n": 600}}, "text"),  # 1200 generations: over the cap
         ("/generate", {"text": "hi", "sampling_params": {"n": 5000}}, "sampling_params.n"),
         ("/generate", {"text": "hi", "image_data": "x"}, "image_data"),
+        ("/generate", {"text": "hi", "bootstrap_room": 7}, "bootstrap_host"),  # PD: a room without its worker
+        (
+            "/generate",
+            {"text": ["a", "b"], "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": [1, 2, 3]},
+            "bootstrap_room",
+        ),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "bootstrap_room": 7}, "bootstrap_host"),
         ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
         ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 5000}, "max_tokens"),
         ("/v1/completions", {"model": "m", "prompt": LONG}, "prompt"),
