@@ -36,6 +36,8 @@ VARIANTS = {
     "fp8": ("fp8", "bfloat16"),
     "w8a8": ("w8a8_fp8", "bfloat16"),
     "fp8kv": (None, "float8_e4m3fn"),
+    "fp8kv+scales": (None, "float8_e4m3fn"),  # with a scale per layer for K and V (model/kv_scales.py)
+    "fp8block": ("fp8", "bfloat16"),  # a block-scaled checkpoint's matrices: scales per 128 columns of a row
     "w8a8+fp8kv": ("w8a8_fp8", "float8_e4m3fn"),
     "fp8+fp8kv": ("fp8", "float8_e4m3fn"),
 }
@@ -111,9 +113,11 @@ def run_sgjax(args):
 
     from sgjax.engine.buckets import bucket
     from sgjax.kernels import allocate_pool, get_backend
+    from sgjax.model import kv_scales
     from sgjax.model.batch import build_batch
     from sgjax.model.llama import XLA, XLA_W8A8, forward
     from sgjax.model.moe import experts
+    from sgjax.model.quant import Fp8Matrix
     from sgjax.model.weights import cast_matrices, dummy_layer_weights, dummy_weights
 
     small = args.small
@@ -157,12 +161,25 @@ def run_sgjax(args):
         quantization, kv_dtype = VARIANTS[variant]
         weights = None  # the last variant's go before this one's are made
         weights = cast_matrices(bf16_weights(), "fp8") if quantization else bf16_weights()
+        if variant == "fp8block":  # the same e4m3 values, each row's scale repeated per 128 columns (grouped)
+            weights = jax.tree.map(
+                lambda m: (
+                    Fp8Matrix(m.q, jnp.repeat(m.scale[..., None], max(1, m.q.shape[-1] // 128), axis=-1))
+                    if isinstance(m, Fp8Matrix)
+                    else m
+                ),
+                weights,
+                is_leaf=lambda m: isinstance(m, Fp8Matrix),
+            )
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights))
         ops = XLA_W8A8 if quantization == "w8a8_fp8" else XLA
         name_, _, prefill = backend.partition(":")
         attend = get_backend(name_)
         if prefill:
             attend = functools.partial(attend, prefill_kernel=prefill)
+        if variant.endswith("+scales"):  # what --quantization-param-path adds: three scalings around attention
+            per_layer = tuple(0.05 * (1 + i % 3) for i in range(cfg.num_layers))
+            attend = kv_scales.scaled(attend, kv_scales.KvScales(per_layer, per_layer[::-1], "bench"))
         experts_fn = functools.partial(experts, activation=cfg.activation, kernel=moe_kernel) if moe_kernel else None
         step = jax.jit(
             functools.partial(forward, cfg=cfg, attention=attend, experts_fn=experts_fn, ops=ops),

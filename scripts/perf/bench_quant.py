@@ -1,7 +1,8 @@
 """Quantization's accuracy against bf16 on the real SmolLM2, all configurations in one run.
 
     python scripts/perf/bench_quant.py                       # fp8 and int8 weights against bf16
-    python scripts/perf/bench_quant.py --quantization --kv-cache-dtype fp8_e4m3 fp8_e5m2 --attention-backend ref
+    python scripts/perf/bench_quant.py --quantization --kv-cache-dtype fp8_e4m3 fp8_e5m2 --attention-backend ref \
+        --kv-scales                                          # and e4m3 with scales measured on the bf16 pool
 
 Every configuration is an engine over the same checkpoint with --dtype bfloat16 (the reference: bf16 matrices and
 pool) and either --quantization fp8 / int8 (weights only; activations and the KV pool stay bf16) or --kv-cache-dtype
@@ -12,6 +13,9 @@ backend (--attention-backend ref) so the reference differs in the pool alone. Pe
   agreement    greedy decoding of --prompts chat prompts for --new-tokens tokens: the share of outputs identical to
                bf16's, and the mean share of each output's tokens before its first difference
   mmlu         5-shot accuracy on --mmlu-subjects (the answer letter with the highest next-token logprob)
+--kv-scales adds each fp8 pool again with scales per layer that `sgjax kv-scales`' measurement
+(engine/kv_calibrate.py) takes from the bf16 engine's pool over --kv-scales-prompts ShareGPT prompts, passed as
+--quantization-param-path.
 Prints a table and appends JSON lines to --out.
 """
 
@@ -86,6 +90,8 @@ def main():
     ap.add_argument("--quantization", nargs="*", default=["fp8", "int8"])
     ap.add_argument("--kv-cache-dtype", nargs="*", default=[], help="fp8_e4m3 / fp8_e5m2 pools against bf16's")
     ap.add_argument("--attention-backend", default=None, help="every configuration's (default: the platform's)")
+    ap.add_argument("--kv-scales", action="store_true", help="each fp8 pool again with measured scales per layer")
+    ap.add_argument("--kv-scales-prompts", type=int, default=64)
     ap.add_argument("--kl-prompts", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=200)
@@ -101,10 +107,13 @@ def main():
     common = dict(model_path=args.model_path, dtype="bfloat16", max_total_tokens=65536, max_running_requests=16)
     if args.attention_backend:
         common["attention_backend"] = args.attention_backend
+    scaled = args.kv_cache_dtype if args.kv_scales else []
+    scales_file = lambda k: f"{args.out}.{k}.scales.json"  # noqa: E731  (written by the bf16 engine, below)
     configs = {
         "bf16": {},
         **{q: {"quantization": q} for q in args.quantization},
         **{f"kv-{k}": {"kv_cache_dtype": k} for k in args.kv_cache_dtype},
+        **{f"kv-{k}+scales": {"kv_cache_dtype": k, "quantization_param_path": scales_file(k)} for k in scaled},
     }
     rows, ref = [], {}
     for name, extra in configs.items():
@@ -124,6 +133,12 @@ def main():
             mm = logprobs(eng, mm_prompts)[:, letters]
             acc = float((mm.argmax(axis=1) == gold).mean())
             plan = eng.get_server_info()["step_plan"]
+            for k in scaled if name == "bf16" else []:  # after bf16's own measurements, which it must not touch
+                from sgjax.engine.kv_calibrate import measure
+
+                calibration = chat_prompts(tok, args.prompts + args.kv_scales_prompts)[args.prompts :]
+                with open(scales_file(k), "w") as f:  # ShareGPT prompts past the agreement set's
+                    json.dump(measure(eng, calibration, k), f)
         if not ref:
             ref.update(lp=lp, outs=outs)
         p = np.exp(ref["lp"])
@@ -140,6 +155,7 @@ def main():
                 "kv_dtype": plan["kv_dtype"],
                 "attention": plan["attention"],
                 "matmul": plan["matmul"],
+                "kv_scales": plan.get("kv_scales"),
                 "kl_mean": float(kl.mean()),
                 "kl_p99": float(np.percentile(kl, 99)),
                 "kl_prompts": len(kl_set),
