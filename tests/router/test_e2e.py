@@ -14,7 +14,7 @@ import pytest
 
 from sgjax.router.launch import sglang_router_command
 from sgjax.router.proxy import WORKER_HEADER
-from sgjax.server.process import ServerProcess
+from sgjax.server.process import ServerProcess, free_port
 from tests.server.conftest import sse_events, wait_idle
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
@@ -149,7 +149,8 @@ def sgl(workers):
     ns.api_key = None
     # health checks each second: a dead worker leaves the rotation within seconds (sglang-router's default is 60 s)
     health = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1"]
-    cmd = sglang_router_command(ns, [w["url"] for w in workers]) + health
+    # not its default metrics port 29000, which another test's router may hold (two test files run at once)
+    cmd = sglang_router_command(ns, [w["url"] for w in workers]) + health + ["--prometheus-port", str(free_port())]
     proc = ServerProcess(argv=cmd, log_prefix="sglang-router-")
     proc.wait_ready(timeout=120)
     with httpx.Client(base_url=proc.url, timeout=300) as c:

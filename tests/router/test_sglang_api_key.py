@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from sgjax.router.launch import sglang_router_command
-from sgjax.server.process import ServerProcess
+from sgjax.server.process import ServerProcess, free_port
 from tests.conftest import TINY_SERVE
 from tests.server.conftest import serving
 
@@ -33,6 +33,7 @@ def router(workers):
     ns.api_key = KEY
     cmd = sglang_router_command(ns, [w.url for w in workers])
     assert cmd[:3] == [sys.executable, "-m", "sglang_router.launch_router"] and KEY in cmd
+    cmd += ["--prometheus-port", str(free_port())]  # not 29000, which another test's router may hold
     proc = ServerProcess(argv=cmd, log_prefix="sglang-router-key-")
     proc.wait_ready(timeout=120)
     yield proc
