@@ -113,7 +113,9 @@ class ServerArgs:
     # prompts and hands their KV pages out on the bootstrap port) or decode (takes them before it decodes).
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
-    disaggregation_transfer_backend: str = "socket"  # SGLang's mooncake / nixl are refused by name
+    # How KV pages move (engine/disagg.py): jax (jax.experimental.transfer, device to device), socket (bytes on the
+    # bootstrap connection), auto (jax where it works here, else socket). SGLang's mooncake / nixl are refused by name.
+    disaggregation_transfer_backend: str = "auto"
     # Tensor parallelism over the first tp_size local devices (engine/mesh.py): weights and the KV pool split by
     # heads, one jitted step over the mesh; the host side is unchanged.
     tp_size: int = 1
@@ -431,7 +433,13 @@ ENGINE_FLAGS = [
     ("disaggregation_bootstrap_port", dict(type=int, help="a prefill worker's KV bootstrap port (TCP)")),
     (
         "disaggregation_transfer_backend",
-        dict(help="how KV pages move: socket (TCP through host memory); mooncake and nixl are refused"),
+        dict(
+            help="how KV pages move between prefill and decode workers: jax (jax.experimental.transfer: pulled from "
+            "the prefill worker's device buffers into the decode worker's), socket (their bytes on the bootstrap "
+            "connection, through host memory), auto (default: jax where its transfer works in this process, else "
+            "socket); a worker whose peer cannot pull (no jax transport, another pool sharding) gets the bytes; "
+            "mooncake and nixl are refused",
+        ),
     ),
     (
         "tp_size",

@@ -11,8 +11,16 @@
   partial page and the last token, whose logits give the first output token).
 
 So the decode worker's outputs are a single engine's with a cache hit (the same KV, bit for bit), and a transfer
-that fails or comes late costs only recomputation: the request prefills what it lacks. The transport is a plain
-TCP socket (host memory on both sides); JAX's device-to-device transfer is not used yet.
+that fails or comes late costs only recomputation: the request prefills what it lacks.
+
+The pages travel one of two ways (--disaggregation-transfer-backend): `socket` sends their bytes on the bootstrap
+connection (host memory on both sides); `jax` offers them as device arrays through `jax.experimental.transfer`
+(engine/disagg_transfer.py) and the bootstrap answer says only where to pull them, straight into the decode
+worker's device. `auto` (the default) is `jax` where that transfer works in this process, else `socket`. Each side
+asks or offers its own way: a `jax` decode worker asks for a pull, and a prefill worker offers one when it runs the
+jax transport too and its pool is sharded as the asker's; otherwise the bytes come on the socket. A room's pages
+move as runs of power-of-two page counts, so the transfers carry no padding and reuse the compiled gathers and
+scatters.
 """
 
 from __future__ import annotations
@@ -32,16 +40,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgjax.engine.buckets import bucket
+from sgjax.engine.disagg_transfer import DeviceTransfer, unavailable
 
 log = logging.getLogger("sgjax.engine")
 MODES = ("null", "prefill", "decode")
-TRANSFER_BACKENDS = ("socket",)
+TRANSFER_BACKENDS = ("auto", "jax", "socket")
 _HEADER = struct.Struct("!Q")
 
 
 class KvStore:
-    """The prefill side's finished rooms: room -> (prompt token ids of the whole pages, KV [L, pages, ...]) until the
-    decode worker takes it, or `ttl` seconds pass."""
+    """The prefill side's finished rooms: room -> (prompt token ids of the whole pages, their KV as device arrays
+    [L, n, ...], one per run of `runs`) until the decode worker takes it, or `ttl` seconds pass."""
 
     def __init__(self, ttl: float = 300.0):
         self._rooms: dict[int, tuple[float, list[int], object]] = {}
@@ -93,14 +102,16 @@ def _recv(sock) -> tuple[dict, bytes]:
 
 
 class BootstrapServer(socketserver.ThreadingTCPServer):
-    """The prefill worker's bootstrap server: one request per connection, `{"room": r, "timeout": s}`, answered with
-    the room's tokens, dtype and shape, then the KV's bytes (an empty answer when the room never came)."""
+    """The prefill worker's bootstrap server: one request per connection, `{"room": r, "timeout": s}` (and a jax
+    decode worker's `via`, `streams`, `layout`), answered with the room's tokens and either where to pull the KV
+    from (`transfer`'s offer) or its dtype and shape, then its bytes (an empty answer when the room never came)."""
 
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, store: KvStore, host: str, port: int):
+    def __init__(self, store: KvStore, host: str, port: int, transfer: DeviceTransfer | None = None):
         self.store = store
+        self.transfer = transfer
         super().__init__((host, port), _Handler)
         self.thread = threading.Thread(target=self.serve_forever, name="sgjax-bootstrap", daemon=True)
         self.thread.start()
@@ -114,25 +125,42 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self):
         try:
             ask, _ = _recv(self.request)
-            found = self.server.store.take(int(ask["room"]), float(ask.get("timeout", 60)))
+            timeout = float(ask.get("timeout", 60))
+            found = self.server.store.take(int(ask["room"]), timeout)
             if found is None or not found[0]:
                 _send(self.request, {"tokens": []})
                 return
             tokens, kv = found
-            host = np.asarray(jax.device_get(kv))
+            transfer = self.server.transfer
+            if transfer is not None and transfer.can_offer(ask, kv):
+                here = self.request.getsockname()[0]  # an address the decode worker reaches us at
+                try:
+                    offer = transfer.offer(here, int(ask["room"]), kv, timeout + 10)
+                    _send(self.request, {"tokens": tokens, **offer})
+                    return
+                except jax.errors.JaxRuntimeError as e:  # no transfer server here: the bytes still go
+                    log.warning("room %s: no KV transfer offer (%s); sending the bytes", ask["room"], e)
+            host = np.concatenate(jax.device_get(kv), axis=1)
             _send(self.request, {"tokens": tokens, "dtype": host.dtype.name, "shape": list(host.shape)}, host.tobytes())
         except (OSError, ValueError, KeyError) as e:  # a client gone or malformed: nothing else depends on it
             log.warning("bootstrap request failed: %s", e)
 
 
-def fetch(host: str, port: int, room: int, timeout: float = 60.0) -> tuple[list[int], np.ndarray | None]:
+def fetch(
+    host: str, port: int, room: int, timeout: float = 60.0, transfer: DeviceTransfer | None = None
+) -> tuple[list[int], np.ndarray | list | None]:
     """The decode side: the room's prompt tokens and KV from the prefill worker's bootstrap server ([] and None when
-    it has none)."""
+    it has none). The KV is pulled through `transfer` when the prefill worker offers it so (a list of device arrays,
+    one per run of `runs`), else it comes as bytes ([L, pages, ...] in host memory)."""
     with socket.create_connection((host, int(port)), timeout=timeout + 10) as sock:
-        _send(sock, {"room": int(room), "timeout": timeout})
+        _send(sock, {"room": int(room), "timeout": timeout, **(transfer.ask() if transfer is not None else {})})
         header, payload = _recv(sock)
     if not header["tokens"]:
         return [], None
+    if header.get("via") == "jax":
+        if transfer is None:
+            raise ConnectionError("the prefill worker offered a pull this worker did not ask for")
+        return header["tokens"], transfer.pull(header, timeout)
     kv = np.frombuffer(payload, dtype=jnp.dtype(header["dtype"])).reshape(header["shape"])
     return header["tokens"], kv
 
@@ -154,13 +182,32 @@ def padded(pages: np.ndarray) -> np.ndarray:
     return out
 
 
-def gather_pages(pool, pages: np.ndarray):
-    """KV of `pages` [L, len(pages), ...] (a device array; the transfer to the host happens when it is served)."""
-    return _gather(pool, jnp.asarray(padded(pages)))[:, : len(pages)]
+def runs(n: int) -> list[tuple[int, int]]:
+    """[start, stop) runs of n pages, each a power of two long, longest first (13: 8, 4, 1)."""
+    out, start = [], 0
+    while start < n:
+        stop = start + (1 << ((n - start).bit_length() - 1))
+        out.append((start, stop))
+        start = stop
+    return out
 
 
-def scatter_pages(pool, pages: np.ndarray, kv: np.ndarray):
-    """`pool` with `kv` [L, len(pages), ...] written at `pages` (the padding rows go to the null page)."""
+def gather_pages(pool, pages: np.ndarray) -> list:
+    """KV of `pages`, one device array [L, stop - start, ...] per run (nothing leaves the device here)."""
+    return [_gather(pool, jnp.asarray(pages[a:b], jnp.int32)) for a, b in runs(len(pages))]
+
+
+def page_count(kv) -> int:
+    return sum(p.shape[1] for p in kv) if isinstance(kv, list) else kv.shape[1]
+
+
+def scatter_pages(pool, pages: np.ndarray, kv):
+    """`pool` with `kv` written at `pages`: the runs' device arrays (pulled), or one host array [L, len(pages), ...]
+    (from the socket; padded to a power of two, the padding rows going to the null page)."""
+    if isinstance(kv, list):
+        for (a, b), piece in zip(runs(len(pages)), kv, strict=True):
+            pool = _scatter(pool, jnp.asarray(pages[a:b], jnp.int32), piece)
+        return pool
     full = np.zeros((kv.shape[0], bucket(len(pages), 1)) + kv.shape[2:], kv.dtype)
     full[:, : len(pages)] = kv
     return _scatter(pool, jnp.asarray(padded(pages)), jnp.asarray(full))
@@ -174,7 +221,7 @@ def check_disagg_args(args) -> str:
     if args.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
         raise ValueError(
             f"--disaggregation-transfer-backend {args.disaggregation_transfer_backend!r} is not supported: sgjax "
-            f"moves KV pages over {', '.join(TRANSFER_BACKENDS)}"
+            f"moves KV pages with {', '.join(TRANSFER_BACKENDS)}"
         )
     if mode != "null" and args.nnodes > 1:
         raise ValueError("--disaggregation-mode across hosts (--nnodes > 1) is not supported")
@@ -183,26 +230,63 @@ def check_disagg_args(args) -> str:
     return mode
 
 
+def transfer_backend(args) -> str:
+    """`jax` or `socket`: the one named, or for `auto` jax where its transfer works here. A named jax that cannot
+    work is refused with the reason."""
+    backend = args.disaggregation_transfer_backend
+    if backend == "socket":
+        return backend
+    why = unavailable()
+    if why is None:
+        return "jax"
+    if backend == "jax":
+        raise ValueError(f"--disaggregation-transfer-backend jax cannot run here: {why}; use socket")
+    log.info("KV pages go over the bootstrap socket: %s", why)
+    return "socket"
+
+
 class DisaggControl:
     """The Engine's part in disaggregation; the state it reads (args, scheduler, runner, outputs) is the Engine's."""
 
     disagg_mode = "null"
     kv_store: KvStore | None = None
     _bootstrap: BootstrapServer | None = None
+    transfer: DeviceTransfer | None = None  # the jax transport (None: pages go over the socket)
     disagg_timeout = 60.0  # seconds a decode worker waits for a room's pages before it computes them itself
     received_tokens = 0  # prompt tokens whose pages a decode worker got from prefill workers
+    socket_kv_bytes = 0  # bytes of pages that came over the bootstrap socket (decode)
 
     def _start_disagg(self, args) -> None:
         self.disagg_mode = check_disagg_args(args)
+        if self.disagg_mode == "null":
+            return
+        if transfer_backend(args) == "jax":
+            self.transfer = DeviceTransfer(self.runner.state.pool)
+            if self.disagg_mode == "decode":
+                self.transfer.server("0.0.0.0")  # a server that cannot start fails the engine's start, not a request
         if self.disagg_mode == "prefill":
             self.kv_store = KvStore()
-            self._bootstrap = BootstrapServer(self.kv_store, "0.0.0.0", args.disaggregation_bootstrap_port)
-            log.info("prefill worker: bootstrap server on port %d", args.disaggregation_bootstrap_port)
+            port = args.disaggregation_bootstrap_port
+            self._bootstrap = BootstrapServer(self.kv_store, "0.0.0.0", port, self.transfer)
+            log.info("prefill worker: bootstrap server on port %d", port)
 
     def _stop_disagg(self) -> None:
         if self._bootstrap is not None:
             self._bootstrap.close()
             self._bootstrap = None
+        if self.transfer is not None:
+            self.transfer.close()
+
+    def _disagg_report(self) -> dict:
+        return {
+            "disaggregation_mode": self.disagg_mode,
+            "disaggregation_bootstrap_port": self.args.disaggregation_bootstrap_port,
+            "disaggregation_received_tokens": self.received_tokens,
+            "disaggregation_transfer_backend": "jax" if self.transfer is not None else "socket",
+            "disaggregation_pulls": 0 if self.transfer is None else self.transfer.pulls,
+            "disaggregation_offers": 0 if self.transfer is None else self.transfer.offers,
+            "disaggregation_socket_kv_bytes": self.socket_kv_bytes,
+        }
 
     def _disaggregate(self, reqs) -> None:
         """On the caller's thread, once a call's requests are built: a prefill worker marks them for export (one
@@ -221,10 +305,12 @@ class DisaggControl:
                 done.add(req.bootstrap[2])
                 host, port, room = req.bootstrap
                 try:
-                    tokens, kv = fetch(host, port, room, self.disagg_timeout)
-                except OSError as e:  # the prefill worker is gone: this worker computes the prompt itself
+                    tokens, kv = fetch(host, port, room, self.disagg_timeout, self.transfer)
+                except OSError as e:  # the prefill worker is gone, or its pages never came: computed here
                     log.warning("room %s: no pages from %s:%s (%s); prefilling here", room, host, port, e)
                     continue
+                if isinstance(kv, np.ndarray):
+                    self.socket_kv_bytes += kv.nbytes
                 if kv is not None and tokens == req.input_ids[: len(tokens)]:
                     self.received_tokens += self._call(lambda t=tokens, k=kv: self._import_pages(t, k))
 
@@ -240,11 +326,11 @@ class DisaggControl:
         kv = gather_pages(self.runner.state.pool, np.asarray(m.pages)) if m.num_tokens else None
         self.kv_store.put(req.export_room, req.input_ids[: m.num_tokens], kv)
 
-    def _import_pages(self, tokens: list[int], kv: np.ndarray) -> int:
-        """On the engine thread: a room's pages written into fresh pages of the pool and cached under their tokens.
-        Returns the tokens taken (0 when the pool has no room for them now)."""
+    def _import_pages(self, tokens: list[int], kv) -> int:
+        """On the engine thread: a room's pages (pulled device arrays or socket bytes) written into fresh pages of the
+        pool and cached under their tokens. Returns the tokens taken (0 when the pool has no room for them now)."""
         sched = self.scheduler
-        need = kv.shape[1]
+        need = page_count(kv)
         pages = sched.allocator.alloc(need)
         if pages is None:
             sched.cache.evict(need - sched.allocator.num_free)

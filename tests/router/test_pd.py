@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation behind SGLang's own router: `sglang_router.launch_router --pd-disaggregation` in
 front of an `sgjax serve --disaggregation-mode prefill` worker (its bootstrap port named to the router) and a
 `--disaggregation-mode decode` one. The openai client's answers through the router equal a single engine's, the
-decode worker took the prompts' pages from the prefill worker, and after 50 more requests (a third of them streams
-the client drops) neither worker holds a page."""
+decode worker took the prompts' pages from the prefill worker (pulled through jax's transfer, the default where it
+works), and after 50 more requests (a third of them streams the client drops) neither worker holds a page."""
 
 import sys
 
@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from sgjax.engine.disagg_transfer import unavailable
 from sgjax.engine.engine import Engine
 from sgjax.server.process import ServerProcess, free_ports
 from tests.conftest import TINY_SERVE
@@ -69,6 +70,9 @@ def test_answers_through_the_pd_router_equal_a_single_engines(router, workers, r
     assert events[-1] == "[DONE]" and events[-2]["text"] == r.json()["text"]
     info = httpx.get(d.url + "/get_server_info").json()
     assert info["disaggregation_mode"] == "decode" and info["disaggregation_received_tokens"] >= 32
+    if unavailable() is None:  # the default (auto) pulls the pages device to device; none came on the socket
+        assert info["disaggregation_transfer_backend"] == "jax" and info["disaggregation_pulls"] >= 4
+        assert info["disaggregation_socket_kv_bytes"] == 0
     for worker in (p, d):
         with httpx.Client(base_url=worker.url, timeout=60) as c:
             info = wait_idle(c)
