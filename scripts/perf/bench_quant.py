@@ -98,13 +98,16 @@ def main():
     ap.add_argument("--mmlu-subjects", default=SUBJECTS)
     ap.add_argument("--mmlu-per-subject", type=int, default=50)
     ap.add_argument("--model-path", default=None, help="default: the bundled SmolLM2")
+    ap.add_argument("--max-running", type=int, default=16, help="every engine's --max-running-requests")
     ap.add_argument("--out", default="/tmp/bench_quant.jsonl")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args()
 
     from sgjax.engine.engine import Engine
 
-    common = dict(model_path=args.model_path, dtype="bfloat16", max_total_tokens=65536, max_running_requests=16)
+    common = dict(
+        model_path=args.model_path, dtype="bfloat16", max_total_tokens=65536, max_running_requests=args.max_running
+    )
     if args.attention_backend:
         common["attention_backend"] = args.attention_backend
     scaled = args.kv_cache_dtype if args.kv_scales else []
