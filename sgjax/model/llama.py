@@ -98,8 +98,8 @@ def dot(h, w, nk: bool = False, out_dtype=None, fp8_activations: bool = False):
         # bf16 holds every int8 and every e4m3 value exactly; the scale is per output row
         out = dot(h.astype(jnp.bfloat16), w.q.astype(jnp.bfloat16), True, jnp.float32)
         return (out * w.scale).astype(out_dtype)
-    if isinstance(w, Fp8Matrix):  # block scales: widened to the activations' dtype (a float32 model's exactly)
-        return dot(h, w.widened(h.dtype), True, out_dtype)
+    if isinstance(w, Fp8Matrix):  # block scales
+        return grouped_fp8_dot(h, w, out_dtype)
     if is_quantized(w):  # [out, in] always; scales per group along a row
         return dot(h.astype(jnp.bfloat16), w.widened(jnp.bfloat16), True, out_dtype)
     if w.dtype == h.dtype and not nk:
@@ -109,6 +109,21 @@ def dot(h, w, nk: bool = False, out_dtype=None, fp8_activations: bool = False):
         x = jnp.concatenate([x, jnp.zeros_like(x)])
     out = jax.lax.dot_general(x, w, (((1,), (1 if nk else 0,)), ((), ())), preferred_element_type=jnp.float32)
     return out[:rows].astype(out_dtype)
+
+
+def grouped_fp8_dot(h, w: Fp8Matrix, out_dtype):
+    """h [T, K] @ w.T for a block-scaled fp8 matrix (scales f32[N, G] per K / G columns), in h's dtype (a float32
+    model's products exact). Few rows: one product per column group ([G, T, N] float32 partial sums, then scaled and
+    summed), reading the e4m3 bytes once; widening the matrix first would write and read it again in h's dtype,
+    more bytes than the partial sums while T < K / (2 G) (64 rows at 128-wide groups). More rows: widened first."""
+    t, k = h.shape
+    n, g = w.scale.shape
+    if 2 * g * t > k:
+        return dot(h, w.widened(h.dtype), True, out_dtype)
+    hg = h.reshape(t, g, k // g)
+    qg = w.q.reshape(n, g, k // g).astype(h.dtype)
+    parts = jax.lax.dot_general(hg, qg, (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32)  # [G, T, N]
+    return jnp.einsum("gtn,ng->tn", parts, w.scale).astype(out_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
