@@ -8,7 +8,8 @@
 // cpu_parallel.h.
 //
 // Layouts (kernels/kv_pool.py): pool [L, N, page_size, 2 * Hkv, D] with K of head h at 2h and V at 2h + 1;
-// q and out [T, Hq, D] float32, query head h * G + g reads KV head h (G = Hq / Hkv).
+// q and out [T, Hq, D] float32, query head h * G + g reads KV head h (G = Hq / Hkv). The pool holds float32,
+// bfloat16, or fp8 (e4m3fn, e5m2) values; narrow ones are widened to float32 as a page is read.
 
 #include <algorithm>
 #include <atomic>
@@ -41,6 +42,57 @@ inline float ToFloat(uint16_t bf16) {
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
+}
+
+// An fp8 pool's value (kernels/kv_pool.py: --kv-cache-dtype fp8_e4m3 / fp8_e5m2): one byte of sign, kExp exponent
+// and kMan mantissa bits, exponent bias 2^(kExp-1) - 1. A type of its own per format so that the templates pick its
+// decoding table and encoder. e4m3fn (jnp.float8_e4m3fn) has no infinities and one NaN code a sign (0x7f), its
+// largest value 448 (0x7e); e5m2 (jnp.float8_e5m2) is IEEE-like: 0x7c is inf, 0x7d-0x7f NaN, 57344 (0x7b) largest.
+template <int E, int M>
+struct Fp8 {
+  uint8_t bits;
+  static constexpr int kExp = E, kMan = M;
+  static constexpr int kBias = (1 << (kExp - 1)) - 1;
+  static constexpr bool kIeee = kExp == 5;  // e5m2 keeps inf and NaNs at the top exponent; e4m3fn only S.1111.111
+  static constexpr uint8_t kMaxCode = kIeee ? 0x7b : 0x7e;
+  // The NaN the jax writer leaves in the pool on a CPU: e4m3fn's one NaN code, the value's sign kept; for e5m2
+  // 0x7f whatever the sign (XLA's scatter goes through float16, whose convert back gives 0x7f for any NaN; a bare
+  // float32 convert gives +-0x7e). Every reader takes either for NaN.
+  static constexpr uint8_t kNanCode = 0x7f;
+  static constexpr bool kNanSigned = !kIeee;
+};
+using E4m3 = Fp8<4, 3>;
+using E5m2 = Fp8<5, 2>;
+static_assert(sizeof(E4m3) == 1 && sizeof(E5m2) == 1, "a pool value is one byte");
+
+// The value of each of the 256 codes: a table read is cheaper than decoding the fields per value, and one table
+// holds every special case (subnormals, -0, e5m2's infinities, the NaNs). The scalar paths read it; AVX-512's
+// Load16 decodes 16 codes with float16 conversions (tests/kernels/test_cpu_attention.py holds both to every code).
+template <typename F>
+std::vector<float> Fp8Values() {
+  std::vector<float> out(256);
+  for (int c = 0; c < 256; ++c) {
+    const int e = (c >> F::kMan) & ((1 << F::kExp) - 1), m = c & ((1 << F::kMan) - 1);
+    const float sign = (c & 0x80) ? -1.0f : 1.0f;
+    float magnitude;
+    if (F::kIeee ? e == (1 << F::kExp) - 1 : (c & 0x7f) == 0x7f) {
+      magnitude = (F::kIeee && m == 0) ? INFINITY : NAN;
+    } else if (e == 0) {  // subnormal: m / 2^kMan of the smallest normal exponent
+      magnitude = std::ldexp(static_cast<float>(m), 1 - F::kBias - F::kMan);
+    } else {
+      magnitude = std::ldexp(1.0f + std::ldexp(static_cast<float>(m), -F::kMan), e - F::kBias);
+    }
+    out[c] = sign * magnitude;
+  }
+  return out;
+}
+// Built when the library loads (no guard in the kernels' loops).
+template <typename F>
+const std::vector<float> kFp8Table = Fp8Values<F>();
+
+template <int E, int M>
+inline float ToFloat(Fp8<E, M> x) {
+  return kFp8Table<Fp8<E, M>>[x.bits];
 }
 
 struct Problem {
@@ -183,11 +235,28 @@ inline void AccumulateValues(float* acc, float rescale, const float* e, const fl
 }
 
 #if defined(__AVX512F__)
-// 16 float32 from 16 values of the pool (float32, or bfloat16 widened: its bits are a float32's high half).
+// 16 float32 from 16 values of the pool: float32, or bfloat16 widened (its bits are a float32's high half), ...
 inline __m512 Load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 Load16(const uint16_t* x) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// ... or fp8, as float16 (the CPU converts 16 at once, subnormals exact; float32 arithmetic on subnormals is flushed
+// under XLA's denormals-are-zero). A gather from the codes' table took 1.4-1.9x a bf16 pool's time (64 decode rows
+// of 512 keys, SmolLM2's heads, on 2 shared cores), this 0.7-0.8x. An e5m2 code is a float16's high byte.
+inline __m512 Load16(const E5m2* x) {
+  const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(codes, 8));
+}
+// An e4m3fn code's exponent and mantissa fill float16's shifted by 7 (sign apart): the value over 2^(15 - 7); its
+// NaN (S.1111.111) reads as +-480 that way, which no other code does.
+inline __m512 Load16(const E4m3* x) {
+  const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x80)), 8);
+  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7f)), 7);
+  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.0f));
+  return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(480.0f), _CMP_EQ_OQ),
+                            _mm512_set1_ps(NAN));
 }
 
 // Lane s of the result is the sum of v[s]'s 16 lanes: a transposing tree of 45 shuffles and adds where 16 separate
@@ -209,7 +278,7 @@ inline __m512 SumLanes16(const __m512* v) {
 // Rows [r0, r1) of one request (a decode row, or a block of a prefill chunk's rows) against KV heads [h0, h1), for
 // pages of 16 slots and head_dim 16 * DV, without a softcap: a query head's 16 scores of a page are one vector
 // (SumLanes16), its softmax is vector code, and its accumulator stays in registers over the page. The page is read
-// once for all the rows: a bf16 page widened once per head into float32 tiles, a float32 one in place (no
+// once for all the rows: a bf16 or fp8 page widened once per head into float32 tiles, a float32 one in place (no
 // transposed copy). The next page is prefetched slot by slot as this one is read: a request's pages lie anywhere
 // in the pool, beyond the hardware prefetcher's reach, and one core's demand misses alone fetch about half the
 // memory's speed.
@@ -234,7 +303,7 @@ void AttendRows16(const Problem& p, const KV* pool, int64_t r0, int64_t r1, int6
   float* m = acc + units * d;       // [units]
   float* l = m + units;             // [units]
   float* e = l + units;             // [ps]: a page's weights of one unit
-  float* kf = e + ps;               // [ps, d]: a bf16 page's keys of one head in float32
+  float* kf = e + ps;               // [ps, d]: a narrow page's keys of one head in float32
   float* vf = kf + ps * d;          // [ps, d]: its values
   std::fill(acc, acc + units * d, 0.0f);
   std::fill(m, m + units, -INFINITY);
@@ -494,6 +563,36 @@ inline void StoreRow(uint16_t* dst, const float* src, int64_t n) {
   for (; i < n; ++i) dst[i] = ToBf16(src[i]);
 }
 
+// float32 to fp8 as the jax path writes an fp8 pool (kv_pool.to_pool): clipped to the format's largest value, then
+// XLA's convert, rounded to nearest even. So: saturation past the largest value (inf too), a NaN stays a NaN (the
+// code the jax writer leaves: F::kNanCode), and the sign of a zero or of what rounds to zero is kept.
+template <typename F>
+inline F ToFp8(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t a = bits & 0x7fffffffu;  // |x|'s bits: ordered as |x| is
+  const float magnitude = std::fabs(x);
+  if (a > 0x7f800000u) return F{static_cast<uint8_t>((F::kNanSigned ? sign : 0) | F::kNanCode)};
+  if (magnitude >= kFp8Table<F>[F::kMaxCode]) return F{static_cast<uint8_t>(sign | F::kMaxCode)};
+  if (magnitude < std::ldexp(1.0f, 1 - F::kBias)) {
+    // below the smallest normal the codes are multiples of its 2^-kMan: scaled by a power of two (exact), rounded
+    // to an integer to nearest even (the default rounding mode); 2^kMan rounds up into the smallest normal's code
+    const float steps = std::nearbyint(std::ldexp(magnitude, F::kBias - 1 + F::kMan));
+    return F{static_cast<uint8_t>(sign | static_cast<uint8_t>(steps))};
+  }
+  // normal: float32's mantissa cut to kMan bits, to nearest even (a carry moves up the exponent, as it should),
+  // and the exponent rebiased
+  constexpr int shift = 23 - F::kMan;
+  const uint32_t rounded = (a + (1u << (shift - 1)) - 1u + ((a >> shift) & 1u)) >> shift;
+  return F{static_cast<uint8_t>(sign | (rounded - (static_cast<uint32_t>(127 - F::kBias) << F::kMan)))};
+}
+
+template <int E, int M>
+inline void StoreRow(Fp8<E, M>* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = ToFp8<Fp8<E, M>>(src[i]);  // a step's few new rows: scalar suffices
+}
+
 // The step's new keys and values into `layer` of the pool, in place (the pool is the call's aliased result): XLA's
 // CPU scatter into a bfloat16 array converts the whole pool to float32 and back, seconds a step. Slots outside the
 // pool are skipped.
@@ -509,6 +608,14 @@ void WriteKV(KV* pool, const float* k, const float* v, const int32_t* slots, int
       StoreRow(dst + (2 * h + 1) * d, v + (r * p.num_kv_heads + h) * d, d);
     }
   }
+}
+
+// The step's keys and values into the pool, then the attention over it (which reads them among the rest).
+template <typename KV>
+ffi::Error WriteAndRun(const Problem& p, KV* pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                       ffi::Buffer<ffi::S32> slots, int64_t rows) {
+  WriteKV(pool, k.typed_data(), v.typed_data(), slots.typed_data(), rows, p);
+  return Run(p, static_cast<const KV*>(pool), rows);
 }
 
 ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
@@ -547,17 +654,20 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
   if (qd[2] != p.head_dim || p.group * p.num_kv_heads != qd[1] || p.num_reqs == 0) {
     return ffi::Error::InvalidArgument("paged attention: q's heads and head_dim do not match the pool's");
   }
-  if (pool->element_type() == ffi::DataType::F32) {
-    auto* data = reinterpret_cast<float*>(pool->untyped_data());
-    WriteKV(data, k.typed_data(), v.typed_data(), slots.typed_data(), qd[0], p);
-    return Run(p, static_cast<const float*>(data), qd[0]);
+  const int64_t rows = qd[0];
+  switch (pool->element_type()) {
+    case ffi::DataType::F32:
+      return WriteAndRun(p, reinterpret_cast<float*>(pool->untyped_data()), k, v, slots, rows);
+    case ffi::DataType::BF16:
+      return WriteAndRun(p, reinterpret_cast<uint16_t*>(pool->untyped_data()), k, v, slots, rows);
+    case ffi::DataType::F8E4M3FN:
+      return WriteAndRun(p, reinterpret_cast<E4m3*>(pool->untyped_data()), k, v, slots, rows);
+    case ffi::DataType::F8E5M2:
+      return WriteAndRun(p, reinterpret_cast<E5m2*>(pool->untyped_data()), k, v, slots, rows);
+    default:
+      return ffi::Error::InvalidArgument(
+          "paged attention: the pool must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
   }
-  if (pool->element_type() == ffi::DataType::BF16) {
-    auto* data = reinterpret_cast<uint16_t*>(pool->untyped_data());
-    WriteKV(data, k.typed_data(), v.typed_data(), slots.typed_data(), qd[0], p);
-    return Run(p, static_cast<const uint16_t*>(data), qd[0]);
-  }
-  return ffi::Error::InvalidArgument("paged attention: the pool must be float32 or bfloat16");
 }
 
 }  // namespace

@@ -45,7 +45,7 @@ def is_fp8(dtype) -> bool:
 def to_pool(x: Array, dtype) -> Array:
     """x stored as the pool's dtype. An fp8 pool saturates at its largest finite value: a plain cast gives NaN (e4m3fn)
     or inf past it, which one outlier key would spread through every later score. No scale (1.0, as SGLang and vLLM
-    use when the checkpoint gives none)."""
+    use when the checkpoint gives none). The cpu kernel writes the same bytes itself (cpu_attention.cc: ToFp8)."""
     if is_fp8(dtype):
         big = float(jnp.finfo(dtype).max)
         x = jnp.clip(x, -big, big)

@@ -1,18 +1,21 @@
 """Quantization's accuracy against bf16 on the real SmolLM2, all configurations in one run.
 
     python scripts/perf/bench_quant.py                       # fp8 and int8 weights against bf16
-    python scripts/perf/bench_quant.py --quantization --kv-cache-dtype fp8_e4m3 fp8_e5m2 --attention-backend ref \
-        --kv-scales                                          # and e4m3 with scales measured on the bf16 pool
+    python scripts/perf/bench_quant.py --quantization --kv-cache-dtype fp8_e4m3 fp8_e5m2 --kv-scales
+                                      # fp8 pools against bf16's, unscaled and with scales measured on the bf16 pool
 
 Every configuration is an engine over the same checkpoint with --dtype bfloat16 (the reference: bf16 matrices and
 pool) and either --quantization fp8 / int8 (weights only; activations and the KV pool stay bf16) or --kv-cache-dtype
-fp8_e4m3 / fp8_e5m2 (the pool only). An fp8 pool is read by the ref backend on a CPU: give every configuration that
-backend (--attention-backend ref) so the reference differs in the pool alone. Per configuration:
+fp8_e4m3 / fp8_e5m2 (the pool only; `--quantization` with no value: no weight quantization). Every configuration
+takes the platform's attention backend (on a CPU the native kernel, which reads bf16 and fp8 pools alike), so the
+reference differs in the pool alone. Per configuration:
   kl           mean and p99 KL(bf16 || quantized) of the next-token distribution (the engine's full-vocabulary
                logprobs readout) after --kl-prompts prefixes of ShareGPT turns, cut at 16-256 tokens
   agreement    greedy decoding of --prompts chat prompts for --new-tokens tokens: the share of outputs identical to
                bf16's, and the mean share of each output's tokens before its first difference
   mmlu         5-shot accuracy on --mmlu-subjects (the answer letter with the highest next-token logprob)
+  greedy tok/s the greedy batch's new tokens over its wall time (prefills included, all at once up to
+               --max-running): a rough speed beside the accuracy, on a machine that runs nothing else
 --kv-scales adds each fp8 pool again with scales per layer that `sgjax kv-scales`' measurement
 (engine/kv_calibrate.py) takes from the bf16 engine's pool over --kv-scales-prompts ShareGPT prompts, passed as
 --quantization-param-path.
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -126,6 +130,7 @@ def main():
                 kl_set, chats = kl_prompts(tok, args.kl_prompts), chat_prompts(tok, args.prompts)
                 mm_prompts, gold, letters = mmlu_set(tok, args.mmlu_subjects.split(","), args.mmlu_per_subject)
             lp = logprobs(eng, kl_set)
+            start = time.perf_counter()
             outs = [
                 o["output_ids"]
                 for o in eng.generate(
@@ -133,6 +138,7 @@ def main():
                     sampling_params={"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True},
                 )
             ]
+            greedy_s = time.perf_counter() - start
             mm = logprobs(eng, mm_prompts)[:, letters]
             acc = float((mm.argmax(axis=1) == gold).mean())
             plan = eng.get_server_info()["step_plan"]
@@ -166,6 +172,7 @@ def main():
                 "greedy_prefix_share": float(np.mean(prefix)),
                 "prompts": len(chats),
                 "new_tokens": args.new_tokens,
+                "greedy_tok_s": sum(map(len, outs)) / greedy_s,
                 "mmlu_5shot": acc,
                 "mmlu_questions": len(gold),
                 "model": args.model_path or "SmolLM2-135M-Instruct (bundled)",
@@ -175,7 +182,8 @@ def main():
         r = rows[-1]
         print(
             f"{name:11} {r['weight_dtype']:9} {r['kv_dtype']:13} KL mean {r['kl_mean']:.5f} p99 {r['kl_p99']:.4f}  "
-            f"greedy identical {r['greedy_identical']:.2f} prefix {r['greedy_prefix_share']:.2f}  MMLU {acc:.3f}",
+            f"greedy identical {r['greedy_identical']:.2f} prefix {r['greedy_prefix_share']:.2f}  MMLU {acc:.3f}  "
+            f"greedy {r['greedy_tok_s']:.1f} tok/s",
             flush=True,
         )
     with open(args.out, "a") as f:

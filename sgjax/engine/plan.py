@@ -33,9 +33,9 @@ QUANTIZATIONS = {"fp8": "fp8", "w8a8_fp8": "fp8", "w8a16_int8": "int8", "int8": 
 KV_DTYPES = ("float32", "bfloat16")
 BF16_POOL_BACKENDS = ("cpu", "ref")  # the attention backends that read a bf16 pool under float32 queries
 FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # SGLang's names: the pool's dtype
-# the backends that widen an fp8 pool to the queries' dtype as they read it (pallas: the Triton kernel on GPUs, jax's
-# and ours on TPUs)
-FP8_POOL_BACKENDS = ("ref", "pallas")
+# the backends that widen an fp8 pool to the queries' dtype as they read it (cpu: kernels/cpu_attention.cc; pallas: the
+# Triton kernel on GPUs, jax's and ours on TPUs)
+FP8_POOL_BACKENDS = ("cpu", "ref", "pallas")
 # A GGUF's layer matrix types -> the weight dtype that holds them exactly (loading.block_dtype).
 BLOCK_DTYPES = {
     frozenset({"Q4_0"}): "int4",
@@ -175,7 +175,7 @@ def resolve(
         )
     chosen: list[str] = []
     weight_dtype = _weight_dtype(args, dtype, platform, machine, block_dtype, given, chosen)
-    attention = args.attention_backend or _default_attention(platform, machine, args.kv_cache_dtype, chosen)
+    attention = args.attention_backend or _default_attention(platform, machine)
     kv_dtype = _kv_dtype(args, dtype, weight_dtype, attention, machine, chosen)
     one_device = args.tp_size == 1 and args.nnodes == 1
     native = (
@@ -327,12 +327,9 @@ def _kv_scales(args, cfg: ModelConfig, kv_dtype: str) -> KvScales | None:
     return kv_scales.from_checkpoint(path, cfg.num_layers, cfg.num_kv_heads)
 
 
-def _default_attention(platform: str, machine: Machine, kv_cache_dtype: str, chosen: list[str]) -> str:
+def _default_attention(platform: str, machine: Machine) -> str:
     if platform != "cpu":
         return "pallas"
-    if kv_cache_dtype in FP8_KV_DTYPES and machine.native:
-        chosen.append("attention_backend=ref (the cpu kernel reads float32 and bfloat16 pools only)")
-        return "ref"
     return "cpu" if machine.native else "ref"
 
 

@@ -13,7 +13,7 @@ Where they come from (engine/plan.py takes the first it finds; the plan prints w
 
 Applied around the attention backends, not inside them: the scores are linear in the keys and the output in the
 values, so attend(q * ks, k / ks, v / vs) * vs equals attend(q, k, v) with the pool holding k / ks and v / vs.
-Every backend (ref, the Triton and TPU kernels, under shard_map too) reads a scaled pool unchanged, and the new
+Every backend (ref, cpu, the Triton and TPU kernels, under shard_map too) reads a scaled pool unchanged, and the new
 tokens' own keys, which some backends read before they reach the pool, are scaled alike.
 """
 

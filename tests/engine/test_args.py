@@ -27,9 +27,9 @@ def test_float16_is_refused_by_name(given):
         Engine(dtype=given)
 
 
-def test_an_fp8_kv_cache_under_the_cpu_kernel_is_refused_by_name():
+def test_an_fp8_kv_cache_under_a_backend_that_cannot_read_it_is_refused_by_name():
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e4m3' needs an attention backend"):
-        Engine(kv_cache_dtype="fp8_e4m3", attention_backend="cpu")
+        Engine(kv_cache_dtype="fp8_e4m3", attention_backend="pallas:mgpu")
 
 
 @pytest.mark.parametrize("peer", ["xgrammar", "outlines", "llguidance"])

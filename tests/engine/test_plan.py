@@ -88,8 +88,10 @@ def test_the_program_key_keeps_only_what_the_step_traces():
 
 
 def test_an_fp8_kv_cache_picks_a_backend_that_reads_it():
-    p = plan(kv_cache_dtype="fp8_e4m3")  # auto attention on a CPU: ref, said so
-    assert fields(p, "kv_dtype", "attention") == ("float8_e4m3fn", "ref") and "attention_backend=ref" in p.auto[-1]
+    p = plan(kv_cache_dtype="fp8_e4m3")  # auto attention on a CPU: the native kernel reads fp8 too
+    assert fields(p, "kv_dtype", "attention") == ("float8_e4m3fn", "cpu")
+    assert not any(a.startswith("attention_backend") for a in p.auto)
+    assert plan(kv_cache_dtype="fp8_e5m2", attention_backend="ref").attention == "ref"  # an explicit ref stays
     assert fields(plan(GPU, BF16, kv_cache_dtype="fp8_e5m2"), "kv_dtype", "attention") == ("float8_e5m2", "pallas")
     assert plan(NO_COMPILER, kv_cache_dtype="fp8_e4m3").attention == "ref"
     tpu = plan(Machine("tpu"), BF16, kv_cache_dtype="fp8_e4m3")  # jax's kernel and ours read it (test_pallas_tpu.py)
@@ -98,7 +100,7 @@ def test_an_fp8_kv_cache_picks_a_backend_that_reads_it():
 
 def test_refusals_name_the_setting():
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e4m3' needs an attention backend that reads an fp8"):
-        plan(kv_cache_dtype="fp8_e4m3", attention_backend="cpu")
+        plan(kv_cache_dtype="fp8_e4m3", attention_backend="pallas:mgpu")
     with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16' under a float32 model needs"):
         plan(GPU, F32, kv_cache_dtype="bfloat16")
     with pytest.raises(ValueError, match="kv_cache_dtype 'float32': a float32 KV cache for a bfloat16 model"):

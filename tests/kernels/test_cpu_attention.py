@@ -1,6 +1,7 @@
 """The `cpu` backend (kernels/cpu_attention.cc through XLA's FFI) against the per-request numpy attention of
 test_ref_attention, on the contract cases and the shapes its vector paths take (head_dim a multiple of 16 or not,
-pages of 16 or not, blocks of several rows, bfloat16 pools), and its build: cached, and refused by name."""
+pages of 16 or not, blocks of several rows, bfloat16 pools), fp8 pools (every code read, writes bit-identical to the
+jax writer's), and its build: cached, and refused by name."""
 
 import functools
 import os
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgjax.kernels import cpu, default_backend, get_backend
+from sgjax.kernels import AttentionMetadata, allocate_pool, cpu, default_backend, get_backend
+from sgjax.kernels.kv_pool import write_kv
 from tests.kernels.test_ref_attention import CASES, WINDOWED, make_case, windowed_args
 
 HEADS = {"mha": (4, 4), "gqa4": (8, 2), "gqa8": (8, 1), "gqa3": (9, 3)}
@@ -152,3 +154,83 @@ def test_the_cpu_default_and_its_cached_build(tmp_path, monkeypatch):
         cpu.library_path.cache_clear()
     monkeypatch.setattr(cpu, "available", lambda: False)  # no native kernel here: the CPU serves with ref
     assert default_backend("cpu") == "ref"
+
+
+FP8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
+def fp8_encoder_inputs(dtype) -> np.ndarray:
+    """float32 values where an fp8 encoder goes wrong: every finite fp8 value, the ties halfway between neighbours
+    (round to even), each one ulp either side, past the largest value (saturation, the e4m3fn tie 464 a plain
+    convert makes NaN), under the smallest subnormal (half of it ties to zero), float32's subnormals, infinities,
+    NaNs of both signs and many payloads, and random bit patterns over the whole float32 range."""
+    rng = np.random.default_rng(0)
+    values = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+    finite = np.unique(values[np.isfinite(values)])
+    big, tiny = float(finite.max()), float(finite[finite > 0].min())
+    ties = (finite[:-1] + finite[1:]) / 2  # exact in float32: fp8 neighbours differ by a power of two
+    edges = np.float32([big * 1.0 + big / 16, big * 2, 1e30, np.inf, tiny / 2, tiny / 4, tiny * 0.75, 0.0])
+    near = np.concatenate([finite, ties, edges])
+    near = np.concatenate([near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(-np.inf))])
+    # magnitudes over the format's exponents and a few past either end, random float32 mantissas
+    span = rng.uniform(np.log2(tiny) - 4, np.log2(big) + 2, 1 << 20)
+    scaled = (np.exp2(np.floor(span)) * rng.uniform(1, 2, span.size)).astype(np.float32)
+    bits = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    subnormal32 = rng.integers(1, 1 << 23, 4096, dtype=np.uint32)
+    nans = (0x7F800000 | rng.integers(1, 1 << 23, 1024, dtype=np.uint32)).view(np.float32)
+    both = np.concatenate([near, scaled, subnormal32.view(np.float32), nans])
+    return np.concatenate([both, -both, bits.view(np.float32)])
+
+
+def _write_rows(values, dtype, arch=None):
+    """`values` as the new keys and values of padded rows (written, attending nothing) into an fp8 pool of head_dim
+    256 and 4 KV heads, by the cpu kernel (arch) or by the jax writer (None); the pool's bytes."""
+    heads, d, ps = 4, 256, 16
+    width = 2 * heads * d
+    rows = -(-values.size // width)
+    kv = np.zeros(rows * width, np.float32)
+    kv[: values.size] = values
+    k, v = (jnp.asarray(x.reshape(rows, heads, d)) for x in np.split(kv.reshape(rows, width), 2, axis=1))
+    pool = allocate_pool(2, 1 + rows // ps + 1, ps, heads, d, dtype)
+    slots = jnp.arange(ps, ps + rows, dtype=jnp.int32)  # page 1 on: page 0 is the null page
+    if arch is None:
+        new = jax.jit(write_kv)(pool, jnp.int32(1), k, v, slots)
+    else:
+        meta = AttentionMetadata(slots, jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32), jnp.zeros((1, 1), jnp.int32))
+        q = jnp.zeros((rows, heads, d), jnp.float32)
+        _, new = jax.jit(functools.partial(cpu.cpu_attention, sm_scale=1.0, arch=arch))(q, k, v, pool, 1, meta)
+    return np.asarray(new).view(np.uint8).reshape(-1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", sorted(FP8))
+def test_fp8_pool_writes_are_bit_identical_to_the_jax_writer(fmt, arch):
+    """The kernel encodes the new keys and values itself: byte for byte what kv_pool.write_kv stores (saturation,
+    round to nearest even, NaN and signed zeros), over two million float32 values."""
+    values = fp8_encoder_inputs(FP8[fmt])
+    want, got = _write_rows(values, FP8[fmt]), _write_rows(values, FP8[fmt], arch)
+    bad = np.flatnonzero(want != got)
+    assert bad.size == 0, f"{bad.size} bytes differ, e.g. {want[bad[:8]]} written as {got[bad[:8]]}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", sorted(FP8))
+def test_fp8_pool_reads_every_code(fmt, arch):
+    """Each request sees one cached key (no write: its slot is outside the pool), so its output is that slot's
+    values exactly: the 256 codes of the format, infinities and NaNs among them, read through the kernel's table."""
+    reqs, ps, d = 4, 16, 64
+    codes = np.arange(256, dtype=np.uint8).reshape(reqs, d)
+    pool = np.zeros((2, 1 + reqs, ps, 2, d), np.uint8)
+    pool[1, 1:, 0, 1] = codes  # V of slot 0 on page 1 + r; the keys are zeros
+    meta = AttentionMetadata(
+        slot_mapping=jnp.full(reqs, -1, jnp.int32),
+        cu_q_lens=jnp.arange(reqs + 1, dtype=jnp.int32),
+        kv_lens=jnp.ones(reqs, jnp.int32),
+        page_table=jnp.arange(1, reqs + 1, dtype=jnp.int32)[:, None],
+    )
+    q, kv = jnp.ones((reqs, 2, d), jnp.float32), jnp.zeros((reqs, 1, d), jnp.float32)
+    attend = jax.jit(functools.partial(cpu.cpu_attention, sm_scale=1.0, arch=arch))
+    out, _ = attend(q, kv, kv, jnp.asarray(pool.view(FP8[fmt])), 1, meta)
+    want = codes.view(FP8[fmt]).astype(np.float32)
+    for head in range(2):  # both query heads read the one KV head
+        np.testing.assert_array_equal(np.asarray(out)[:, head], want)

@@ -1,6 +1,7 @@
 """An fp8 KV pool (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): stores saturate at the format's range, and the backends
-that read it (ref, and pallas: its Triton kernel, in interpret mode here) widen the keys and values to the queries'
-dtype. The cases' inputs are fp8 values already, so the numpy expectation is exact: any error is the backend's."""
+that read it (ref, cpu: the native kernel, and pallas: its Triton kernel, in interpret mode here) widen the keys and
+values to the queries' dtype. The cases' inputs are fp8 values already, so the numpy expectation is exact: any error
+is the backend's."""
 
 import functools
 
@@ -9,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgjax.kernels import pallas_attention, ref_attention
+from sgjax.kernels import cpu_attention, pallas_attention, ref_attention
 from sgjax.kernels.kv_pool import allocate_pool, write_kv
+from sgjax.model.kv_scales import KvScales, scaled
 from tests.kernels.test_ref_attention import CASES, make_case
 
 FP8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
@@ -56,6 +58,7 @@ BACKENDS = {
     "ref-paged": functools.partial(ref_attention, strategy="paged"),
     "pallas": pallas_attention,  # the Triton kernel (interpret mode on a CPU)
     "pallas-tpu": functools.partial(pallas_attention, platform="tpu", tpu_kernel="sgjax", interpret=True),  # ours
+    "cpu": cpu_attention,  # kernels/cpu_attention.cc
 }
 
 
@@ -76,7 +79,7 @@ def test_backends_read_an_fp8_pool_exactly(backend, fmt, case):
     np.testing.assert_array_equal(flat[slots, 1::2], np.asarray(v)[:total])
 
 
-@pytest.mark.parametrize("backend", ["ref-paged", "pallas", "pallas-tpu"])
+@pytest.mark.parametrize("backend", ["ref-paged", "pallas", "pallas-tpu", "cpu"])
 def test_bf16_queries_over_an_fp8_pool(backend):
     """The GPU's combination: bf16 activations, e4m3 pages widened to bf16 (not the probabilities narrowed to fp8)."""
     args, expected, total = fp8_case("mixed", "e4m3", q_dtype=jnp.bfloat16)
@@ -84,3 +87,20 @@ def test_bf16_queries_over_an_fp8_pool(backend):
     out, _ = jax.jit(functools.partial(BACKENDS[backend], sm_scale=q.shape[-1] ** -0.5))(*args)
     out = np.asarray(out.astype(jnp.float32))[:total]
     assert np.linalg.norm(out - expected[:total]) / np.linalg.norm(expected[:total]) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8))
+def test_scaled_pool_under_the_cpu_kernel_equals_ref(fmt):
+    """kv_scales.scaled around the cpu backend (the engine's wrapping under --quantization-param-path): the pool's
+    bytes equal ref's under the same scales, per layer and KV head, and so does the output to rounding."""
+    args, _, total = fp8_case("mixed", fmt)
+    q, k, v, pool, layer, meta = args
+    k, v = k * 300.0, v / 300.0  # past e4m3's 448 unscaled, or under its smallest steps
+    scales = KvScales(k=(1.0, (100.0, 400.0)), v=(1.0, (0.003, 0.01)), source="test")
+    runs = {}
+    for name, backend in (("cpu", cpu_attention), ("ref", ref_attention)):
+        attend = jax.jit(functools.partial(scaled(backend, scales), sm_scale=q.shape[-1] ** -0.5))
+        out, new_pool = attend(q, k, v, pool, jnp.int32(layer), meta)
+        runs[name] = np.asarray(out)[:total], np.asarray(new_pool).view(np.uint8)
+    np.testing.assert_array_equal(runs["cpu"][1], runs["ref"][1])
+    np.testing.assert_allclose(runs["cpu"][0], runs["ref"][0], atol=2e-5, rtol=1e-5)
