@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import threading
 
 import jax
@@ -98,6 +99,17 @@ def jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | None
     return STEPS(cfg, plan.program(), mesh)
 
 
+def step_name(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | None = None) -> str:
+    """The step's function name, from its key alone: the persistent compilation cache's keys hash a program's module
+    name (jit_<name>), so a name that counted the steps made before it in the process made the same program a
+    miss in every other process (a test worker, or a server, that had made other steps first) and in a step made
+    again (renewed near the memory-map limit, or after its last engine was gone). Steps of one key share the name
+    and their compile count (`compiles`), as engines holding one step do."""
+    where = None if mesh is None else (mesh.axis_names, mesh.devices.shape, [d.id for d in mesh.devices.flat])
+    digest = hashlib.sha256(repr((cfg, plan.program(), where)).encode()).hexdigest()[:16]
+    return f"sgjax_step_{digest}"
+
+
 def _jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | None = None):
     """The jitted (weights, state, buffer, shape, image_features, lora) -> (SampleOutput, state); one per (model, plan,
     mesh) while an engine holds it (STEPS, engine/shared.py), so a process's engines share its compiled
@@ -107,8 +119,8 @@ def _jitted_step(cfg: ModelConfig, plan: StepPlan, mesh: jax.sharding.Mesh | Non
     With a mesh (tensor parallelism, engine/mesh.py) attention runs under shard_map over the heads, the logits are
     gathered to every device before the sampler (which runs replicated), and the state keeps its sharding."""
     attend, experts_fn, ops = forward_parts(cfg, plan, mesh)
-    name = f"sgjax_step_{len(_COMPILES)}"  # its compile events' fun_name
-    _COMPILES[name] = 0
+    name = step_name(cfg, plan, mesh)  # its compile events' fun_name
+    _COMPILES.setdefault(name, 0)
 
     def step(weights, state: DeviceState, buffer, shape: StepShape, image_features=None, lora=None):
         future = state.future
