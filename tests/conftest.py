@@ -1,5 +1,6 @@
 """Shared test set-up: CPU JAX with a persistent compilation cache, and session-scoped models."""
 
+import contextlib
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -105,6 +106,33 @@ def client(url):
         yield c
 
 
+@contextlib.contextmanager
+def gguf_read_once():
+    """Within this, HF transformers' GGUF loads share one gguf-py reader per file. HF parses a GGUF's metadata anew
+    for each of a model's config, its weights and a tokenizer (modeling_gguf_pytorch_utils.load_gguf_checkpoint
+    makes a GGUFReader, which walks every vocabulary entry: ~8 s a parse for Gemma 3's 262144 tokens); the reader
+    only maps the file read-only, so what HF builds from it is the same."""
+    import gguf
+
+    if getattr(gguf.GGUFReader, "shared", False):  # inside another: that one's readers serve
+        yield
+        return
+    real, made = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in made:
+            made[key] = real(path, mode)
+        return made[key]
+
+    reader.shared = True
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def hf_from_gguf(gguf_path: str):
     """HF transformers' causal LM read from a GGUF (torch CPU, fp32, dequantized): the numerical reference.
 
@@ -126,9 +154,10 @@ def hf_from_gguf(gguf_path: str):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isdir(saved):
             d, f = os.path.split(gguf_path)
-            model = AutoModelForCausalLM.from_pretrained(
-                d, gguf_file=f, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-            )
+            with gguf_read_once():  # its config and its weights: one parse of the file
+                model = AutoModelForCausalLM.from_pretrained(
+                    d, gguf_file=f, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+                )
             model.save_pretrained(saved + ".part")
             os.replace(saved + ".part", saved)  # whole or absent, should this process die while saving
             return model.eval()

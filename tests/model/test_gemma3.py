@@ -14,7 +14,7 @@ import sgjax as sgl
 from sgjax.engine.engine import Engine
 from sgjax.model.paths import gemma3_270m_path
 from sgjax.model.tokenizer import load_tokenizer
-from tests.conftest import SMALL, hf_from_gguf
+from tests.conftest import SMALL, gguf_read_once, hf_from_gguf
 
 NEW = 12
 
@@ -30,7 +30,8 @@ def hf(path):
     from transformers import AutoTokenizer
 
     d, f = os.path.split(path)
-    return AutoTokenizer.from_pretrained(d, gguf_file=f), hf_from_gguf(path)
+    with gguf_read_once():  # one parse of the file's metadata for the tokenizer, the config and the weights
+        return AutoTokenizer.from_pretrained(d, gguf_file=f), hf_from_gguf(path)
 
 
 def strings():
