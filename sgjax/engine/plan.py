@@ -33,9 +33,6 @@ QUANTIZATIONS = {"fp8": "fp8", "w8a8_fp8": "fp8", "w8a16_int8": "int8", "int8": 
 KV_DTYPES = ("float32", "bfloat16")
 BF16_POOL_BACKENDS = ("cpu", "ref")  # the attention backends that read a bf16 pool under float32 queries
 FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # SGLang's names: the pool's dtype
-# the backends that widen an fp8 pool to the queries' dtype as they read it (cpu: kernels/cpu_attention.cc; pallas: the
-# Triton kernel on GPUs, jax's and ours on TPUs)
-FP8_POOL_BACKENDS = ("cpu", "ref", "pallas")
 # A GGUF's layer matrix types -> the weight dtype that holds them exactly (loading.block_dtype).
 BLOCK_DTYPES = {
     frozenset({"Q4_0"}): "int4",
@@ -267,12 +264,7 @@ def _fp8_activations(args, weight_dtype, machine, chosen) -> bool:
 def _kv_dtype(args, dtype, weight_dtype, attention, machine, chosen) -> str:
     given = args.kv_cache_dtype
     if given in FP8_KV_DTYPES:
-        if attention not in FP8_POOL_BACKENDS:
-            raise ValueError(
-                f"kv_cache_dtype {given!r} needs an attention backend that reads an fp8 pool "
-                f"({', '.join(FP8_POOL_BACKENDS)}), not {attention!r} on {machine.platform}"
-            )
-        return FP8_KV_DTYPES[given]
+        return FP8_KV_DTYPES[given]  # every backend widens an fp8 pool to the queries' dtype as it reads it
     if given not in ("auto", *KV_DTYPES):
         raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16, fp8_e4m3 or fp8_e5m2, got {given!r}")
     if given == "auto":

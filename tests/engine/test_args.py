@@ -27,11 +27,6 @@ def test_float16_is_refused_by_name(given):
         Engine(dtype=given)
 
 
-def test_an_fp8_kv_cache_under_a_backend_that_cannot_read_it_is_refused_by_name():
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e4m3' needs an attention backend"):
-        Engine(kv_cache_dtype="fp8_e4m3", attention_backend="pallas:mgpu")
-
-
 @pytest.mark.parametrize("peer", ["xgrammar", "outlines", "llguidance"])
 def test_a_peer_grammar_backend_is_refused_by_name(peer):
     with pytest.raises(ValueError, match=f"grammar_backend '{peer}' is not supported"):
