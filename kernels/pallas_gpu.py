@@ -257,8 +257,8 @@ def pallas_gpu_attention(
         from sgjax.kernels import pallas_mgpu
 
         mgpu = dict(mgpu or {}, interpret=interpret)
-        # the Hopper kernel copies pages to shared memory as the queries' dtype: an fp8 pool stays on Triton
-        if pool.dtype == q.dtype and pallas_mgpu.supported(q.dtype, head_dim, page_size, mgpu.get("block_kv")):
+        routed = pool.dtype == q.dtype or pallas_mgpu.ROUTE_FP8_POOLS
+        if routed and pallas_mgpu.supported(q.dtype, head_dim, page_size, mgpu.get("block_kv"), kv_dtype=pool.dtype):
             if num_rows >= MGPU_MIN_ROWS_PER_REQ * num_reqs:  # prefill-shaped: every request on the Hopper kernel
                 return pallas_mgpu.mgpu_prefill_attention(
                     q, pool, layer, meta, sm_scale=sm_scale, **mgpu, **masks

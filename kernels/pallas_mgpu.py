@@ -22,7 +22,11 @@ ever writes rows of another request.
 
 Only for prefill-shaped requests: a decode row would still cost a whole tile of tensor-core rows, so a mixed
 bucket gives this kernel only its long requests (`include`) and its decodes to the Triton kernel (pallas_gpu).
-Needs bf16 or fp16, head_dim a multiple of 64, page_size a multiple of 8 dividing block_kv. On the H200 a long
+Needs bf16 or fp16 queries, head_dim a multiple of 64, page_size a multiple of 8 dividing block_kv. An fp8
+pool (e4m3 / e5m2) is copied to shared memory as its bytes, and each compute warpgroup widens a tile to the queries'
+dtype in its own shared memory before its dots (wgmma takes fp8 only with both operands fp8), freeing the ring slot
+at once; the ring is half as large, so 128-key tiles fit 2 deep at head_dim 128 (pallas_gpu routes an fp8 pool
+here once ROUTE_FP8_POOLS says the compiled kernel was checked). On the H200 a long
 prefill took about 60% of the Triton kernel's time (docs/journal/kernels-h200.md).
 """
 
@@ -77,7 +81,7 @@ def _kernel(
     softcap,
 ):
     plgpu = _plgpu()
-    (qo_smem2, k_smem, v_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+    (qo_smem2, k_smem, v_smem, *wide), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
     b = num_blocks - 1 - lax.axis_index("blocks")  # the longest (last) blocks of a request start first
     head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -129,6 +133,25 @@ def _kernel(
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
+    def widened(ring, slot, free, which):
+        """The ring's tile for the dots: an fp8 pool's tile is widened into this warpgroup's own q-dtype tile (the
+        tensor cores take fp8 only with both operands fp8), and the ring slot is freed as soon as it is read."""
+        if not wide:
+            return ring.at[slot]
+        dst = wide[which].at[wg]
+        for i in range(block_kv // 64):  # 64-row strips bound the registers a strip's widening holds
+            rows = (pl.ds(i * 64, 64), slice(None))
+            if interpret:
+                x = ring.at[slot][rows]
+            else:
+                x = plgpu.load(ring.at[slot], rows, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+            # e4m3 and e5m2 are exact in f16 and in the bf16 queries (PTX converts fp8 only to f16 before ISA 9.2)
+            x = x.astype(jnp.float16).astype(jnp.float32).astype(dst.dtype)
+            dst.at[rows[0]][...] = layout(x, plgpu.Layout.WGMMA)
+        plgpu.barrier_arrive(free.at[slot])
+        plgpu.commit_smem()  # the stores reach the wgmma's (async proxy) view of shared memory
+        return dst
+
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
@@ -177,17 +200,20 @@ def _kernel(
             acc, m_i, l_i = carry
             slot = slot_of(kv_step)
 
+            k_tile = widened(k_smem, slot, k_free, 0)
+
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
                 sched_barrier()
                 return acc_ref[...]
 
             if interpret:
-                s = dot(qo_smem[...], k_smem.at[slot][...], ((1,), (1,)))
+                s = dot(qo_smem[...], k_tile[...], ((1,), (1,)))
                 sched_barrier()
             else:
                 s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
+            if not wide:
+                plgpu.barrier_arrive(k_free.at[slot])
             if softcap:  # in log2 units: softcap * tanh(natural score / softcap) * log2(e)
                 s = (softcap * _LOG2E) * jnp.tanh(s * (scale / _LOG2E / softcap))
 
@@ -216,6 +242,7 @@ def _kernel(
             acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
             plgpu.barrier_arrive(sched)  # softmax done
             plgpu.barrier_wait(v_bar.at[slot])
+            v_tile = widened(v_smem, slot, v_free, 1)  # while the other warpgroup has the tensor cores
             plgpu.barrier_wait(sched)  # the tensor cores are ours again
 
             def wait_next_k():
@@ -224,15 +251,16 @@ def _kernel(
                     plgpu.barrier_wait(k_bar.at[slot_of(kv_step + 1)])
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])  # P from registers, as FA3
+                plgpu.wgmma(acc_ref, p16, v_tile)  # P from registers, as FA3
                 wait_next_k()
 
             if interpret:
-                acc = acc + dot(p16, v_smem.at[slot][...], ((1,), (0,)))
+                acc = acc + dot(p16, v_tile[...], ((1,), (0,)))
                 wait_next_k()
             else:
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
+            if not wide:
+                plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
         carry = lax.fori_loop(own_first, full_steps, functools.partial(step, masked=False), (acc, m_i, l_i))
@@ -300,31 +328,59 @@ def _kernel(
 _SMEM_BYTES = 227 * 1024  # shared memory a Hopper CTA may use
 
 
-def _smem_bytes(block_q: int, block_kv: int, head_dim: int, stages: int) -> int:
-    return 2 * (2 * block_q * head_dim + 2 * stages * block_kv * head_dim) + 1024  # bf16 tiles, barriers
+def _smem_bytes(block_q: int, block_kv: int, head_dim: int, stages: int, wide: bool = False) -> int:
+    """The q/out tiles, the K/V ring (fp8 where `wide`) and, for an fp8 pool, each compute warpgroup's widened K
+    and V tiles, plus barriers."""
+    ring = 2 * stages * block_kv * head_dim * (1 if wide else 2)
+    widened = 2 * 2 * block_kv * head_dim * 2 if wide else 0
+    return 2 * 2 * block_q * head_dim + ring + widened + 1024
 
 
-def _stages(block_q: int, block_kv: int, head_dim: int) -> int:
+def _stages(block_q: int, block_kv: int, head_dim: int, wide: bool = False) -> int:
     """The deepest K/V ring (3 was the best depth in the H200 sweep, 2 the least that overlaps) that fits in shared
     memory, 0 if none."""
-    return next((s for s in (3, 2) if _smem_bytes(block_q, block_kv, head_dim, s) <= _SMEM_BYTES), 0)
+    return next((s for s in (3, 2) if _smem_bytes(block_q, block_kv, head_dim, s, wide) <= _SMEM_BYTES), 0)
 
 
-def default_block_kv(head_dim: int, block_q: int = 64) -> int:
+def default_block_kv(head_dim: int, block_q: int = 64, wide: bool = False) -> int:
     """128-key tiles (the H200 sweep's best at head_dim 128), else 64 where those do not fit (head_dim 256)."""
-    return 128 if _stages(block_q, 128, head_dim) else 64
+    return 128 if _stages(block_q, 128, head_dim, wide) else 64
 
 
-def supported(q_dtype, head_dim: int, page_size: int, block_kv: int | None = None, block_q: int = 64) -> bool:
-    """Whether this kernel handles the shapes (the caller falls back to the Triton kernel otherwise)."""
-    block_kv = block_kv or default_block_kv(head_dim, block_q)
+FP8_POOLS = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+# The fp8 widening has run in jax's GPU interpret mode only: pallas_gpu keeps an fp8 pool's prefill on the Triton
+# kernel until the compiled cases (test_kernel_reads_an_fp8_pool) have passed on a Hopper GPU and its speed against
+# Triton's is measured (docs/bench.md); then this becomes True.
+ROUTE_FP8_POOLS = False
+
+
+def _widens(q_dtype, kv_dtype) -> bool:
+    return kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(q_dtype)
+
+
+def supported(
+    q_dtype, head_dim: int, page_size: int, block_kv: int | None = None, block_q: int = 64, kv_dtype=None
+) -> bool:
+    """Whether this kernel handles the shapes (the caller falls back to the Triton kernel otherwise). `kv_dtype`
+    (None: the queries'): the pool's, the queries' or fp8 (e4m3 / e5m2, widened tile by tile in shared memory)."""
+    wide = _widens(q_dtype, kv_dtype)
+    block_kv = block_kv or default_block_kv(head_dim, block_q, wide)
     return (
         jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and (not wide or jnp.dtype(kv_dtype) in FP8_POOLS)
         and head_dim % 64 == 0
         and page_size % 8 == 0
         and block_kv % page_size == 0
-        and _stages(block_q, block_kv, head_dim) > 0
+        and (not wide or block_kv % 64 == 0)
+        and _stages(block_q, block_kv, head_dim, wide) > 0
     )
+
+
+def _tiles(dtype, head_dim: int):
+    """Shared-memory transforms for [rows, head_dim] tiles: 128-byte swizzled rows, or the row's bytes if fewer."""
+    plgpu = _plgpu()
+    swizzle = min(128, head_dim * jnp.dtype(dtype).itemsize)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def mgpu_prefill_attention(
@@ -355,19 +411,20 @@ def mgpu_prefill_attention(
     (num_rows, num_heads, head_dim, num_layers, num_pages, page_size, num_kv_heads, group, num_reqs, pages_per_req) = (
         rb.batch_dims(q, pool, meta)
     )
-    block_kv = block_kv or default_block_kv(head_dim, block_q)
-    if not supported(q.dtype, head_dim, page_size, block_kv, block_q):
+    wide = _widens(q.dtype, pool.dtype)
+    block_kv = block_kv or default_block_kv(head_dim, block_q, wide)
+    if not supported(q.dtype, head_dim, page_size, block_kv, block_q, pool.dtype):
         raise ValueError(
-            f"mgpu prefill attention needs bf16/fp16, head_dim % 64 == 0, page_size % 8 == 0 "
-            f"dividing block_kv, and tiles that fit in shared memory; got {q.dtype}, D {head_dim}, "
-            f"page {page_size}, block_kv {block_kv}"
+            f"mgpu prefill attention needs bf16/fp16 queries over a pool of theirs or an fp8 dtype, head_dim % 64 "
+            f"== 0, page_size % 8 == 0 dividing block_kv, and tiles that fit in shared memory; got {q.dtype} over "
+            f"{pool.dtype}, D {head_dim}, page {page_size}, block_kv {block_kv}"
         )
-    stages = stages or _stages(block_q, block_kv, head_dim)
+    stages = stages or _stages(block_q, block_kv, head_dim, wide)
     blocks, first_rows = rb.aligned_block_table(meta, num_rows, 2 * block_q, _ALIGN, include)
     num_blocks = blocks.shape[0]
     blocks = jnp.concatenate([blocks, first_rows[:, None]], axis=1).reshape(-1)
     dtype = q.dtype
-    tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tiles, ring_tiles = _tiles(dtype, head_dim), _tiles(pool.dtype, head_dim)
     kernel = functools.partial(
         _kernel,
         block_q=block_q,
@@ -389,8 +446,9 @@ def mgpu_prefill_attention(
             lambda *scoped: kernel(blk_ref, scal_ref, pt_ref, q_ref, kv_ref, out_ref, side_ref, scoped),
             (
                 plgpu.SMEM((2, block_q, head_dim), dtype, transforms=tiles),
-                plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
-                plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+                plgpu.SMEM((stages, block_kv, head_dim), pool.dtype, transforms=ring_tiles),
+                plgpu.SMEM((stages, block_kv, head_dim), pool.dtype, transforms=ring_tiles),
+                *[plgpu.SMEM((2, block_kv, head_dim), dtype, transforms=tiles) for _ in range(2 if wide else 0)],
             ),
             (
                 plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),

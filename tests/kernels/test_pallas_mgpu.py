@@ -17,6 +17,7 @@ from sgjax.kernels import ragged_blocks as rb
 from sgjax.kernels.kv_pool import write_kv
 from sgjax.kernels.metadata import AttentionMetadata
 from sgjax.kernels.pallas_gpu import pallas_gpu_attention
+from tests.kernels.test_fp8_pool import FP8, Fp8Values
 from tests.kernels.test_ref_attention import make_case
 
 ON_HOPPER = jax.default_backend() == "gpu" and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
@@ -72,6 +73,15 @@ def test_kernel_matches_expectation(case, heads):
         np.testing.assert_array_equal(out[total:], 0.0)
 
 
+def _fp8_case(cases, case, heads, fmt, seed):
+    """bf16 queries over an fp8 pool whose keys and values are fp8 values: the expectation is exact in them."""
+    args, expected, total = make_case(
+        Fp8Values(seed, FP8[fmt]), num_heads=heads[0], num_kv_heads=heads[1], **cases[case]
+    )
+    q, k, v, pool, layer, meta = args
+    return (q.astype(jnp.bfloat16), k, v, pool.astype(FP8[fmt]), layer, meta), expected, total
+
+
 # Small enough for the interpreter (a thread per warpgroup, every op a callback): ~20-30 s each on 2 cores.
 INTERPRET_CASES = {
     # page 8, 13 padding rows and an empty request slot
@@ -87,15 +97,19 @@ INTERPRET_CASES = {
 
 # The interpreter's time grows with the heads, so each case runs one layout: GQA on the windowed batch (two blocks
 # of 128 rows for request 0: the slot ring wraps, the shorter half drains; request 1 starts inside its last block),
-# one head on the padded page-8 batch (no window). The compiled tests run every layout on the H200.
-@pytest.mark.parametrize("case,heads", [("padded-page8", (1, 1)), ("window-softcap", (2, 1))])
-def test_interpret_mode_matches_expectation(case, heads):
-    args, expected, total = make_case(
-        np.random.default_rng(11), num_heads=heads[0], num_kv_heads=heads[1], **INTERPRET_CASES[case]
-    )
-    q, k, v, pool, layer, meta = args
-    q, k, v, pool = (x.astype(jnp.bfloat16) for x in (q, k, v, pool))
+# one head on the padded page-8 batch (no window) over an e4m3 pool (each tile widened into the warpgroup's own bf16
+# tile, its ring slot freed at once). The compiled tests run every layout, and both fp8 formats, on a Hopper GPU.
+@pytest.mark.parametrize("case,heads,fmt", [("padded-page8", (1, 1), "e4m3"), ("window-softcap", (2, 1), None)])
+def test_interpret_mode_matches_expectation(case, heads, fmt):
+    if fmt:
+        (q, k, v, pool, layer, meta), expected, total = _fp8_case(INTERPRET_CASES, case, heads, fmt, seed=11)
+    else:
+        args, expected, total = make_case(
+            np.random.default_rng(11), num_heads=heads[0], num_kv_heads=heads[1], **INTERPRET_CASES[case]
+        )
+        q, k, v, pool, layer, meta = (x.astype(jnp.bfloat16) if i < 4 else x for i, x in enumerate(args))
     pool = write_kv(pool, layer, k, v, meta.slot_mapping)
+    assert pool.dtype == (FP8[fmt] if fmt else jnp.bfloat16)
     masks = {k: INTERPRET_CASES[case][k] for k in ("window", "softcap") if k in INTERPRET_CASES[case]}
     out = pallas_mgpu.mgpu_prefill_attention(
         q, pool, layer, meta, sm_scale=q.shape[-1] ** -0.5, block_kv=64, stages=2, interpret=True, **masks
@@ -103,6 +117,21 @@ def test_interpret_mode_matches_expectation(case, heads):
     out = np.asarray(out, np.float32)
     assert _rel_err(out, expected, total) < 1e-2
     np.testing.assert_array_equal(out[total:], 0.0)
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", ["ragged-prefix", "padded-d64-page8", "window-prefix"])
+@pytest.mark.parametrize("fmt", sorted(FP8))
+def test_kernel_reads_an_fp8_pool(case, fmt):
+    (q, k, v, pool, layer, meta), expected, total = _fp8_case(CASES, case, HEADS["gqa4"], fmt, seed=len(case))
+    pool = write_kv(pool, layer, k, v, meta.slot_mapping)
+    masks = {k: CASES[case][k] for k in ("window", "softcap") if k in CASES[case]}
+    fn = jax.jit(functools.partial(pallas_mgpu.mgpu_prefill_attention, sm_scale=q.shape[-1] ** -0.5, **masks))
+    assert "mosaic_gpu" in fn.lower(q, pool, layer, meta).as_text()
+    for _ in range(2):
+        out = np.asarray(fn(q, pool, layer, meta), np.float32)
+        assert _rel_err(out, expected, total) < 1e-2
+        np.testing.assert_array_equal(out[total:], 0.0)
 
 
 @needs_hopper
@@ -119,8 +148,13 @@ def test_tile_configs(block_kv, stages):
 
 
 @needs_hopper
-def test_backend_routes_prefill_to_mgpu():
-    (q, k, v, pool, layer, meta), expected, total = _bf16_case("ragged-prefix", HEADS["gqa4"], seed=9)
+@pytest.mark.parametrize("fmt", [None, "e4m3"])
+def test_backend_routes_prefill_to_mgpu(fmt, monkeypatch):
+    if fmt:  # an fp8 pool's prefill reaches the Hopper kernel too, once routed there
+        monkeypatch.setattr(pallas_mgpu, "ROUTE_FP8_POOLS", True)
+        (q, k, v, pool, layer, meta), expected, total = _fp8_case(CASES, "ragged-prefix", HEADS["gqa4"], fmt, seed=9)
+    else:
+        (q, k, v, pool, layer, meta), expected, total = _bf16_case("ragged-prefix", HEADS["gqa4"], seed=9)
     fn = jax.jit(functools.partial(pallas_attention, sm_scale=q.shape[-1] ** -0.5, prefill_kernel="mgpu"))
     assert "mosaic_gpu" in fn.lower(q, k, v, pool, layer, meta).as_text()
     out, new_pool = fn(q, k, v, pool, layer, meta)
@@ -285,6 +319,13 @@ def test_supported_shapes():
     assert pallas_mgpu._stages(64, 128, 128) == 3 and not pallas_mgpu.supported(jnp.bfloat16, 256, 16, block_kv=128)
     assert pallas_mgpu.default_block_kv(256) == 64 and pallas_mgpu._stages(64, 64, 256) == 2
     assert pallas_mgpu.supported(jnp.bfloat16, 256, 16) and pallas_mgpu.default_block_kv(128) == 128
+    # an fp8 pool: a ring of half the bytes plus each compute warpgroup's widened K and V tiles
+    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    assert pallas_mgpu.supported(jnp.bfloat16, 128, 16, kv_dtype=e4m3) and pallas_mgpu._stages(64, 128, 128, True) == 2
+    assert pallas_mgpu.supported(jnp.bfloat16, 64, 8, kv_dtype=e5m2)
+    assert pallas_mgpu.default_block_kv(128, wide=True) == 128
+    assert not pallas_mgpu.supported(jnp.bfloat16, 128, 16, kv_dtype=jnp.int8)
+    assert not pallas_mgpu.supported(jnp.bfloat16, 256, 16, kv_dtype=e4m3)  # Gemma's fp8 pool: the Triton kernel
 
 
 def test_unknown_prefill_kernel_is_rejected():
