@@ -57,16 +57,6 @@ def tiny_engine(tiny, **server_args):
 @pytest.fixture(scope="session")
 def hf_greedy(hf_smollm2, prompt_ids):
     """HF transformers' greedy continuation (new token ids, EOS included) of every prompt."""
-    import torch
+    from tests.conftest import hf_generate_greedy
 
-    out = []
-    with torch.no_grad():
-        for ids in prompt_ids:
-            seq = hf_smollm2.generate(
-                torch.tensor([ids]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            )
-            out.append(seq[0, len(ids) :].tolist())
-    return out
+    return hf_generate_greedy(hf_smollm2, prompt_ids, NEW_TOKENS)

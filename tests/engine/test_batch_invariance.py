@@ -8,7 +8,7 @@ import concurrent.futures
 import pytest
 
 from sgjax.engine.engine import Engine
-from tests.conftest import SMALL
+from tests.conftest import SMALL, hf_generate_greedy
 
 PROBES = [
     "The capital of France is",
@@ -74,8 +74,6 @@ def test_through_sgjax_serve_concurrent_requests_change_no_answer(client):
 def test_explicit_float32_gives_hfs_greedy_tokens(smollm2, hf_smollm2):
     """`Engine(dtype="float32")` runs float32 matrices and a float32 pool (auto would narrow them here) and gives
     HF transformers' float32 greedy tokens on six varied prompts for 24 tokens."""
-    import torch
-
     prompts = [
         "The capital of France is",
         "def fibonacci(n):",
@@ -88,13 +86,6 @@ def test_explicit_float32_gives_hfs_greedy_tokens(smollm2, hf_smollm2):
     with Engine(**SMALL, dtype="float32") as eng:
         assert (eng.plan.weight_dtype, eng.plan.kv_dtype, eng.plan.dtype) == ("float32",) * 3
         outs = eng.generate(prompts, {"max_new_tokens": 24, "temperature": 0})  # both stop at EOS, included
-    for prompt, out in zip(prompts, outs):
-        ids = tok.encode(prompt)
-        with torch.no_grad():
-            seq = hf_smollm2.generate(
-                torch.tensor([ids]),
-                max_new_tokens=24,
-                do_sample=False,
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            )
-        assert out["output_ids"] == seq[0, len(ids) :].tolist(), prompt
+    want = hf_generate_greedy(hf_smollm2, [tok.encode(p) for p in prompts], 24)
+    for prompt, out, ref in zip(prompts, outs, want):
+        assert out["output_ids"] == ref, prompt

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from sgjax.model.batch import BatchShape, build_batch, pack
+from tests.conftest import hf_generate_greedy
 from tests.model.steps import GreedyGenerator
 
 PROMPTS = [
@@ -41,14 +42,6 @@ def test_greedy_32_tokens_identical_to_hf(smollm2, hf_smollm2):
     cfg, weights, tok = smollm2
     ids = [tok.encode(p) for p in PROMPTS]
     ours = GreedyGenerator(cfg, weights, page_size=16, max_context=128, max_batch=8).generate(ids, 32)
-    for prompt_ids, out in zip(ids, ours.output_ids):
-        with torch.no_grad():
-            ref = hf_smollm2.generate(
-                torch.tensor([prompt_ids]),
-                max_new_tokens=32,
-                do_sample=False,
-                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                eos_token_id=None,
-                pad_token_id=tok.eos_token_id,
-            )
-        assert out == ref[0, len(prompt_ids) :].tolist(), tok.decode(out)
+    want = hf_generate_greedy(hf_smollm2, ids, 32, eos_token_ids=())  # 32 tokens each, EOS or not
+    for out, ref in zip(ours.output_ids, want):
+        assert len(ref) == 32 and out == ref, tok.decode(out)
