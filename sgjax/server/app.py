@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from sgjax.engine.params import SamplingParams
-from sgjax.server import native_api, openai_api
+from sgjax.server import native_api, openai_api, token_api
 from sgjax.server.connection import ClientDisconnected
 from sgjax.server.fields import screener
 from sgjax.server.metrics import Metrics
@@ -158,22 +158,22 @@ def build_app(serving: Serving) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         req = parse_body(await read_body(request), EmbeddingRequest, screener("/v1/embeddings"))
-        return await openai_api.embeddings(serving, req)
+        return await token_api.embeddings(serving, req)
 
     @app.post("/v1/score")
     async def score(request: Request):
         req = parse_body(await read_body(request), ScoreRequest, screener("/v1/score"))
-        return await openai_api.score(serving, req)
+        return await token_api.score(serving, req)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         req = parse_body(await read_body(request), TokenizeRequest, screener("/tokenize"))
-        return await asyncio.to_thread(openai_api.tokenize, serving, req)
+        return await asyncio.to_thread(token_api.tokenize, serving, req)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         req = parse_body(await read_body(request), DetokenizeRequest, screener("/detokenize"))
-        return await asyncio.to_thread(openai_api.detokenize, serving, req)
+        return await asyncio.to_thread(token_api.detokenize, serving, req)
 
     @app.get("/ready")
     async def ready():

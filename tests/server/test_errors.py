@@ -171,11 +171,11 @@ def test_a_body_over_the_limit_is_413(client):
 def test_openai_routes_need_a_tokenizer():
     from types import SimpleNamespace
 
-    from sgjax.server.openai_api import _need_tokenizer
+    from sgjax.server.openai_api import need_tokenizer
     from sgjax.server.protocol import ApiError
 
     with pytest.raises(ApiError, match="skip-tokenizer-init"):
-        _need_tokenizer(SimpleNamespace(tokenizer=None))
+        need_tokenizer(SimpleNamespace(tokenizer=None))
 
 
 def test_unknown_route_and_method_are_4xx_json(client):
