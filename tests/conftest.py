@@ -19,7 +19,12 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Host devices for the tensor-parallel tests (tests/engine/test_tp.py), set before anything starts jax's backend.
 # Everything else still runs on device 0 (jax's default placement); SGJAX_TEST_CPU_DEVICES=1 turns it off.
-jax.config.update("jax_num_cpu_devices", int(os.environ.get("SGJAX_TEST_CPU_DEVICES", "4")))
+# The child processes the tests start (servers, routers' workers, the benchmark CLI) get as many through the
+# environment (a flag such as --tp-size still names its own): the persistent cache's keys hash the process's device
+# topology, so a one-device child missed every program the test workers had compiled, and they its.
+_DEVICES = os.environ.get("SGJAX_TEST_CPU_DEVICES", "4")
+os.environ["JAX_NUM_CPU_DEVICES"] = _DEVICES
+jax.config.update("jax_num_cpu_devices", int(_DEVICES))
 
 
 # One engine config for the tests' in-process engines and test servers (tests/server/conftest.py's SMALL_FLAGS):
