@@ -14,7 +14,7 @@ sys.path[:0] = [
     os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "perf"),
     os.path.join(os.path.dirname(__file__), "..", "..", "scripts"),
 ]
-from bench_cpu_peers import MMLU_SUBJECTS, ServedPeer, measure_mmlu, mmlu_questions, server_argv  # noqa: E402
+from cpu_peers_served import MMLU_SUBJECTS, ServedPeer, measure_mmlu, mmlu_questions, server_argv  # noqa: E402
 
 # Answers " B" to every prompt; usage counts characters as tokens and reports a tenth of them cached, so the
 # expected row follows from the prompts alone.
