@@ -169,11 +169,11 @@ def hf_from_gguf(gguf_path: str):
     return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
 
 
-def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids=None, **kwargs):
+def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids=None):
     """HF transformers' greedy continuation (new token ids, through the first of the stop ids when one comes) of
     every prompt, from one batched `generate` (prompts left-padded under an attention mask, as HF batches them):
-    decoding reads the weights once a step for all the prompts, not once a prompt (16 prompts: 17 s against 59 s
-    one at a time, the same tokens). Stop ids: the model's generation config's EOS unless `eos_token_ids` names
+    decoding reads the weights once a step for all the prompts, not once a prompt (the same tokens as one generate
+    a prompt). Stop ids: the model's generation config's EOS unless `eos_token_ids` names
     them; () for none (every row runs max_new_tokens)."""
     import torch
 
@@ -191,7 +191,6 @@ def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos
             do_sample=False,
             eos_token_id=stops or None,
             pad_token_id=pad,
-            **kwargs,
         )
     out = []
     for row in seqs[:, width:].tolist():

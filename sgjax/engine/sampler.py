@@ -18,11 +18,11 @@ Why it is built this way:
   with a bias needs no new compiled shape beyond a window width.
 * Gumbel-max sampling with a per-(seed, step) key: `argmax(logits + gumbel)` is an exact sample of
   softmax(logits), and the noise of a row is a counter-based hash of (seed, step, token id)
-  (`noise_bits`: a few integer ops a value, where jax.random's threefry cost a quarter of a CPU step's
-  compile). A request's token therefore depends only on its seed, how many tokens
-  it has generated and its own logits: the same seed reproduces the same output whatever the batch
-  composition, the row position or the padded batch size. Greedy rows (temperature 0 or top_k 1)
-  take the argmax.
+  (`noise_bits`: a few integer ops a value; jax.random's threefry, rounds over every value, was a large
+  part of each CPU step's compile, docs/journal/engine-decisions.md). A request's token therefore
+  depends only on its seed, how many tokens it has generated and its own logits: the same seed
+  reproduces the same output whatever the batch composition, the row position or the padded batch
+  size. Greedy rows (temperature 0 or top_k 1) take the argmax.
 * The top-k / top-p / min-p filters need a sort over V (up to 128k) per row. The filters reduce to
   one logit threshold per row (ties at the threshold are kept), so the sorted copy is only read,
   never scattered back.
@@ -304,9 +304,9 @@ def _mix32(x):
 def noise_bits(seed, step, vocab: int):
     """uint32[L, V]: the noise bits of each row, a hash of (seed, step, token id) alone.
 
-    A counter-based hash, not jax.random's threefry: threefry's 20 rounds over L x V counters were ~0.2 s of a
-    step's ~0.8 s CPU compile (in every step: a CPU step compiles the noise branch of its lax.cond too) and ~0.3 ms
-    a row to run; this is a few ops a value. The row's key hashes the seed, then the step, so that neither a
+    A counter-based hash, not jax.random's threefry, whose 20 rounds over the L x V counters weighed on every CPU
+    step's compile (a CPU step compiles its lax.cond's noise branch whether or not a row samples) and on the draw;
+    this is a few ops a value. The row's key hashes the seed, then the step, so that neither a
     seed's next step nor the next seed repeats another row's noise; each value hashes its token id's hash xor
     the key twice."""
     u32 = jnp.uint32
